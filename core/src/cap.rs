@@ -1,0 +1,235 @@
+//! The output cap and the price of a request.
+//!
+//! A request is priced at the worst case it is *allowed* to reach: every prompt plus the full
+//! effective output cap, for every choice. An unset cap is worth the rest of the context.
+//!
+//! `n` / `best_of`: each choice is decoded as its own sequence with its own KV (no prefix
+//! sharing is assumed, which is what a backend without copy-on-write prompt blocks does), so the
+//! reservation is `choices × (prompt + cap)`. For a backend that shares the prompt this over-prices
+//! by `(choices − 1) × prompt` tokens — safe, never under.
+
+use crate::error::{ApiError, ErrorKind};
+use crate::spec::Pricing;
+
+/// The cap a request will actually run with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CapDecision {
+    /// Output tokens the request may generate (per choice).
+    pub cap: u64,
+    /// What the client asked for, if anything.
+    pub requested: Option<u64>,
+    /// True when the client asked for more than the context leaves and was clamped.
+    pub clamped: bool,
+}
+
+/// Clamp the output cap to what the context leaves after the prompt.
+///
+/// unset → `context − prompt`; requested > remaining → remaining (clamped); prompt ≥ context →
+/// `context_length_exceeded` (413).
+pub fn effective_output_cap(
+    requested: Option<u64>,
+    prompt_tokens: u64,
+    context: u64,
+) -> Result<CapDecision, ApiError> {
+    if prompt_tokens >= context {
+        let asked = requested.map_or_else(|| "no".to_string(), |c| c.to_string());
+        return Err(ApiError::new(
+            ErrorKind::ContextLengthExceeded,
+            format!(
+                "This model's maximum context length is {context} tokens. However, your prompt has \
+                 {prompt_tokens} tokens, which leaves no room for output ({asked} output tokens \
+                 requested). Please reduce the length of the prompt."
+            ),
+        )
+        .with_param("messages")
+        .with_extra("context_tokens", context)
+        .with_extra("prompt_tokens", prompt_tokens));
+    }
+    let remaining = context - prompt_tokens;
+    Ok(match requested {
+        None => CapDecision {
+            cap: remaining,
+            requested,
+            clamped: false,
+        },
+        Some(r) if r > remaining => CapDecision {
+            cap: remaining,
+            requested,
+            clamped: true,
+        },
+        Some(r) => CapDecision {
+            cap: r,
+            requested,
+            clamped: false,
+        },
+    })
+}
+
+/// A request's price: its cap and the tokens and bytes to reserve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Price {
+    pub cap: CapDecision,
+    /// Prompt tokens summed over all prompts (a completions request may carry several).
+    pub prompt_tokens: u64,
+    /// Sequences decoded: prompts × choices.
+    pub sequences: u64,
+    /// Tokens reserved: Σ over prompts of choices × (prompt + cap).
+    pub reserved_tokens: u64,
+    /// Bytes reserved: tokens × per-token price + scratch margin.
+    pub bytes: u64,
+}
+
+/// Price a request whose prompts have the given token counts, asking for `requested` output
+/// tokens per choice and `choices` choices per prompt.
+///
+/// The cap is clamped against the longest prompt so one value can be written back into the body.
+pub fn price_request(
+    pricing: &Pricing,
+    prompt_tokens: &[u64],
+    requested: Option<u64>,
+    choices: u64,
+) -> Result<Price, ApiError> {
+    let longest = prompt_tokens.iter().copied().max().unwrap_or(0);
+    let cap = effective_output_cap(requested, longest, pricing.spec.context_tokens)?;
+    let too_large = || {
+        ApiError::new(
+            ErrorKind::KvRequestTooLarge,
+            "The request's worst-case KV reservation does not fit in 64 bits.",
+        )
+    };
+    let mut reserved_tokens: u64 = 0;
+    for p in prompt_tokens {
+        let seq = p
+            .checked_add(cap.cap)
+            .and_then(|t| t.checked_mul(choices))
+            .ok_or_else(too_large)?;
+        reserved_tokens = reserved_tokens.checked_add(seq).ok_or_else(too_large)?;
+    }
+    let bytes = pricing
+        .reservation_bytes(reserved_tokens)
+        .ok_or_else(too_large)?;
+    Ok(Price {
+        cap,
+        prompt_tokens: prompt_tokens.iter().fold(0u64, |a, p| a.saturating_add(*p)),
+        sequences: (prompt_tokens.len() as u64).saturating_mul(choices),
+        reserved_tokens,
+        bytes,
+    })
+}
+
+/// The largest cap (≤ `cap`) whose price fits in `free_bytes`, for degrade policies. `None` when
+/// not even one output token fits.
+pub fn largest_cap_that_fits(
+    pricing: &Pricing,
+    prompt_tokens: &[u64],
+    choices: u64,
+    cap: u64,
+    free_bytes: u64,
+) -> Option<u64> {
+    let budget_tokens =
+        free_bytes.checked_sub(pricing.scratch_margin_bytes)? / pricing.bytes_per_token;
+    let prompts: u64 = prompt_tokens
+        .iter()
+        .try_fold(0u64, |a, p| a.checked_add(p.checked_mul(choices)?))?;
+    let per_cap_token = (prompt_tokens.len() as u64).checked_mul(choices)?;
+    if per_cap_token == 0 {
+        return None;
+    }
+    let fits = budget_tokens.checked_sub(prompts)? / per_cap_token;
+    let fits = fits.min(cap);
+    (fits >= 1).then_some(fits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::ModelSpec;
+    use proptest::prelude::*;
+
+    fn pricing(context: u64, margin: u64) -> Pricing {
+        let spec = ModelSpec {
+            layers: 30,
+            kv_heads: 3,
+            head_dim: 64,
+            kv_dtype_bytes: 4,
+            context_tokens: context,
+        };
+        Pricing::new(spec, 1 << 34, 0.9, margin).unwrap()
+    }
+
+    #[test]
+    fn seed_numbers() {
+        let p = pricing(8192, 0);
+        // 200-token prompt with max_tokens=4000 occupies 4,200 tokens.
+        let a = price_request(&p, &[200], Some(4000), 1).unwrap();
+        assert_eq!(a.reserved_tokens, 4200);
+        assert_eq!(a.bytes, 4200 * 46_080);
+        // 3,000 + 200 → 3,200.
+        let b = price_request(&p, &[3000], Some(200), 1).unwrap();
+        assert_eq!(b.reserved_tokens, 3200);
+        // Unset cap with an 8,192 context: the whole context.
+        let c = price_request(&p, &[200], None, 1).unwrap();
+        assert_eq!(c.cap.cap, 7992);
+        assert_eq!(c.reserved_tokens, 8192);
+        // A prompt of 8,192 → 413 context_length_exceeded.
+        let d = price_request(&p, &[8192], Some(1), 1).unwrap_err();
+        assert_eq!(d.status, 413);
+        assert_eq!(d.kind.code(), "context_length_exceeded");
+        assert!(d.message.contains("8192"));
+    }
+
+    #[test]
+    fn clamping_is_reported() {
+        let d = effective_output_cap(Some(10_000), 200, 8192).unwrap();
+        assert_eq!(d.cap, 7992);
+        assert!(d.clamped);
+        let e = effective_output_cap(Some(100), 200, 8192).unwrap();
+        assert!(!e.clamped);
+        assert_eq!(e.cap, 100);
+    }
+
+    #[test]
+    fn choices_multiply_and_margin_adds() {
+        let p = pricing(8192, 1000);
+        let a = price_request(&p, &[100, 50], Some(10), 3).unwrap();
+        assert_eq!(a.reserved_tokens, 3 * 110 + 3 * 60);
+        assert_eq!(a.bytes, a.reserved_tokens * 46_080 + 1000);
+        assert_eq!(a.sequences, 6);
+        assert_eq!(a.prompt_tokens, 150);
+    }
+
+    #[test]
+    fn degrade_finds_largest_cap() {
+        let p = pricing(8192, 0);
+        let free = 1000 * 46_080;
+        assert_eq!(largest_cap_that_fits(&p, &[200], 1, 4000, free), Some(800));
+        assert_eq!(largest_cap_that_fits(&p, &[200], 1, 500, free), Some(500));
+        assert_eq!(largest_cap_that_fits(&p, &[1000], 1, 500, free), None);
+        assert_eq!(largest_cap_that_fits(&p, &[200], 2, 4000, free), Some(300));
+    }
+
+    proptest! {
+        #[test]
+        fn price_never_exceeds_context_per_sequence(prompt in 0u64..9000, req in proptest::option::of(1u64..20_000)) {
+            let p = pricing(8192, 0);
+            match price_request(&p, &[prompt], req, 1) {
+                Ok(price) => {
+                    prop_assert!(price.reserved_tokens <= 8192);
+                    prop_assert!(price.cap.cap >= 1);
+                    if let Some(r) = req { prop_assert!(price.cap.cap <= r); }
+                }
+                Err(e) => prop_assert!(prompt >= 8192 && e.status == 413),
+            }
+        }
+
+        #[test]
+        fn degraded_cap_fits(prompt in 0u64..8000, cap in 1u64..8000, free in 0u64..(1u64 << 32)) {
+            let p = pricing(8192, 4096);
+            if let Some(c) = largest_cap_that_fits(&p, &[prompt], 1, cap, free) {
+                let price = price_request(&p, &[prompt], Some(c), 1).unwrap();
+                prop_assert!(price.bytes <= free);
+                prop_assert!(c <= cap);
+            }
+        }
+    }
+}

@@ -1,0 +1,273 @@
+//! Compact, versioned binary encoding of the ledger for Envoy shared data.
+//!
+//! Layout (little endian):
+//! ```text
+//! "KVGL" | version u8 = 1 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//!        | admitted u64 | rejected u64 | released u64 | reaped u64 | lease count u32
+//!        | per lease: id u64 | bytes u64 | priority u8 | fingerprint u64 | created_ms u64
+//!                     | deadline_ms u64 | class length u8 | class bytes (UTF-8)
+//! ```
+//! 45 bytes per lease plus its class name. The decoder checks every length and the ledger
+//! invariant; garbage returns an error, never a panic.
+
+use crate::ledger::{Counters, Lease, Ledger};
+
+const MAGIC: &[u8; 4] = b"KVGL";
+const VERSION: u8 = 1;
+const HEADER_LEN: usize = 4 + 1 + 8 * 8 + 4;
+const MAX_CLASS_LEN: usize = u8::MAX as usize;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DecodeError {
+    BadMagic,
+    UnsupportedVersion(u8),
+    Truncated,
+    TrailingBytes(usize),
+    BadClassName,
+    Inconsistent(String),
+}
+
+impl std::fmt::Display for DecodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DecodeError::BadMagic => write!(f, "not a kvgate ledger (bad magic)"),
+            DecodeError::UnsupportedVersion(v) => write!(f, "unsupported ledger version {v}"),
+            DecodeError::Truncated => write!(f, "ledger truncated"),
+            DecodeError::TrailingBytes(n) => write!(f, "{n} trailing bytes after ledger"),
+            DecodeError::BadClassName => write!(f, "lease class is not UTF-8"),
+            DecodeError::Inconsistent(s) => write!(f, "ledger inconsistent: {s}"),
+        }
+    }
+}
+
+impl std::error::Error for DecodeError {}
+
+impl Ledger {
+    pub fn encode(&self) -> Vec<u8> {
+        let classes: usize = self
+            .leases
+            .iter()
+            .map(|l| l.class.len().min(MAX_CLASS_LEN))
+            .sum();
+        let mut out = Vec::with_capacity(HEADER_LEN + self.leases.len() * 45 + classes);
+        out.extend_from_slice(MAGIC);
+        out.push(VERSION);
+        for v in [
+            self.capacity,
+            self.committed,
+            self.next_id,
+            self.mean_lease_ms,
+            self.counters.admitted,
+            self.counters.rejected,
+            self.counters.released,
+            self.counters.reaped,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        let n = u32::try_from(self.leases.len()).unwrap_or(u32::MAX);
+        out.extend_from_slice(&n.to_le_bytes());
+        for l in self.leases.iter().take(n as usize) {
+            out.extend_from_slice(&l.id.to_le_bytes());
+            out.extend_from_slice(&l.bytes.to_le_bytes());
+            out.push(l.priority);
+            out.extend_from_slice(&l.fingerprint.to_le_bytes());
+            out.extend_from_slice(&l.created_ms.to_le_bytes());
+            out.extend_from_slice(&l.deadline_ms.to_le_bytes());
+            let class = truncate_utf8(&l.class, MAX_CLASS_LEN);
+            out.push(class.len() as u8);
+            out.extend_from_slice(class.as_bytes());
+        }
+        out
+    }
+
+    pub fn decode(bytes: &[u8]) -> Result<Ledger, DecodeError> {
+        let mut r = Reader(bytes);
+        if r.take(4)? != MAGIC {
+            return Err(DecodeError::BadMagic);
+        }
+        let version = r.u8()?;
+        if version != VERSION {
+            return Err(DecodeError::UnsupportedVersion(version));
+        }
+        let capacity = r.u64()?;
+        let committed = r.u64()?;
+        let next_id = r.u64()?;
+        let mean_lease_ms = r.u64()?;
+        let counters = Counters {
+            admitted: r.u64()?,
+            rejected: r.u64()?,
+            released: r.u64()?,
+            reaped: r.u64()?,
+        };
+        let n = r.u32()? as usize;
+        // Each lease takes at least 45 bytes: refuse counts the input cannot hold before allocating.
+        if n > r.0.len() / 45 {
+            return Err(DecodeError::Truncated);
+        }
+        let mut leases = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = r.u64()?;
+            let bytes = r.u64()?;
+            let priority = r.u8()?;
+            let fingerprint = r.u64()?;
+            let created_ms = r.u64()?;
+            let deadline_ms = r.u64()?;
+            let len = r.u8()? as usize;
+            let class = std::str::from_utf8(r.take(len)?)
+                .map_err(|_| DecodeError::BadClassName)?
+                .to_string();
+            leases.push(Lease {
+                id,
+                bytes,
+                class,
+                priority,
+                fingerprint,
+                created_ms,
+                deadline_ms,
+            });
+        }
+        if !r.0.is_empty() {
+            return Err(DecodeError::TrailingBytes(r.0.len()));
+        }
+        let ledger = Ledger {
+            capacity,
+            committed,
+            next_id,
+            mean_lease_ms,
+            counters,
+            leases,
+        };
+        ledger.check().map_err(DecodeError::Inconsistent)?;
+        Ok(ledger)
+    }
+}
+
+fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    s.get(..end).unwrap_or("")
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
+        if self.0.len() < n {
+            return Err(DecodeError::Truncated);
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        Ok(self.take(1)?.first().copied().unwrap_or(0))
+    }
+    fn u32(&mut self) -> Result<u32, DecodeError> {
+        let mut b = [0u8; 4];
+        b.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(b))
+    }
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(b))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::{AdmitOutcome, AdmitRequest};
+    use crate::retry::RetryAfterConfig;
+    use proptest::prelude::*;
+
+    fn sample() -> Ledger {
+        let mut l = Ledger::new(10 * (1u64 << 33), 42);
+        for (i, class) in ["interactive", "batch", "ünïcode"].iter().enumerate() {
+            let r = AdmitRequest {
+                bytes: (i as u64 + 1) * (1u64 << 33),
+                class,
+                priority: i as u8,
+                fingerprint: 0xdead_beef,
+                now_ms: 1000 + i as u64,
+                ttl_ms: 5000,
+            };
+            assert!(matches!(
+                l.try_admit(&r, &RetryAfterConfig::default(), 0),
+                AdmitOutcome::Admitted { .. }
+            ));
+        }
+        l.release(43, 3000);
+        l
+    }
+
+    #[test]
+    fn round_trip() {
+        let l = sample();
+        let bytes = l.encode();
+        assert_eq!(Ledger::decode(&bytes).unwrap(), l);
+        let empty = Ledger::new(1, 1);
+        assert_eq!(Ledger::decode(&empty.encode()).unwrap(), empty);
+    }
+
+    #[test]
+    fn garbage_is_an_error() {
+        assert_eq!(Ledger::decode(b""), Err(DecodeError::Truncated));
+        assert_eq!(Ledger::decode(b"XXXX\x01"), Err(DecodeError::BadMagic));
+        assert_eq!(
+            Ledger::decode(b"KVGL\x09"),
+            Err(DecodeError::UnsupportedVersion(9))
+        );
+        let mut b = sample().encode();
+        b.push(0);
+        assert_eq!(Ledger::decode(&b), Err(DecodeError::TrailingBytes(1)));
+        // committed tampered with: the invariant check catches it.
+        let mut c = sample().encode();
+        c[13] ^= 1;
+        assert!(matches!(
+            Ledger::decode(&c),
+            Err(DecodeError::Inconsistent(_))
+        ));
+        // a lease count the input cannot hold.
+        let mut d = Ledger::new(1, 1).encode();
+        let n = d.len();
+        d[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Ledger::decode(&d), Err(DecodeError::Truncated));
+    }
+
+    #[test]
+    fn long_class_names_are_truncated_on_a_char_boundary() {
+        let long = "é".repeat(200); // 400 bytes
+        let mut l = Ledger::new(100, 1);
+        let r = AdmitRequest {
+            bytes: 1,
+            class: &long,
+            priority: 0,
+            fingerprint: 0,
+            now_ms: 0,
+            ttl_ms: 1,
+        };
+        l.try_admit(&r, &RetryAfterConfig::default(), 0);
+        let back = Ledger::decode(&l.encode()).unwrap();
+        assert_eq!(back.leases()[0].class.len(), 254);
+    }
+
+    proptest! {
+        #[test]
+        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+            let _ = Ledger::decode(&bytes);
+        }
+
+        #[test]
+        fn decode_of_mutated_ledger_never_panics(i in 0usize..200, x: u8) {
+            let mut b = sample().encode();
+            if let Some(byte) = b.get_mut(i) { *byte ^= x; }
+            if let Ok(l) = Ledger::decode(&b) { prop_assert!(l.check().is_ok()); }
+        }
+    }
+}

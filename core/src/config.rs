@@ -1,0 +1,406 @@
+//! The filter's configuration: raw serde structs (unknown fields refused, explicit defaults)
+//! validated into a typed `Config`. Every error names the field, the value and the rule.
+//!
+//! Lives in core, not in the plugin, so the whole validation is tested natively.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::error::ConfigError;
+use crate::ledger::LevelThresholds;
+use crate::policy::{PolicyTable, RawPolicy};
+use crate::retry::RetryAfterConfig;
+use crate::spec::{ModelSpec, Pricing};
+use crate::tokenize::{CustomBpe, Encoding, TokenizerSpec};
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub model: ModelSpec,
+    pub kv_budget_bytes: u64,
+    #[serde(default = "d_safety")]
+    pub safety_fraction: f64,
+    #[serde(default)]
+    pub scratch_margin_bytes: u64,
+    #[serde(default)]
+    pub tokenizer: RawTokenizer,
+    #[serde(default)]
+    pub levels: RawLevels,
+    #[serde(default)]
+    pub retry_after: RawRetryAfter,
+    #[serde(default)]
+    pub lease_ttl: RawLeaseTtl,
+    #[serde(default)]
+    pub policy: RawPolicy,
+    #[serde(default = "d_paths")]
+    pub guarded_paths: Vec<String>,
+    #[serde(default = "d_max_body")]
+    pub max_body_bytes: u64,
+    #[serde(default = "d_status_path")]
+    pub status_path: String,
+    #[serde(default = "d_context_status")]
+    pub context_error_status: u32,
+    #[serde(default = "d_tick")]
+    pub tick_ms: u64,
+}
+
+fn d_safety() -> f64 {
+    0.9
+}
+fn d_paths() -> Vec<String> {
+    vec!["/v1/completions".into(), "/v1/chat/completions".into()]
+}
+fn d_max_body() -> u64 {
+    4 * 1024 * 1024
+}
+fn d_status_path() -> String {
+    "/kvgate/status".into()
+}
+fn d_context_status() -> u32 {
+    413
+}
+fn d_tick() -> u64 {
+    1000
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTokenizer {
+    /// A built-in encoding: cl100k_base (default), o200k_base, r50k_base.
+    pub encoding: Option<String>,
+    /// A custom vocabulary as the text of a `.tiktoken` ranks file.
+    pub ranks: Option<String>,
+    pub pattern: Option<String>,
+    #[serde(default)]
+    pub special_tokens: BTreeMap<String, u32>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLevels {
+    pub amber: f64,
+    pub red: f64,
+}
+
+impl Default for RawLevels {
+    fn default() -> Self {
+        let d = LevelThresholds::default();
+        RawLevels {
+            amber: d.amber,
+            red: d.red,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawRetryAfter {
+    pub min_ms: u64,
+    pub max_ms: u64,
+    pub jitter: f64,
+    pub default_lease_ms: u64,
+}
+
+impl Default for RawRetryAfter {
+    fn default() -> Self {
+        let d = RetryAfterConfig::default();
+        RawRetryAfter {
+            min_ms: d.min_ms,
+            max_ms: d.max_ms,
+            jitter: d.jitter,
+            default_lease_ms: d.default_lease_ms,
+        }
+    }
+}
+
+/// A lease's deadline: `base_ms + per_output_token_ms × cap`, at most `max_ms`. Past it the
+/// reaper reclaims the lease even if no end of stream was seen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawLeaseTtl {
+    pub base_ms: u64,
+    pub per_output_token_ms: u64,
+    pub max_ms: u64,
+}
+
+impl Default for RawLeaseTtl {
+    fn default() -> Self {
+        RawLeaseTtl {
+            base_ms: 60_000,
+            per_output_token_ms: 50,
+            max_ms: 3_600_000,
+        }
+    }
+}
+
+pub type LeaseTtl = RawLeaseTtl;
+
+impl LeaseTtl {
+    pub fn for_cap(&self, cap: u64) -> u64 {
+        self.base_ms
+            .saturating_add(self.per_output_token_ms.saturating_mul(cap))
+            .min(self.max_ms)
+    }
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub pricing: Pricing,
+    pub tokenizer: TokenizerSpec,
+    pub levels: LevelThresholds,
+    pub retry_after: RetryAfterConfig,
+    pub lease_ttl: LeaseTtl,
+    pub policy: PolicyTable,
+    pub guarded_paths: Vec<String>,
+    pub max_body_bytes: u64,
+    pub status_path: String,
+    pub context_error_status: u32,
+    pub tick_ms: u64,
+}
+
+impl Config {
+    /// Parse and validate the plugin configuration JSON.
+    pub fn from_json(bytes: &[u8]) -> Result<Config, ConfigError> {
+        let raw: RawConfig = serde_json::from_slice(bytes).map_err(|e| {
+            ConfigError::new(
+                "(plugin configuration)",
+                format!("line {} column {}", e.line(), e.column()),
+                e.to_string(),
+            )
+        })?;
+        Config::try_from(raw)
+    }
+
+    /// Is this path one whose requests are priced?
+    pub fn guards(&self, path: &str) -> bool {
+        let p = path.split('?').next().unwrap_or(path);
+        self.guarded_paths.iter().any(|g| g == p)
+    }
+}
+
+impl TryFrom<RawConfig> for Config {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawConfig) -> Result<Config, ConfigError> {
+        let pricing = Pricing::new(
+            raw.model,
+            raw.kv_budget_bytes,
+            raw.safety_fraction,
+            raw.scratch_margin_bytes,
+        )?;
+        let tokenizer = tokenizer_spec(raw.tokenizer)?;
+        let l = raw.levels;
+        if !(l.amber > 0.0 && l.amber <= l.red && l.red <= 1.0) {
+            return Err(ConfigError::new(
+                "levels",
+                format!("amber {} red {}", l.amber, l.red),
+                "must satisfy 0 < amber <= red <= 1",
+            ));
+        }
+        let r = raw.retry_after;
+        if r.min_ms == 0 || r.min_ms > r.max_ms {
+            return Err(ConfigError::new(
+                "retry_after",
+                format!("min_ms {} max_ms {}", r.min_ms, r.max_ms),
+                "must satisfy 0 < min_ms <= max_ms",
+            ));
+        }
+        if !(0.0..=1.0).contains(&r.jitter) {
+            return Err(ConfigError::new(
+                "retry_after.jitter",
+                r.jitter,
+                "must be in [0, 1]",
+            ));
+        }
+        if r.default_lease_ms == 0 {
+            return Err(ConfigError::new(
+                "retry_after.default_lease_ms",
+                0,
+                "must be greater than 0",
+            ));
+        }
+        let t = raw.lease_ttl;
+        if t.base_ms == 0 || t.max_ms < t.base_ms {
+            return Err(ConfigError::new(
+                "lease_ttl",
+                format!("base_ms {} max_ms {}", t.base_ms, t.max_ms),
+                "must satisfy 0 < base_ms <= max_ms",
+            ));
+        }
+        let policy = PolicyTable::try_from(raw.policy)?;
+        if raw.guarded_paths.is_empty() {
+            return Err(ConfigError::new(
+                "guarded_paths",
+                "[]",
+                "must name at least one path",
+            ));
+        }
+        for p in raw
+            .guarded_paths
+            .iter()
+            .chain(std::iter::once(&raw.status_path))
+        {
+            if !p.starts_with('/') {
+                return Err(ConfigError::new(
+                    "guarded_paths/status_path",
+                    format!("{p:?}"),
+                    "paths must start with '/'",
+                ));
+            }
+        }
+        for p in &raw.guarded_paths {
+            if crate::request::Endpoint::from_path(p).is_none() {
+                return Err(ConfigError::new(
+                    "guarded_paths",
+                    format!("{p:?}"),
+                    "must end in /completions or /chat/completions",
+                ));
+            }
+        }
+        if raw.max_body_bytes == 0 || raw.max_body_bytes > 64 * 1024 * 1024 {
+            return Err(ConfigError::new(
+                "max_body_bytes",
+                raw.max_body_bytes,
+                "must be in 1..=67108864",
+            ));
+        }
+        if raw.context_error_status != 413 && raw.context_error_status != 400 {
+            return Err(ConfigError::new(
+                "context_error_status",
+                raw.context_error_status,
+                "must be 413 or 400",
+            ));
+        }
+        if !(50..=60_000).contains(&raw.tick_ms) {
+            return Err(ConfigError::new(
+                "tick_ms",
+                raw.tick_ms,
+                "must be in 50..=60000",
+            ));
+        }
+        Ok(Config {
+            pricing,
+            tokenizer,
+            levels: LevelThresholds {
+                amber: l.amber,
+                red: l.red,
+            },
+            retry_after: RetryAfterConfig {
+                min_ms: r.min_ms,
+                max_ms: r.max_ms,
+                jitter: r.jitter,
+                default_lease_ms: r.default_lease_ms,
+            },
+            lease_ttl: t,
+            policy,
+            guarded_paths: raw.guarded_paths,
+            max_body_bytes: raw.max_body_bytes,
+            status_path: raw.status_path,
+            context_error_status: raw.context_error_status,
+            tick_ms: raw.tick_ms,
+        })
+    }
+}
+
+fn tokenizer_spec(raw: RawTokenizer) -> Result<TokenizerSpec, ConfigError> {
+    match (raw.encoding, raw.ranks) {
+        (Some(_), Some(_)) => Err(ConfigError::new(
+            "tokenizer",
+            "encoding and ranks",
+            "set either a built-in `encoding` or custom `ranks`, not both",
+        )),
+        (Some(name), None) => Encoding::from_name(&name)
+            .map(TokenizerSpec::Builtin)
+            .ok_or_else(|| {
+                ConfigError::new(
+                    "tokenizer.encoding",
+                    format!("{name:?}"),
+                    "must be one of cl100k_base, o200k_base, r50k_base",
+                )
+            }),
+        (None, None) => Ok(TokenizerSpec::Builtin(Encoding::Cl100kBase)),
+        (None, Some(ranks)) => {
+            let pattern = raw.pattern.ok_or_else(|| {
+                ConfigError::new(
+                    "tokenizer.pattern",
+                    "missing",
+                    "is required with custom ranks",
+                )
+            })?;
+            Ok(TokenizerSpec::Custom(CustomBpe {
+                ranks: CustomBpe::parse_tiktoken(&ranks)?,
+                pattern,
+                special_tokens: raw.special_tokens.into_iter().collect(),
+            }))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIN: &str = r#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},"kv_budget_bytes":1073741824}"#;
+
+    fn with(extra: &str) -> Result<Config, ConfigError> {
+        let json = format!("{},{}}}", &MIN[..MIN.len() - 1], extra);
+        Config::from_json(json.as_bytes())
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = Config::from_json(MIN.as_bytes()).unwrap();
+        assert_eq!(c.pricing.capacity_bytes, 966_367_641);
+        assert_eq!(c.tokenizer, TokenizerSpec::Builtin(Encoding::Cl100kBase));
+        assert!(c.guards("/v1/chat/completions?x"));
+        assert!(!c.guards("/v1/models"));
+        assert_eq!(c.status_path, "/kvgate/status");
+        assert_eq!(c.context_error_status, 413);
+        assert_eq!(c.lease_ttl.for_cap(100), 65_000);
+        assert_eq!(c.lease_ttl.for_cap(u64::MAX), 3_600_000);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        for (extra, field) in [
+            (r#""safety_fraction":1.5"#, "safety_fraction"),
+            (r#""levels":{"amber":0.9,"red":0.5}"#, "levels"),
+            (r#""retry_after":{"min_ms":0}"#, "retry_after"),
+            (r#""retry_after":{"jitter":2}"#, "retry_after.jitter"),
+            (r#""lease_ttl":{"base_ms":0}"#, "lease_ttl"),
+            (r#""guarded_paths":[]"#, "guarded_paths"),
+            (r#""guarded_paths":["/v1/embeddings"]"#, "guarded_paths"),
+            (r#""max_body_bytes":0"#, "max_body_bytes"),
+            (r#""context_error_status":500"#, "context_error_status"),
+            (r#""tick_ms":1"#, "tick_ms"),
+            (r#""tokenizer":{"encoding":"p99k"}"#, "tokenizer.encoding"),
+            (r#""tokenizer":{"ranks":"YQ== 0"}"#, "tokenizer.pattern"),
+            (
+                r#""policy":{"default_class":"nope","classes":{"a":{}}}"#,
+                "policy.default_class",
+            ),
+            (r#""surprise":1"#, "(plugin configuration)"),
+        ] {
+            let e = with(extra).unwrap_err();
+            assert_eq!(e.field, field, "{extra}: {e}");
+        }
+        let e = Config::from_json(br#"{"model":{"layers":0,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},"kv_budget_bytes":1}"#).unwrap_err();
+        assert_eq!(e.field, "model.layers");
+    }
+
+    #[test]
+    fn custom_tokenizer_from_config() {
+        let c = with(r#""tokenizer":{"ranks":"YQ== 0\nYg== 1\nYWI= 2","pattern":"\\w+|\\s+","special_tokens":{"<|im_start|>":3}}"#).unwrap();
+        let TokenizerSpec::Custom(bpe) = &c.tokenizer else {
+            panic!()
+        };
+        assert_eq!(
+            bpe.ranks,
+            vec![(b"a".to_vec(), 0), (b"b".to_vec(), 1), (b"ab".to_vec(), 2)]
+        );
+        let counter = crate::TokenCounter::new(&c.tokenizer).unwrap();
+        assert_eq!(counter.encode_text("ab"), vec![2]);
+    }
+}

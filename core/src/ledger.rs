@@ -1,0 +1,489 @@
+//! The KV ledger: capacity, committed bytes and the live leases.
+//!
+//! The ledger is a plain value. Every transition is a pure method; the filter runs one of them
+//! inside a compare-and-swap on Envoy shared data (decode → transition → encode → CAS), so deciding
+//! and reserving are one step that all workers see.
+//!
+//! Invariant, checked by `check()` and by the decoder: `committed == Σ lease.bytes`, and
+//! `committed ≤ capacity` after every admission. (Lowering the capacity by reconfiguration can leave
+//! `committed` above it until leases end; admissions are refused meanwhile.)
+//!
+//! It must never panic: it runs inside the proxy, where a panic kills the VM.
+
+use crate::retry::{estimate_retry_after, RetryAfter, RetryAfterConfig};
+
+/// One reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub id: u64,
+    pub bytes: u64,
+    pub class: String,
+    pub priority: u8,
+    /// Fingerprint of the model spec and estimator version that priced it.
+    pub fingerprint: u64,
+    pub created_ms: u64,
+    pub deadline_ms: u64,
+}
+
+/// Running counters kept with the ledger, so every worker reports the same totals.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub admitted: u64,
+    pub rejected: u64,
+    pub released: u64,
+    pub reaped: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ledger {
+    pub(crate) capacity: u64,
+    pub(crate) committed: u64,
+    pub(crate) next_id: u64,
+    /// Exponentially weighted mean of lease lifetimes (ms); 0 until the first release.
+    pub(crate) mean_lease_ms: u64,
+    pub(crate) counters: Counters,
+    pub(crate) leases: Vec<Lease>,
+}
+
+/// What one admission asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdmitRequest<'a> {
+    pub bytes: u64,
+    pub class: &'a str,
+    pub priority: u8,
+    pub fingerprint: u64,
+    pub now_ms: u64,
+    pub ttl_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RejectReason {
+    /// Not enough free bytes now; retrying later can succeed.
+    InsufficientCapacity,
+    /// The request alone is larger than the usable capacity; retrying cannot help.
+    ExceedsCapacity,
+}
+
+impl RejectReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::InsufficientCapacity => "insufficient_capacity",
+            RejectReason::ExceedsCapacity => "exceeds_capacity",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdmitOutcome {
+    Admitted {
+        lease: Lease,
+    },
+    Rejected {
+        reason: RejectReason,
+        need: u64,
+        free: u64,
+        retry_after: Option<RetryAfter>,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    Released(Lease),
+    /// Already released, reaped, or never existed. Releasing twice is harmless.
+    Unknown,
+}
+
+/// Green / amber / red, from the committed fraction of capacity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Green,
+    Amber,
+    Red,
+}
+
+impl Level {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Level::Green => "green",
+            Level::Amber => "amber",
+            Level::Red => "red",
+        }
+    }
+    /// 0, 1, 2: for a gauge.
+    pub fn as_gauge(self) -> u64 {
+        self as u64
+    }
+}
+
+/// Fractions of capacity at which the level turns amber and red.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LevelThresholds {
+    pub amber: f64,
+    pub red: f64,
+}
+
+impl Default for LevelThresholds {
+    fn default() -> Self {
+        LevelThresholds {
+            amber: 0.7,
+            red: 0.9,
+        }
+    }
+}
+
+/// Weight of the newest sample in the lease-lifetime mean (1/8, as TCP's SRTT).
+const MEAN_SHIFT: u32 = 3;
+
+impl Ledger {
+    /// An empty ledger. `first_id` seeds lease ids (pick it at random per gateway so ids from
+    /// several gateways in front of one backend do not collide).
+    pub fn new(capacity: u64, first_id: u64) -> Self {
+        Ledger {
+            capacity,
+            committed: 0,
+            next_id: first_id.max(1),
+            mean_lease_ms: 0,
+            counters: Counters::default(),
+            leases: Vec::new(),
+        }
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+    pub fn committed(&self) -> u64 {
+        self.committed
+    }
+    pub fn free(&self) -> u64 {
+        self.capacity.saturating_sub(self.committed)
+    }
+    pub fn leases(&self) -> &[Lease] {
+        &self.leases
+    }
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+    pub fn mean_lease_ms(&self) -> u64 {
+        self.mean_lease_ms
+    }
+    pub fn lease(&self, id: u64) -> Option<&Lease> {
+        self.leases.iter().find(|l| l.id == id)
+    }
+
+    /// Reconfiguration: a new capacity applies to future admissions; live leases are kept.
+    pub fn set_capacity(&mut self, capacity: u64) {
+        self.capacity = capacity;
+    }
+
+    /// Decide and reserve in one step.
+    pub fn try_admit(
+        &mut self,
+        req: &AdmitRequest<'_>,
+        retry: &RetryAfterConfig,
+        jitter_seed: u64,
+    ) -> AdmitOutcome {
+        let free = self.free();
+        if req.bytes > self.capacity {
+            self.counters.rejected = self.counters.rejected.saturating_add(1);
+            return AdmitOutcome::Rejected {
+                reason: RejectReason::ExceedsCapacity,
+                need: req.bytes,
+                free,
+                retry_after: None,
+            };
+        }
+        if req.bytes > free {
+            self.counters.rejected = self.counters.rejected.saturating_add(1);
+            let retry_after = estimate_retry_after(self, req.bytes, req.now_ms, retry, jitter_seed);
+            return AdmitOutcome::Rejected {
+                reason: RejectReason::InsufficientCapacity,
+                need: req.bytes,
+                free,
+                retry_after: Some(retry_after),
+            };
+        }
+        let lease = Lease {
+            id: self.next_id,
+            bytes: req.bytes,
+            class: req.class.to_string(),
+            priority: req.priority,
+            fingerprint: req.fingerprint,
+            created_ms: req.now_ms,
+            deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
+        };
+        // Ids wrap only after 2^64 admissions; skip 0, which means "no lease" on the wire.
+        self.next_id = self.next_id.wrapping_add(1).max(1);
+        // bytes ≤ free = capacity − committed, so this cannot overflow.
+        self.committed += req.bytes;
+        self.counters.admitted = self.counters.admitted.saturating_add(1);
+        self.leases.push(lease.clone());
+        AdmitOutcome::Admitted { lease }
+    }
+
+    /// Release a lease by id. Idempotent: an unknown id changes nothing and says so.
+    pub fn release(&mut self, id: u64, now_ms: u64) -> ReleaseOutcome {
+        let Some(pos) = self.leases.iter().position(|l| l.id == id) else {
+            return ReleaseOutcome::Unknown;
+        };
+        let lease = self.leases.swap_remove(pos);
+        self.committed = self.committed.saturating_sub(lease.bytes);
+        self.counters.released = self.counters.released.saturating_add(1);
+        self.observe_lifetime(now_ms.saturating_sub(lease.created_ms));
+        ReleaseOutcome::Released(lease)
+    }
+
+    /// Remove every lease whose deadline has passed and return them.
+    pub fn reap(&mut self, now_ms: u64) -> Vec<Lease> {
+        let mut reaped = Vec::new();
+        let mut i = 0;
+        while i < self.leases.len() {
+            if self.leases.get(i).is_some_and(|l| l.deadline_ms <= now_ms) {
+                let lease = self.leases.swap_remove(i);
+                self.committed = self.committed.saturating_sub(lease.bytes);
+                reaped.push(lease);
+            } else {
+                i += 1;
+            }
+        }
+        self.counters.reaped = self.counters.reaped.saturating_add(reaped.len() as u64);
+        reaped
+    }
+
+    /// The earliest lease deadline, if any (lets a caller skip a reap that would do nothing).
+    pub fn next_deadline(&self) -> Option<u64> {
+        self.leases.iter().map(|l| l.deadline_ms).min()
+    }
+
+    pub fn level(&self, t: &LevelThresholds) -> Level {
+        if self.capacity == 0 {
+            return Level::Red;
+        }
+        let used = self.committed as f64 / self.capacity as f64;
+        if used >= t.red {
+            Level::Red
+        } else if used >= t.amber {
+            Level::Amber
+        } else {
+            Level::Green
+        }
+    }
+
+    /// Count rejections decided outside `try_admit` (e.g. a request that never fits the context).
+    pub fn count_rejection(&mut self) {
+        self.counters.rejected = self.counters.rejected.saturating_add(1);
+    }
+
+    fn observe_lifetime(&mut self, ms: u64) {
+        self.mean_lease_ms = if self.mean_lease_ms == 0 {
+            ms.max(1)
+        } else {
+            // mean += (sample − mean) / 8, in signed arithmetic widened to avoid overflow.
+            let m = i128::from(self.mean_lease_ms);
+            let next = m + ((i128::from(ms) - m) >> MEAN_SHIFT);
+            u64::try_from(next.max(1)).unwrap_or(u64::MAX)
+        };
+    }
+
+    /// Verify the invariant `committed == Σ lease.bytes` (and ids unique).
+    pub fn check(&self) -> Result<(), String> {
+        let mut sum: u64 = 0;
+        for l in &self.leases {
+            sum = sum
+                .checked_add(l.bytes)
+                .ok_or_else(|| "lease bytes overflow u64".to_string())?;
+        }
+        if sum != self.committed {
+            return Err(format!(
+                "committed {} != sum of lease bytes {}",
+                self.committed, sum
+            ));
+        }
+        let mut ids: Vec<u64> = self.leases.iter().map(|l| l.id).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w.first() == w.get(1)) {
+            return Err("duplicate lease id".to_string());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn retry() -> RetryAfterConfig {
+        RetryAfterConfig::default()
+    }
+
+    fn req(bytes: u64, now_ms: u64) -> AdmitRequest<'static> {
+        AdmitRequest {
+            bytes,
+            class: "default",
+            priority: 0,
+            fingerprint: 7,
+            now_ms,
+            ttl_ms: 1000,
+        }
+    }
+
+    #[test]
+    fn admit_until_full_then_reject_then_release_frees() {
+        let mut l = Ledger::new(100, 1);
+        let AdmitOutcome::Admitted { lease: a } = l.try_admit(&req(60, 0), &retry(), 1) else {
+            panic!("first admission must fit");
+        };
+        assert_eq!(l.committed(), 60);
+        match l.try_admit(&req(50, 1), &retry(), 1) {
+            AdmitOutcome::Rejected {
+                reason: RejectReason::InsufficientCapacity,
+                need: 50,
+                free: 40,
+                retry_after: Some(r),
+            } => assert!(r.ms >= retry().min_ms),
+            other => panic!("expected rejection, got {other:?}"),
+        }
+        assert_eq!(l.committed(), 60, "a rejection reserves nothing");
+        assert!(matches!(l.release(a.id, 10), ReleaseOutcome::Released(_)));
+        assert_eq!(l.committed(), 0);
+        assert_eq!(l.release(a.id, 11), ReleaseOutcome::Unknown, "idempotent");
+        assert_eq!(l.counters().released, 1);
+        assert!(matches!(
+            l.try_admit(&req(50, 12), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+    }
+
+    #[test]
+    fn larger_than_capacity_never_fits() {
+        let mut l = Ledger::new(100, 1);
+        assert!(matches!(
+            l.try_admit(&req(101, 0), &retry(), 1),
+            AdmitOutcome::Rejected {
+                reason: RejectReason::ExceedsCapacity,
+                retry_after: None,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn reap_removes_only_expired() {
+        let mut l = Ledger::new(1000, 1);
+        l.try_admit(&req(10, 0), &retry(), 1); // deadline 1000
+        l.try_admit(&req(20, 500), &retry(), 1); // deadline 1500
+        let reaped = l.reap(1200);
+        assert_eq!(reaped.len(), 1);
+        assert_eq!(reaped.first().map(|r| r.bytes), Some(10));
+        assert_eq!(l.committed(), 20);
+        assert_eq!(l.counters().reaped, 1);
+        assert_eq!(l.next_deadline(), Some(1500));
+    }
+
+    #[test]
+    fn levels_follow_thresholds() {
+        let t = LevelThresholds::default();
+        let mut l = Ledger::new(100, 1);
+        assert_eq!(l.level(&t), Level::Green);
+        l.try_admit(&req(70, 0), &retry(), 1);
+        assert_eq!(l.level(&t), Level::Amber);
+        l.try_admit(&req(20, 0), &retry(), 1);
+        assert_eq!(l.level(&t), Level::Red);
+    }
+
+    #[test]
+    fn budgets_above_4_gib() {
+        let cap = 200 * (1u64 << 30);
+        let mut l = Ledger::new(cap, 1);
+        let big = 5 * (1u64 << 30);
+        for i in 0..40 {
+            assert!(matches!(
+                l.try_admit(&req(big, i), &retry(), 1),
+                AdmitOutcome::Admitted { .. }
+            ));
+        }
+        assert_eq!(l.committed(), cap);
+        assert!(matches!(
+            l.try_admit(&req(1, 0), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+    }
+
+    #[test]
+    fn lifetime_mean_tracks_releases() {
+        let mut l = Ledger::new(1000, 1);
+        for i in 0..20u64 {
+            if let AdmitOutcome::Admitted { lease } = l.try_admit(&req(1, i * 1000), &retry(), 1) {
+                l.release(lease.id, i * 1000 + 400);
+            }
+        }
+        let m = l.mean_lease_ms();
+        assert!((390..=410).contains(&m), "mean {m}");
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Admit(u64),
+        Release(usize),
+        ReleaseUnknown,
+        Reap(u64),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (1u64..400).prop_map(Op::Admit),
+            (0usize..64).prop_map(Op::Release),
+            Just(Op::ReleaseUnknown),
+            (0u64..50).prop_map(Op::Reap),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn invariants_hold_under_random_sequences(ops in proptest::collection::vec(op(), 1..200)) {
+            let mut l = Ledger::new(1000, 1);
+            let mut now = 0u64;
+            for o in ops {
+                now += 1;
+                match o {
+                    Op::Admit(b) => {
+                        let before = l.committed();
+                        match l.try_admit(&AdmitRequest { ttl_ms: 30, ..req(b, now) }, &retry(), now) {
+                            AdmitOutcome::Admitted { lease } => {
+                                prop_assert_eq!(l.committed(), before + b);
+                                prop_assert_eq!(lease.bytes, b);
+                            }
+                            AdmitOutcome::Rejected { need, free, .. } => {
+                                prop_assert!(need > free);
+                                prop_assert_eq!(l.committed(), before);
+                            }
+                        }
+                    }
+                    Op::Release(i) => {
+                        if let Some(id) = l.leases().get(i % l.leases().len().max(1)).map(|x| x.id) {
+                            prop_assert!(matches!(l.release(id, now), ReleaseOutcome::Released(_)));
+                            prop_assert_eq!(l.release(id, now), ReleaseOutcome::Unknown);
+                        }
+                    }
+                    Op::ReleaseUnknown => {
+                        let before = l.clone();
+                        prop_assert_eq!(l.release(u64::MAX, now), ReleaseOutcome::Unknown);
+                        prop_assert_eq!(&l, &before);
+                    }
+                    Op::Reap(ahead) => {
+                        for r in l.reap(now + ahead) {
+                            prop_assert!(r.deadline_ms <= now + ahead);
+                        }
+                        prop_assert!(l.leases().iter().all(|x| x.deadline_ms > now + ahead));
+                    }
+                }
+                prop_assert!(l.check().is_ok());
+                prop_assert!(l.committed() <= l.capacity());
+            }
+            // Releasing everything returns committed to exactly zero.
+            let ids: Vec<u64> = l.leases().iter().map(|x| x.id).collect();
+            for id in ids { l.release(id, now); }
+            prop_assert_eq!(l.committed(), 0);
+        }
+    }
+}

@@ -1,0 +1,30 @@
+//! kvgate-core: the pure admission logic shared by the Envoy filter and the backend.
+//!
+//! Prices every request at the worst case it is allowed to reach (prompt + effective output
+//! cap), keeps a ledger of reservations, and decides admission in one pure transition. No
+//! proxy-wasm, no tokio, no I/O, no panics: it compiles for the host and for wasm32.
+
+pub mod cap;
+pub mod codec;
+pub mod config;
+pub mod error;
+pub mod ledger;
+pub mod policy;
+pub mod request;
+pub mod retry;
+pub mod spec;
+pub mod tokenize;
+
+pub use cap::{effective_output_cap, largest_cap_that_fits, price_request, CapDecision, Price};
+pub use error::{ApiError, ConfigError, ErrorKind};
+pub use ledger::{
+    AdmitOutcome, AdmitRequest, Lease, Ledger, Level, LevelThresholds, RejectReason, ReleaseOutcome,
+};
+pub use policy::{Action, ClassPolicy, PolicyTable};
+pub use request::{parse_request, write_cap, Endpoint, Input, ParsedRequest};
+pub use retry::{estimate_retry_after, RetryAfter, RetryAfterConfig};
+pub use spec::{ModelSpec, Pricing, ESTIMATOR_VERSION};
+pub use tokenize::{CustomBpe, Encoding, TokenCounter, TokenizerSpec};
+
+/// Version of this crate, logged by the filter and the backend at start.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -1,0 +1,331 @@
+//! Per-class admission policy: what to do with a request that does not fit.
+//!
+//! Raw serde structs (unknown fields refused) are validated into a `PolicyTable`; every error
+//! names the field, the value and the rule.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use crate::error::ConfigError;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Answer 429 with Retry-After.
+    Reject,
+    /// Wait for budget, in priority then arrival order, up to `max_wait_ms`; at most `max_depth`
+    /// waiting requests of this class.
+    Queue { max_wait_ms: u64, max_depth: u32 },
+    /// Lower the cap to the largest that fits, not below `min_output_tokens`; announced in a header.
+    Degrade { min_output_tokens: u64 },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClassPolicy {
+    pub name: String,
+    pub action: Action,
+    /// Higher is more important.
+    pub priority: u8,
+    /// Classes whose leases this class may cancel to make room (each of lower priority).
+    pub preempts: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyTable {
+    classes: Vec<ClassPolicy>,
+    default_class: usize,
+    /// A request header trusted to name the class. `None`: every request gets the default class.
+    pub class_header: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawClass {
+    #[serde(default = "default_action")]
+    pub action: String,
+    #[serde(default)]
+    pub priority: u8,
+    #[serde(default)]
+    pub preempts: Vec<String>,
+    pub max_wait_ms: Option<u64>,
+    pub max_depth: Option<u32>,
+    pub min_output_tokens: Option<u64>,
+}
+
+fn default_action() -> String {
+    "reject".to_string()
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPolicy {
+    #[serde(default = "default_class_name")]
+    pub default_class: String,
+    #[serde(default)]
+    pub class_header: Option<String>,
+    #[serde(default)]
+    pub classes: BTreeMap<String, RawClass>,
+}
+
+fn default_class_name() -> String {
+    "default".to_string()
+}
+
+impl Default for RawPolicy {
+    fn default() -> Self {
+        RawPolicy {
+            default_class: default_class_name(),
+            class_header: None,
+            classes: BTreeMap::new(),
+        }
+    }
+}
+
+impl TryFrom<RawPolicy> for PolicyTable {
+    type Error = ConfigError;
+
+    fn try_from(raw: RawPolicy) -> Result<Self, ConfigError> {
+        let mut classes = Vec::new();
+        let mut raw_classes = raw.classes;
+        if raw_classes.is_empty() {
+            raw_classes.insert(
+                raw.default_class.clone(),
+                RawClass {
+                    action: default_action(),
+                    priority: 0,
+                    preempts: Vec::new(),
+                    max_wait_ms: None,
+                    max_depth: None,
+                    min_output_tokens: None,
+                },
+            );
+        }
+        for (name, c) in &raw_classes {
+            let at = |f: &str| format!("policy.classes.{name}.{f}");
+            if name.is_empty() || name.len() > 64 || !name.bytes().all(is_name_byte) {
+                return Err(ConfigError::new(
+                    "policy.classes",
+                    format!("{name:?}"),
+                    "class names are 1-64 characters of [A-Za-z0-9_.-]",
+                ));
+            }
+            let unused = |f: &str, v: bool| {
+                if v {
+                    Err(ConfigError::new(
+                        at(f),
+                        "set",
+                        format!("does not apply to action \"{}\"", c.action),
+                    ))
+                } else {
+                    Ok(())
+                }
+            };
+            let action = match c.action.as_str() {
+                "reject" => {
+                    unused("max_wait_ms", c.max_wait_ms.is_some())?;
+                    unused("max_depth", c.max_depth.is_some())?;
+                    unused("min_output_tokens", c.min_output_tokens.is_some())?;
+                    Action::Reject
+                }
+                "queue" => {
+                    unused("min_output_tokens", c.min_output_tokens.is_some())?;
+                    let max_wait_ms = c.max_wait_ms.unwrap_or(10_000);
+                    let max_depth = c.max_depth.unwrap_or(64);
+                    if max_wait_ms == 0 || max_wait_ms > 600_000 {
+                        return Err(ConfigError::new(
+                            at("max_wait_ms"),
+                            max_wait_ms,
+                            "must be in 1..=600000",
+                        ));
+                    }
+                    if max_depth == 0 || max_depth > 100_000 {
+                        return Err(ConfigError::new(
+                            at("max_depth"),
+                            max_depth,
+                            "must be in 1..=100000",
+                        ));
+                    }
+                    Action::Queue {
+                        max_wait_ms,
+                        max_depth,
+                    }
+                }
+                "degrade" => {
+                    unused("max_wait_ms", c.max_wait_ms.is_some())?;
+                    unused("max_depth", c.max_depth.is_some())?;
+                    let min_output_tokens = c.min_output_tokens.unwrap_or(16);
+                    if min_output_tokens == 0 {
+                        return Err(ConfigError::new(
+                            at("min_output_tokens"),
+                            0,
+                            "must be at least 1",
+                        ));
+                    }
+                    Action::Degrade { min_output_tokens }
+                }
+                other => {
+                    return Err(ConfigError::new(
+                        at("action"),
+                        format!("{other:?}"),
+                        "must be one of \"reject\", \"queue\", \"degrade\"",
+                    ))
+                }
+            };
+            for victim in &c.preempts {
+                let Some(v) = raw_classes.get(victim) else {
+                    return Err(ConfigError::new(
+                        at("preempts"),
+                        format!("{victim:?}"),
+                        "names a class that is not defined",
+                    ));
+                };
+                if v.priority >= c.priority {
+                    return Err(ConfigError::new(
+                        at("preempts"),
+                        format!("{victim:?}"),
+                        format!(
+                            "may only preempt classes of lower priority ({} has {}, {name} has {})",
+                            victim, v.priority, c.priority
+                        ),
+                    ));
+                }
+            }
+            classes.push(ClassPolicy {
+                name: name.clone(),
+                action,
+                priority: c.priority,
+                preempts: c.preempts.clone(),
+            });
+        }
+        let Some(default_class) = classes.iter().position(|c| c.name == raw.default_class) else {
+            return Err(ConfigError::new(
+                "policy.default_class",
+                format!("{:?}", raw.default_class),
+                "must name a class defined in policy.classes",
+            ));
+        };
+        if let Some(h) = &raw.class_header {
+            if h.is_empty()
+                || !h
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            {
+                return Err(ConfigError::new(
+                    "policy.class_header",
+                    format!("{h:?}"),
+                    "must be a lowercase header name ([a-z0-9-]+)",
+                ));
+            }
+        }
+        Ok(PolicyTable {
+            classes,
+            default_class,
+            class_header: raw.class_header,
+        })
+    }
+}
+
+fn is_name_byte(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.'
+}
+
+impl PolicyTable {
+    pub fn classes(&self) -> &[ClassPolicy] {
+        &self.classes
+    }
+
+    pub fn default_class(&self) -> &ClassPolicy {
+        // `default_class` is an index validated at construction; fall back to the first class.
+        self.classes
+            .get(self.default_class)
+            .or_else(|| self.classes.first())
+            .unwrap_or(&FALLBACK)
+    }
+
+    pub fn get(&self, name: &str) -> Option<&ClassPolicy> {
+        self.classes.iter().find(|c| c.name == name)
+    }
+
+    /// The class of a request, given the value of the trusted class header (if configured and
+    /// present). An unknown class name gets the default class.
+    pub fn resolve(&self, header_value: Option<&str>) -> &ClassPolicy {
+        header_value
+            .and_then(|v| self.get(v.trim()))
+            .unwrap_or_else(|| self.default_class())
+    }
+}
+
+static FALLBACK: ClassPolicy = ClassPolicy {
+    name: String::new(),
+    action: Action::Reject,
+    priority: 0,
+    preempts: Vec::new(),
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<PolicyTable, ConfigError> {
+        let raw: RawPolicy = serde_json::from_str(json).unwrap();
+        PolicyTable::try_from(raw)
+    }
+
+    #[test]
+    fn empty_policy_is_one_reject_class() {
+        let t = parse("{}").unwrap();
+        assert_eq!(t.default_class().name, "default");
+        assert_eq!(t.default_class().action, Action::Reject);
+        assert_eq!(t.resolve(Some("anything")).name, "default");
+    }
+
+    #[test]
+    fn full_table() {
+        let t = parse(
+            r#"{"default_class":"batch","class_header":"x-tenant-class","classes":{
+                "interactive":{"action":"queue","priority":10,"max_wait_ms":2000,"max_depth":8,"preempts":["batch"]},
+                "batch":{"action":"degrade","min_output_tokens":32},
+                "strict":{}}}"#,
+        )
+        .unwrap();
+        assert_eq!(t.resolve(None).name, "batch");
+        let i = t.resolve(Some("interactive"));
+        assert_eq!(
+            i.action,
+            Action::Queue {
+                max_wait_ms: 2000,
+                max_depth: 8
+            }
+        );
+        assert_eq!(i.preempts, vec!["batch".to_string()]);
+        assert_eq!(t.resolve(Some("strict")).action, Action::Reject);
+        assert_eq!(
+            t.resolve(Some("batch")).action,
+            Action::Degrade {
+                min_output_tokens: 32
+            }
+        );
+    }
+
+    #[test]
+    fn errors_name_field_value_rule() {
+        let e = parse(r#"{"classes":{"default":{"action":"drop"}}}"#).unwrap_err();
+        assert_eq!(e.field, "policy.classes.default.action");
+        assert_eq!(e.value, "\"drop\"");
+        let e = parse(r#"{"default_class":"x","classes":{"default":{}}}"#).unwrap_err();
+        assert_eq!(e.field, "policy.default_class");
+        let e = parse(r#"{"classes":{"default":{"preempts":["ghost"]}}}"#).unwrap_err();
+        assert_eq!(e.field, "policy.classes.default.preempts");
+        let e =
+            parse(r#"{"classes":{"default":{"priority":1,"preempts":["b"]},"b":{"priority":1}}}"#)
+                .unwrap_err();
+        assert!(e.rule.contains("lower priority"));
+        let e = parse(r#"{"classes":{"default":{"action":"reject","max_depth":3}}}"#).unwrap_err();
+        assert_eq!(e.field, "policy.classes.default.max_depth");
+        let e = parse(r#"{"classes":{"default":{"action":"queue","max_wait_ms":0}}}"#).unwrap_err();
+        assert_eq!(e.value, "0");
+        let e = parse(r#"{"class_header":"X-Class"}"#).unwrap_err();
+        assert_eq!(e.field, "policy.class_header");
+        assert!(serde_json::from_str::<RawPolicy>(r#"{"clases":{}}"#).is_err());
+    }
+}

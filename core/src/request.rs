@@ -1,0 +1,476 @@
+//! OpenAI-style request parsing: a body becomes a validated `ParsedRequest` before admission.
+//!
+//! Only what pricing needs is validated here (prompt or messages, caps, `n`, `best_of`, `stream`);
+//! every other field is passed through untouched. Errors name the field, the rule and the value,
+//! and map to 400 with an OpenAI-style body.
+
+use serde_json::{Map, Value};
+
+use crate::error::{ApiError, ErrorKind};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    ChatCompletions,
+}
+
+impl Endpoint {
+    /// The endpoint for a request path (query string ignored), if it is one we price.
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        let path = path.split('?').next().unwrap_or(path);
+        match path.trim_end_matches('/') {
+            p if p.ends_with("/chat/completions") => Some(Endpoint::ChatCompletions),
+            p if p.ends_with("/completions") => Some(Endpoint::Completions),
+            _ => None,
+        }
+    }
+}
+
+/// One prompt of a completions request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PromptItem {
+    Text(String),
+    /// A pre-tokenized prompt: counted exactly, without the tokenizer.
+    Tokens(u64),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChatMessage {
+    pub role: String,
+    /// Text content; content parts are joined, tool calls serialized (counted conservatively).
+    pub content: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Input {
+    Prompts(Vec<PromptItem>),
+    Chat(Vec<ChatMessage>),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedRequest {
+    pub endpoint: Endpoint,
+    pub model: Option<String>,
+    pub input: Input,
+    pub max_tokens: Option<u64>,
+    pub max_completion_tokens: Option<u64>,
+    pub n: u64,
+    pub best_of: Option<u64>,
+    pub stream: bool,
+}
+
+/// Upper bound on `n` and `best_of`, as OpenAI's API.
+pub const MAX_CHOICES: u64 = 128;
+
+impl ParsedRequest {
+    /// The output cap the client asked for: the stricter of the two cap fields.
+    pub fn requested_cap(&self) -> Option<u64> {
+        match (self.max_tokens, self.max_completion_tokens) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// Sequences decoded per prompt: `max(n, best_of)`.
+    pub fn choices(&self) -> u64 {
+        self.best_of.unwrap_or(1).max(self.n)
+    }
+}
+
+/// Parse a body. Returns the validated request and the JSON object (kept for rewriting the cap).
+pub fn parse_request(
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(ParsedRequest, Map<String, Value>), ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::new(
+            ErrorKind::InvalidRequest,
+            format!("We could not parse the JSON body of your request: {e}"),
+        )
+    })?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "The request body must be a JSON object, got {}.",
+                type_name(&value)
+            ),
+        ));
+    };
+    let model = match obj.get("model") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(v) => return Err(wrong_type("model", "a string", v)),
+    };
+    let input = match endpoint {
+        Endpoint::Completions => Input::Prompts(parse_prompt(obj.get("prompt"))?),
+        Endpoint::ChatCompletions => Input::Chat(parse_messages(obj.get("messages"))?),
+    };
+    let max_tokens = opt_count(&obj, "max_tokens", 1)?;
+    let max_completion_tokens = opt_count(&obj, "max_completion_tokens", 1)?;
+    let n = opt_count(&obj, "n", 1)?.unwrap_or(1);
+    let best_of = opt_count(&obj, "best_of", 1)?;
+    for (field, v) in [("n", Some(n)), ("best_of", best_of)] {
+        if let Some(v) = v.filter(|v| *v > MAX_CHOICES) {
+            return Err(ApiError::invalid(
+                field,
+                format!("'{field}' must be at most {MAX_CHOICES}, got {v}."),
+            ));
+        }
+    }
+    if let Some(b) = best_of.filter(|b| *b < n) {
+        return Err(ApiError::invalid(
+            "best_of",
+            format!("'best_of' must be greater than or equal to 'n' ({n}), got {b}."),
+        ));
+    }
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(v) => return Err(wrong_type("stream", "a boolean", v)),
+    };
+    Ok((
+        ParsedRequest {
+            endpoint,
+            model,
+            input,
+            max_tokens,
+            max_completion_tokens,
+            n,
+            best_of,
+            stream,
+        },
+        obj,
+    ))
+}
+
+/// Write the effective cap into the body so the backend cannot generate past the reservation.
+/// Every cap field the client sent is set to `cap`; when none was sent, `max_tokens` is added
+/// (understood by OpenAI-compatible servers for both endpoints).
+pub fn write_cap(obj: &mut Map<String, Value>, cap: u64) -> Vec<u8> {
+    let mut wrote = false;
+    for field in ["max_tokens", "max_completion_tokens"] {
+        if let Some(v) = obj.get_mut(field) {
+            if !v.is_null() {
+                *v = Value::from(cap);
+                wrote = true;
+            }
+        }
+    }
+    if !wrote {
+        obj.insert("max_tokens".into(), Value::from(cap));
+    }
+    serde_json::to_vec(obj).unwrap_or_default()
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(n) if n.is_u64() || n.is_i64() => "an integer",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn wrong_type(field: &str, want: &str, got: &Value) -> ApiError {
+    ApiError::invalid(
+        field,
+        format!(
+            "Invalid type for '{field}': expected {want}, but got {}.",
+            type_name(got)
+        ),
+    )
+}
+
+/// An optional integer count ≥ `min`. `null` means unset.
+fn opt_count(obj: &Map<String, Value>, field: &str, min: u64) -> Result<Option<u64>, ApiError> {
+    match obj.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(v) if v >= min => Ok(Some(v)),
+            Some(v) => Err(ApiError::invalid(
+                field,
+                format!("'{field}' must be at least {min}, got {v}."),
+            )),
+            None if n.as_i64().is_some() => Err(ApiError::invalid(
+                field,
+                format!("'{field}' must be a non-negative integer, got {n}."),
+            )),
+            None => Err(ApiError::invalid(
+                field,
+                format!("'{field}' must be an integer, got {n}."),
+            )),
+        },
+        Some(v) => Err(wrong_type(field, "an integer", v)),
+    }
+}
+
+fn token_array(arr: &[Value], field: &str) -> Result<u64, ApiError> {
+    for v in arr {
+        if v.as_u64().is_none_or(|t| t > u64::from(u32::MAX)) {
+            return Err(ApiError::invalid(
+                field,
+                format!("'{field}' token ids must be non-negative integers, got {v}."),
+            ));
+        }
+    }
+    Ok(arr.len() as u64)
+}
+
+fn parse_prompt(v: Option<&Value>) -> Result<Vec<PromptItem>, ApiError> {
+    let missing = || ApiError::invalid("prompt", "'prompt' is a required property.");
+    match v {
+        None | Some(Value::Null) => Err(missing()),
+        Some(Value::String(s)) => Ok(vec![PromptItem::Text(s.clone())]),
+        Some(Value::Array(items)) => {
+            if items.is_empty() {
+                return Err(ApiError::invalid("prompt", "'prompt' must not be empty."));
+            }
+            match items.first() {
+                Some(Value::Number(_)) => Ok(vec![PromptItem::Tokens(token_array(items, "prompt")?)]),
+                _ => items
+                    .iter()
+                    .map(|item| match item {
+                        Value::String(s) => Ok(PromptItem::Text(s.clone())),
+                        Value::Array(toks) if !toks.is_empty() => {
+                            Ok(PromptItem::Tokens(token_array(toks, "prompt")?))
+                        }
+                        other => Err(ApiError::invalid(
+                            "prompt",
+                            format!(
+                                "'prompt' must be a string, an array of strings, an array of \
+                                 token ids or an array of non-empty token arrays; found {} in the array.",
+                                type_name(other)
+                            ),
+                        )),
+                    })
+                    .collect(),
+            }
+        }
+        Some(other) => Err(wrong_type("prompt", "a string or an array", other)),
+    }
+}
+
+fn parse_messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let arr = match v {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid(
+                "messages",
+                "'messages' is a required property.",
+            ))
+        }
+        Some(Value::Array(a)) if a.is_empty() => {
+            return Err(ApiError::invalid(
+                "messages",
+                "'messages' must contain at least one message.",
+            ))
+        }
+        Some(Value::Array(a)) => a,
+        Some(other) => return Err(wrong_type("messages", "an array", other)),
+    };
+    arr.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let at = |f: &str| format!("messages[{i}].{f}");
+            let Value::Object(m) = m else {
+                return Err(wrong_type(&format!("messages[{i}]"), "an object", m));
+            };
+            let role = match m.get("role") {
+                Some(Value::String(r)) => r.clone(),
+                None => {
+                    return Err(ApiError::invalid(
+                        &at("role"),
+                        format!("'{}' is a required property.", at("role")),
+                    ))
+                }
+                Some(other) => return Err(wrong_type(&at("role"), "a string", other)),
+            };
+            let mut content = match m.get("content") {
+                None | Some(Value::Null) => String::new(),
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => content_parts(parts, &at("content"))?,
+                Some(other) => {
+                    return Err(wrong_type(
+                        &at("content"),
+                        "a string or an array of parts",
+                        other,
+                    ))
+                }
+            };
+            // Tool calls are rendered into the prompt by the model's template: count their JSON.
+            if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
+                content.push_str(&calls.to_string());
+            }
+            Ok(ChatMessage { role, content })
+        })
+        .collect()
+}
+
+fn content_parts(parts: &[Value], field: &str) -> Result<String, ApiError> {
+    let mut out = String::new();
+    for (j, p) in parts.iter().enumerate() {
+        let at = format!("{field}[{j}]");
+        let Value::Object(p) = p else {
+            return Err(wrong_type(&at, "an object", p));
+        };
+        match (p.get("type"), p.get("text")) {
+            (Some(Value::String(t)), Some(Value::String(text))) if t == "text" => {
+                out.push_str(text)
+            }
+            (Some(Value::String(t)), _) if t == "text" => {
+                return Err(ApiError::invalid(
+                    &format!("{at}.text"),
+                    format!("'{at}.text' must be a string."),
+                ))
+            }
+            (Some(Value::String(t)), _) => {
+                return Err(ApiError::invalid(
+                    &format!("{at}.type"),
+                    format!(
+                    "Content part type '{t}' is not supported by this text model; only 'text' is."
+                ),
+                ))
+            }
+            _ => {
+                return Err(ApiError::invalid(
+                    &format!("{at}.type"),
+                    format!("'{at}.type' is a required string."),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn comp(body: &str) -> Result<ParsedRequest, ApiError> {
+        parse_request(Endpoint::Completions, body.as_bytes()).map(|(p, _)| p)
+    }
+    fn chat(body: &str) -> Result<ParsedRequest, ApiError> {
+        parse_request(Endpoint::ChatCompletions, body.as_bytes()).map(|(p, _)| p)
+    }
+
+    #[test]
+    fn endpoints_from_paths() {
+        assert_eq!(
+            Endpoint::from_path("/v1/completions"),
+            Some(Endpoint::Completions)
+        );
+        assert_eq!(
+            Endpoint::from_path("/v1/chat/completions?x=1"),
+            Some(Endpoint::ChatCompletions)
+        );
+        assert_eq!(Endpoint::from_path("/v1/models"), None);
+    }
+
+    #[test]
+    fn prompt_shapes() {
+        let p = comp(r#"{"prompt":"hi","max_tokens":5}"#).unwrap();
+        assert_eq!(p.input, Input::Prompts(vec![PromptItem::Text("hi".into())]));
+        assert_eq!(p.requested_cap(), Some(5));
+        let p = comp(r#"{"prompt":["a","b"]}"#).unwrap();
+        assert_eq!(
+            p.input,
+            Input::Prompts(vec![
+                PromptItem::Text("a".into()),
+                PromptItem::Text("b".into())
+            ])
+        );
+        let p = comp(r#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(p.input, Input::Prompts(vec![PromptItem::Tokens(3)]));
+        let p = comp(r#"{"prompt":[[1,2],[3]]}"#).unwrap();
+        assert_eq!(
+            p.input,
+            Input::Prompts(vec![PromptItem::Tokens(2), PromptItem::Tokens(1)])
+        );
+    }
+
+    #[test]
+    fn chat_shapes() {
+        let p = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"be brief"},
+                {"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"1"}]}],
+                "max_completion_tokens":7,"max_tokens":9,"n":2,"stream":true}"#,
+        )
+        .unwrap();
+        let Input::Chat(m) = &p.input else { panic!() };
+        assert_eq!(m[1].content, "ab");
+        assert_eq!(m[2].content, r#"[{"id":"1"}]"#);
+        assert_eq!(p.requested_cap(), Some(7));
+        assert_eq!(p.choices(), 2);
+        assert!(p.stream);
+        assert_eq!(p.model.as_deref(), Some("m"));
+    }
+
+    #[test]
+    fn bad_inputs_are_400_naming_the_field() {
+        for (body, param) in [
+            (r#"{"prompt":"x","max_tokens":-1}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":1.5}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":"10"}"#, "max_tokens"),
+            (r#"{"prompt":"x","max_tokens":0}"#, "max_tokens"),
+            (r#"{"prompt":"x","n":0}"#, "n"),
+            (r#"{"prompt":"x","n":500}"#, "n"),
+            (r#"{"prompt":"x","n":3,"best_of":2}"#, "best_of"),
+            (r#"{"prompt":"x","stream":"yes"}"#, "stream"),
+            (r#"{"max_tokens":3}"#, "prompt"),
+            (r#"{"prompt":[]}"#, "prompt"),
+            (r#"{"prompt":[1,-2]}"#, "prompt"),
+            (r#"{"prompt":["a",3]}"#, "prompt"),
+            (r#"{"prompt":{"a":1}}"#, "prompt"),
+            (r#"{"prompt":"x","model":5}"#, "model"),
+        ] {
+            let e = comp(body).unwrap_err();
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+        for (body, param) in [
+            (r#"{"messages":[]}"#, "messages"),
+            (r#"{}"#, "messages"),
+            (r#"{"messages":"hi"}"#, "messages"),
+            (r#"{"messages":[{"content":"x"}]}"#, "messages[0].role"),
+            (
+                r#"{"messages":[{"role":"user","content":5}]}"#,
+                "messages[0].content",
+            ),
+            (
+                r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+                "messages[0].content[0].type",
+            ),
+        ] {
+            let e = chat(body).unwrap_err();
+            assert_eq!(e.status, 400, "{body}");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+        let e = comp("{not json").unwrap_err();
+        assert_eq!(e.status, 400);
+        assert_eq!(e.kind.code(), "invalid_request");
+        assert_eq!(comp("[1]").unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn cap_is_written_into_the_body() {
+        let (_, mut obj) = parse_request(
+            Endpoint::ChatCompletions,
+            br#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":9000}"#,
+        )
+        .unwrap();
+        let body: Value = serde_json::from_slice(&write_cap(&mut obj, 100)).unwrap();
+        assert_eq!(body["max_completion_tokens"], 100);
+        assert!(body.get("max_tokens").is_none());
+        let (_, mut obj) = parse_request(
+            Endpoint::Completions,
+            br#"{"prompt":"x","max_tokens":null}"#,
+        )
+        .unwrap();
+        let body: Value = serde_json::from_slice(&write_cap(&mut obj, 42)).unwrap();
+        assert_eq!(body["max_tokens"], 42);
+    }
+}

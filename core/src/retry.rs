@@ -1,0 +1,188 @@
+//! Retry-After: how long until enough bytes are likely free.
+//!
+//! Each live lease is expected to end when it reaches the ledger's running mean lifetime (or its
+//! deadline, if that is sooner). Leases are taken in order of expected end until the bytes they
+//! free cover the deficit; the wait is that lease's expected remaining time. The result is
+//! clamped to `[min_ms, max_ms]` and then stretched by a random jitter of up to `jitter` (never
+//! shortened, so a client is not told to come back before the estimate), so rejected clients do
+//! not return in step.
+
+use crate::ledger::Ledger;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryAfterConfig {
+    pub min_ms: u64,
+    pub max_ms: u64,
+    /// Fraction in [0, 1]: the wait is multiplied by a random factor in [1, 1 + jitter].
+    pub jitter: f64,
+    /// Assumed lease lifetime before any lease has been released.
+    pub default_lease_ms: u64,
+}
+
+impl Default for RetryAfterConfig {
+    fn default() -> Self {
+        RetryAfterConfig {
+            min_ms: 1000,
+            max_ms: 30_000,
+            jitter: 0.25,
+            default_lease_ms: 5_000,
+        }
+    }
+}
+
+/// A retry hint; `seconds` is `ms` rounded up (the `Retry-After` header has whole seconds).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryAfter {
+    pub ms: u64,
+    pub seconds: u64,
+}
+
+impl RetryAfter {
+    pub fn from_ms(ms: u64) -> Self {
+        RetryAfter {
+            ms,
+            seconds: ms.div_ceil(1000),
+        }
+    }
+}
+
+/// SplitMix64: one step of a tiny, well-mixed PRNG, enough to spread clients apart.
+pub fn splitmix64(seed: u64) -> u64 {
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Estimate the wait before `need` bytes are likely free.
+pub fn estimate_retry_after(
+    ledger: &Ledger,
+    need: u64,
+    now_ms: u64,
+    cfg: &RetryAfterConfig,
+    jitter_seed: u64,
+) -> RetryAfter {
+    let base = expected_wait_ms(ledger, need, now_ms, cfg);
+    let clamped = base.clamp(cfg.min_ms, cfg.max_ms.max(cfg.min_ms));
+    // u in [0, 1) from the top 53 bits.
+    let u = (splitmix64(jitter_seed) >> 11) as f64 / (1u64 << 53) as f64;
+    let factor = 1.0 + cfg.jitter.clamp(0.0, 1.0) * u;
+    let jittered = (clamped as f64 * factor) as u64;
+    RetryAfter::from_ms(jittered.clamp(cfg.min_ms, cfg.max_ms.max(cfg.min_ms)))
+}
+
+fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterConfig) -> u64 {
+    if need > ledger.capacity() {
+        return cfg.max_ms;
+    }
+    let deficit = need.saturating_sub(ledger.free());
+    if deficit == 0 {
+        return 0;
+    }
+    let mean = match ledger.mean_lease_ms() {
+        0 => cfg.default_lease_ms,
+        m => m,
+    };
+    let mut ends: Vec<(u64, u64)> = ledger
+        .leases()
+        .iter()
+        .map(|l| {
+            let age = now_ms.saturating_sub(l.created_ms);
+            // A lease older than the mean is expected to end "soon": a quarter of the mean.
+            let by_mean = mean.checked_sub(age).unwrap_or(mean / 4);
+            let by_deadline = l.deadline_ms.saturating_sub(now_ms);
+            (by_mean.min(by_deadline), l.bytes)
+        })
+        .collect();
+    ends.sort_unstable();
+    let mut freed: u64 = 0;
+    for (wait, bytes) in ends {
+        freed = freed.saturating_add(bytes);
+        if freed >= deficit {
+            return wait;
+        }
+    }
+    cfg.max_ms
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::{AdmitOutcome, AdmitRequest};
+    use proptest::prelude::*;
+
+    fn admit(l: &mut Ledger, bytes: u64, now: u64, ttl: u64) {
+        let r = AdmitRequest {
+            bytes,
+            class: "c",
+            priority: 0,
+            fingerprint: 0,
+            now_ms: now,
+            ttl_ms: ttl,
+        };
+        assert!(matches!(
+            l.try_admit(&r, &RetryAfterConfig::default(), 0),
+            AdmitOutcome::Admitted { .. }
+        ));
+    }
+
+    fn no_jitter() -> RetryAfterConfig {
+        RetryAfterConfig {
+            min_ms: 100,
+            max_ms: 60_000,
+            jitter: 0.0,
+            default_lease_ms: 10_000,
+        }
+    }
+
+    #[test]
+    fn waits_for_the_lease_that_covers_the_deficit() {
+        let mut l = Ledger::new(100, 1);
+        admit(&mut l, 50, 0, 1_000_000); // expected to end at 10 s
+        admit(&mut l, 50, 6_000, 1_000_000); // expected to end at 16 s
+        let cfg = no_jitter();
+        // At t = 8 s: the first lease ends in ~2 s and frees 50.
+        assert_eq!(estimate_retry_after(&l, 40, 8_000, &cfg, 1).ms, 2_000);
+        // Needing 80 waits for both: the second ends in ~8 s.
+        assert_eq!(estimate_retry_after(&l, 80, 8_000, &cfg, 1).ms, 8_000);
+        // The deadline bounds a lease's expected end.
+        let mut m = Ledger::new(100, 1);
+        admit(&mut m, 100, 0, 3_000);
+        assert_eq!(estimate_retry_after(&m, 10, 1_000, &cfg, 1).ms, 2_000);
+    }
+
+    #[test]
+    fn seconds_round_up() {
+        assert_eq!(RetryAfter::from_ms(1).seconds, 1);
+        assert_eq!(RetryAfter::from_ms(1000).seconds, 1);
+        assert_eq!(RetryAfter::from_ms(1001).seconds, 2);
+    }
+
+    #[test]
+    fn jitter_spreads_clients() {
+        let mut l = Ledger::new(100, 1);
+        admit(&mut l, 100, 0, 1_000_000);
+        let cfg = RetryAfterConfig {
+            jitter: 0.5,
+            ..no_jitter()
+        };
+        let waits: std::collections::BTreeSet<u64> = (0..50)
+            .map(|s| estimate_retry_after(&l, 10, 0, &cfg, s).ms)
+            .collect();
+        assert!(waits.len() > 40, "only {} distinct waits", waits.len());
+        assert!(waits.iter().all(|w| (10_000..=15_000).contains(w)));
+    }
+
+    proptest! {
+        #[test]
+        fn always_within_bounds(need in 0u64..300, now in 0u64..100_000, seed: u64, jitter in 0.0f64..1.0) {
+            let mut l = Ledger::new(200, 1);
+            admit(&mut l, 120, 0, 50_000);
+            admit(&mut l, 60, 500, 80_000);
+            let cfg = RetryAfterConfig { min_ms: 250, max_ms: 20_000, jitter, default_lease_ms: 5_000 };
+            let r = estimate_retry_after(&l, need, now, &cfg, seed);
+            prop_assert!(r.ms >= 250 && r.ms <= 20_000);
+            prop_assert_eq!(r.seconds, r.ms.div_ceil(1000));
+        }
+    }
+}
