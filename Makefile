@@ -9,7 +9,7 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: help setup setup-rust setup-venv test test-core test-core-wasm lint wasm bench
+.PHONY: help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make test   - build everything and run every test (what CI runs)"
@@ -42,7 +42,25 @@ test-core:
 test-core-wasm: setup-rust
 	CARGO_TARGET_WASM32_WASIP1_RUNNER="$(WASI_RUN)" cargo test -p kvgate-core --lib --tests --target wasm32-wasip1
 
-test: setup lint test-core test-core-wasm
+# The filter, built for Envoy. KVGATE_GIT_HASH is logged by the filter at start.
+wasm: setup-rust
+	KVGATE_GIT_HASH=$$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
+	  cargo build -p kvgate-plugin --target wasm32-wasip1 --release
+	@ls -l $(WASM)
+
+# Every Envoy config that ships passes `envoy --mode validate`.
+validate: wasm setup-venv
+	for c in envoy/*.yaml; do $(ENVOY) --mode validate -c $$c -l error || exit 1; done
+
+# The filter in a real Envoy (tests/test_gateway.py).
+test-gateway: wasm setup-venv
+	cd tests && ../$(PY) -m pytest -q test_gateway.py
+
+# Build the filter and run envoy/envoy.yaml in the foreground (gateway :10000, admin :9901).
+gateway: wasm setup-venv
+	$(ENVOY) -c envoy/envoy.yaml --concurrency 2
+
+test: setup lint test-core test-core-wasm validate test-gateway
 
 bench:
 	cargo bench -p kvgate-core --bench core

@@ -7,7 +7,7 @@
 //!        | per lease: id u64 | bytes u64 | priority u8 | fingerprint u64 | created_ms u64
 //!                     | deadline_ms u64 | class length u8 | class bytes (UTF-8)
 //! ```
-//! 45 bytes per lease plus its class name. The decoder checks every length and the ledger
+//! 42 bytes per lease plus its class name. The decoder checks every length and the ledger
 //! invariant; garbage returns an error, never a panic.
 
 use crate::ledger::{Counters, Lease, Ledger};
@@ -16,6 +16,7 @@ const MAGIC: &[u8; 4] = b"KVGL";
 const VERSION: u8 = 1;
 const HEADER_LEN: usize = 4 + 1 + 8 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
+const LEASE_MIN_LEN: usize = 8 + 8 + 1 + 8 + 8 + 8 + 1;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecodeError {
@@ -49,7 +50,7 @@ impl Ledger {
             .iter()
             .map(|l| l.class.len().min(MAX_CLASS_LEN))
             .sum();
-        let mut out = Vec::with_capacity(HEADER_LEN + self.leases.len() * 45 + classes);
+        let mut out = Vec::with_capacity(HEADER_LEN + self.leases.len() * LEASE_MIN_LEN + classes);
         out.extend_from_slice(MAGIC);
         out.push(VERSION);
         for v in [
@@ -100,8 +101,8 @@ impl Ledger {
             reaped: r.u64()?,
         };
         let n = r.u32()? as usize;
-        // Each lease takes at least 45 bytes: refuse counts the input cannot hold before allocating.
-        if n > r.0.len() / 45 {
+        // Each lease takes at least 42 bytes: refuse counts the input cannot hold before allocating.
+        if n > r.0.len() / LEASE_MIN_LEN {
             return Err(DecodeError::Truncated);
         }
         let mut leases = Vec::with_capacity(n);
@@ -190,6 +191,7 @@ mod tests {
         let mut l = Ledger::new(10 * (1u64 << 33), 42);
         for (i, class) in ["interactive", "batch", "ünïcode"].iter().enumerate() {
             let r = AdmitRequest {
+                id: None,
                 bytes: (i as u64 + 1) * (1u64 << 33),
                 class,
                 priority: i as u8,
@@ -245,6 +247,7 @@ mod tests {
         let long = "é".repeat(200); // 400 bytes
         let mut l = Ledger::new(100, 1);
         let r = AdmitRequest {
+            id: None,
             bytes: 1,
             class: &long,
             priority: 0,

@@ -48,6 +48,9 @@ pub struct Ledger {
 /// What one admission asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdmitRequest<'a> {
+    /// The lease id to use, chosen by the caller (the filter announces it before the body is
+    /// read); `None` lets the ledger assign one.
+    pub id: Option<u64>,
     pub bytes: u64,
     pub class: &'a str,
     pub priority: u8,
@@ -62,6 +65,8 @@ pub enum RejectReason {
     InsufficientCapacity,
     /// The request alone is larger than the usable capacity; retrying cannot help.
     ExceedsCapacity,
+    /// The caller-chosen lease id is already live (a 2^-53 event with random ids).
+    DuplicateId,
 }
 
 impl RejectReason {
@@ -69,6 +74,7 @@ impl RejectReason {
         match self {
             RejectReason::InsufficientCapacity => "insufficient_capacity",
             RejectReason::ExceedsCapacity => "exceeds_capacity",
+            RejectReason::DuplicateId => "duplicate_id",
         }
     }
 }
@@ -183,6 +189,14 @@ impl Ledger {
         jitter_seed: u64,
     ) -> AdmitOutcome {
         let free = self.free();
+        if req.id.is_some_and(|id| id == 0 || self.lease(id).is_some()) {
+            return AdmitOutcome::Rejected {
+                reason: RejectReason::DuplicateId,
+                need: req.bytes,
+                free,
+                retry_after: None,
+            };
+        }
         if req.bytes > self.capacity {
             self.counters.rejected = self.counters.rejected.saturating_add(1);
             return AdmitOutcome::Rejected {
@@ -202,8 +216,17 @@ impl Ledger {
                 retry_after: Some(retry_after),
             };
         }
+        let id = match req.id {
+            Some(id) => id,
+            None => {
+                let id = self.next_id;
+                // Ids wrap only after 2^64 admissions; skip 0, which means "no lease".
+                self.next_id = self.next_id.wrapping_add(1).max(1);
+                id
+            }
+        };
         let lease = Lease {
-            id: self.next_id,
+            id,
             bytes: req.bytes,
             class: req.class.to_string(),
             priority: req.priority,
@@ -211,8 +234,6 @@ impl Ledger {
             created_ms: req.now_ms,
             deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
         };
-        // Ids wrap only after 2^64 admissions; skip 0, which means "no lease" on the wire.
-        self.next_id = self.next_id.wrapping_add(1).max(1);
         // bytes ≤ free = capacity − committed, so this cannot overflow.
         self.committed += req.bytes;
         self.counters.admitted = self.counters.admitted.saturating_add(1);
@@ -273,6 +294,11 @@ impl Ledger {
         self.counters.rejected = self.counters.rejected.saturating_add(1);
     }
 
+    /// Undo one rejection count (a degrade retry that replaces the first attempt).
+    pub fn uncount_rejection(&mut self) {
+        self.counters.rejected = self.counters.rejected.saturating_sub(1);
+    }
+
     fn observe_lifetime(&mut self, ms: u64) {
         self.mean_lease_ms = if self.mean_lease_ms == 0 {
             ms.max(1)
@@ -318,6 +344,7 @@ mod tests {
 
     fn req(bytes: u64, now_ms: u64) -> AdmitRequest<'static> {
         AdmitRequest {
+            id: None,
             bytes,
             class: "default",
             priority: 0,
@@ -365,6 +392,34 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn caller_chosen_ids_must_be_unique() {
+        let mut l = Ledger::new(100, 1);
+        let r = AdmitRequest {
+            id: Some(77),
+            ..req(10, 0)
+        };
+        assert!(
+            matches!(l.try_admit(&r, &retry(), 1), AdmitOutcome::Admitted { lease } if lease.id == 77)
+        );
+        assert!(matches!(
+            l.try_admit(&r, &retry(), 1),
+            AdmitOutcome::Rejected {
+                reason: RejectReason::DuplicateId,
+                ..
+            }
+        ));
+        let zero = AdmitRequest {
+            id: Some(0),
+            ..req(10, 0)
+        };
+        assert!(matches!(
+            l.try_admit(&zero, &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert_eq!(l.committed(), 10);
     }
 
     #[test]

@@ -8,11 +8,14 @@ pub mod cap;
 pub mod codec;
 pub mod config;
 pub mod error;
+pub mod gate;
 pub mod ledger;
 pub mod policy;
+pub mod report;
 pub mod request;
 pub mod retry;
 pub mod spec;
+pub mod store;
 pub mod tokenize;
 
 pub use cap::{effective_output_cap, largest_cap_that_fits, price_request, CapDecision, Price};

@@ -113,6 +113,7 @@ mod tests {
 
     fn admit(l: &mut Ledger, bytes: u64, now: u64, ttl: u64) {
         let r = AdmitRequest {
+            id: None,
             bytes,
             class: "c",
             priority: 0,

@@ -1,0 +1,300 @@
+//! One admission, end to end and pure: price a parsed request, then decide against the ledger
+//! under the request's class policy. The filter runs `decide` inside `store::transact`, so the
+//! decision and the reservation are one CAS transition.
+
+use crate::cap::{largest_cap_that_fits, price_request, Price};
+use crate::config::Config;
+use crate::error::{ApiError, ErrorKind};
+use crate::ledger::{AdmitOutcome, AdmitRequest, Lease, Ledger, RejectReason};
+use crate::policy::{Action, ClassPolicy};
+use crate::request::ParsedRequest;
+use crate::tokenize::TokenCounter;
+
+/// A request priced and ready for the ledger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Priced {
+    pub prompt_tokens: Vec<u64>,
+    pub choices: u64,
+    pub price: Price,
+}
+
+/// Count and price a request. Errors are final (400/413) and reserve nothing.
+pub fn price(
+    cfg: &Config,
+    counter: &TokenCounter,
+    req: &ParsedRequest,
+) -> Result<Priced, ApiError> {
+    let prompt_tokens = counter.count_input(&req.input);
+    let choices = req.choices();
+    let price =
+        price_request(&cfg.pricing, &prompt_tokens, req.requested_cap(), choices).map_err(|e| {
+            match e.kind {
+                ErrorKind::ContextLengthExceeded => e.with_status(cfg.context_error_status),
+                _ => e,
+            }
+        })?;
+    Ok(Priced {
+        prompt_tokens,
+        choices,
+        price,
+    })
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    Admitted {
+        lease: Lease,
+        /// The cap to write into the forwarded body.
+        cap: u64,
+        /// `Some(asked)` when a degrade policy lowered the cap from `asked` to `cap`.
+        degraded_from: Option<u64>,
+    },
+    Rejected(ApiError),
+}
+
+/// Decide and reserve. Pure over the ledger: safe to re-run on a CAS retry.
+pub fn decide(
+    ledger: &mut Ledger,
+    cfg: &Config,
+    class: &ClassPolicy,
+    priced: &Priced,
+    lease_id: Option<u64>,
+    now_ms: u64,
+    jitter_seed: u64,
+) -> Decision {
+    let fingerprint = cfg.pricing.spec.fingerprint();
+    let cap = priced.price.cap.cap;
+    let request = |bytes: u64, cap: u64| AdmitRequest {
+        id: lease_id,
+        bytes,
+        class: &class.name,
+        priority: class.priority,
+        fingerprint,
+        now_ms,
+        ttl_ms: cfg.lease_ttl.for_cap(cap),
+    };
+    let outcome = ledger.try_admit(
+        &request(priced.price.bytes, cap),
+        &cfg.retry_after,
+        jitter_seed,
+    );
+    let (reason, need, free, retry_after) = match outcome {
+        AdmitOutcome::Admitted { lease } => {
+            return Decision::Admitted {
+                lease,
+                cap,
+                degraded_from: None,
+            }
+        }
+        AdmitOutcome::Rejected {
+            reason,
+            need,
+            free,
+            retry_after,
+        } => (reason, need, free, retry_after),
+    };
+    if let (Action::Degrade { min_output_tokens }, RejectReason::InsufficientCapacity) =
+        (&class.action, reason)
+    {
+        let fits = largest_cap_that_fits(
+            &cfg.pricing,
+            &priced.prompt_tokens,
+            priced.choices,
+            cap,
+            free,
+        );
+        if let Some(smaller) = fits.filter(|c| *c >= (*min_output_tokens).min(cap)) {
+            if let Ok(p) = price_request(
+                &cfg.pricing,
+                &priced.prompt_tokens,
+                Some(smaller),
+                priced.choices,
+            ) {
+                // The first attempt counted a rejection; this one replaces it.
+                ledger.uncount_rejection();
+                if let AdmitOutcome::Admitted { lease } =
+                    ledger.try_admit(&request(p.bytes, smaller), &cfg.retry_after, jitter_seed)
+                {
+                    return Decision::Admitted {
+                        lease,
+                        cap: smaller,
+                        degraded_from: Some(cap),
+                    };
+                }
+            }
+        }
+    }
+    Decision::Rejected(rejection(
+        reason,
+        need,
+        free,
+        ledger,
+        retry_after.map(|r| r.ms),
+    ))
+}
+
+fn rejection(
+    reason: RejectReason,
+    need: u64,
+    free: u64,
+    ledger: &Ledger,
+    retry_after_ms: Option<u64>,
+) -> ApiError {
+    let err = match reason {
+        RejectReason::ExceedsCapacity => ApiError::new(
+            ErrorKind::KvRequestTooLarge,
+            format!(
+                "This request needs {need} bytes of KV cache at its worst case, more than the \
+                 gateway's whole usable budget of {} bytes. Lower max_tokens or the prompt length; \
+                 retrying will not help.",
+                ledger.capacity()
+            ),
+        ),
+        RejectReason::DuplicateId => ApiError::new(
+            ErrorKind::Internal,
+            "kvgate drew a lease id that is already live; nothing was reserved. Retry.",
+        )
+        .with_status(503),
+        RejectReason::InsufficientCapacity => ApiError::new(
+            ErrorKind::KvCapacityExceeded,
+            format!(
+                "The KV cache budget is spent: this request needs {need} bytes at its worst case \
+                 and {free} bytes are free. Retry after the time in the Retry-After header, or \
+                 lower max_tokens."
+            ),
+        ),
+    };
+    let err = err
+        .with_extra("need_bytes", need)
+        .with_extra("free_bytes", free);
+    match retry_after_ms {
+        Some(ms) => err.with_retry_after_ms(ms),
+        None => err,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::request::{parse_request, Endpoint};
+    use crate::tokenize::{Encoding, TokenizerSpec};
+
+    fn cfg(policy: &str, budget_tokens: u64) -> Config {
+        // 46,080 B per token; safety 1.0 so capacity is exactly `budget_tokens` tokens.
+        let json = format!(
+            r#"{{"model":{{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192}},
+                "kv_budget_bytes":{},"safety_fraction":1.0,"policy":{policy}}}"#,
+            budget_tokens * 46_080
+        );
+        Config::from_json(json.as_bytes()).unwrap()
+    }
+
+    fn counter() -> TokenCounter {
+        TokenCounter::new(&TokenizerSpec::Builtin(Encoding::Cl100kBase)).unwrap()
+    }
+
+    fn priced(c: &Config, body: &str) -> Priced {
+        let (req, _) = parse_request(Endpoint::Completions, body.as_bytes()).unwrap();
+        price(c, &counter(), &req).unwrap()
+    }
+
+    #[test]
+    fn reject_policy_answers_429_with_retry_after() {
+        let c = cfg("{}", 5000);
+        let class = c.policy.default_class().clone();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        // A 200-token prompt (token array) with max_tokens=4000 reserves 4,200 tokens.
+        let p = priced(
+            &c,
+            &format!(r#"{{"prompt":{:?},"max_tokens":4000}}"#, vec![1; 200]),
+        );
+        assert_eq!(p.price.reserved_tokens, 4200);
+        let Decision::Admitted { cap, .. } = decide(&mut l, &c, &class, &p, None, 0, 1) else {
+            panic!()
+        };
+        assert_eq!(cap, 4000);
+        assert_eq!(l.committed(), 4200 * 46_080);
+        match decide(&mut l, &c, &class, &p, None, 1, 1) {
+            Decision::Rejected(e) => {
+                assert_eq!(e.status, 429);
+                assert_eq!(e.kind.code(), "kv_capacity_exceeded");
+                assert!(e.retry_after_ms.is_some());
+                let v: serde_json::Value = serde_json::from_str(&e.body()).unwrap();
+                assert_eq!(v["error"]["need_bytes"], 4200 * 46_080);
+                assert_eq!(v["error"]["free_bytes"], 800 * 46_080);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(l.counters().rejected, 1);
+    }
+
+    #[test]
+    fn degrade_lowers_the_cap_and_says_so() {
+        let c = cfg(
+            r#"{"classes":{"default":{"action":"degrade","min_output_tokens":100}}}"#,
+            5000,
+        );
+        let class = c.policy.default_class().clone();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let p = priced(
+            &c,
+            &format!(r#"{{"prompt":{:?},"max_tokens":4000}}"#, vec![1; 200]),
+        );
+        assert!(matches!(
+            decide(&mut l, &c, &class, &p, None, 0, 1),
+            Decision::Admitted {
+                degraded_from: None,
+                ..
+            }
+        ));
+        // 800 tokens free: 200 prompt + 600 output.
+        match decide(&mut l, &c, &class, &p, None, 0, 1) {
+            Decision::Admitted {
+                cap,
+                degraded_from,
+                lease,
+            } => {
+                assert_eq!((cap, degraded_from), (600, Some(4000)));
+                assert_eq!(lease.bytes, 800 * 46_080);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(l.committed(), l.capacity());
+        assert_eq!(l.counters().rejected, 0);
+        // Nothing left: below min_output_tokens → 429.
+        assert!(
+            matches!(decide(&mut l, &c, &class, &p, None, 0, 1), Decision::Rejected(e) if e.status == 429)
+        );
+    }
+
+    #[test]
+    fn too_large_for_the_budget_is_413_without_retry() {
+        let c = cfg("{}", 1000);
+        let class = c.policy.default_class().clone();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let p = priced(&c, r#"{"prompt":"hi"}"#); // unset cap → whole context
+        match decide(&mut l, &c, &class, &p, None, 0, 1) {
+            Decision::Rejected(e) => {
+                assert_eq!(e.status, 413);
+                assert_eq!(e.kind.code(), "kv_request_too_large");
+                assert!(e.retry_after_ms.is_none());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(l.committed(), 0);
+    }
+
+    #[test]
+    fn context_error_status_is_configurable() {
+        let mut c = cfg("{}", 10_000);
+        let (req, _) = parse_request(
+            Endpoint::Completions,
+            format!(r#"{{"prompt":{:?}}}"#, vec![1; 8192]).as_bytes(),
+        )
+        .unwrap();
+        assert_eq!(price(&c, &counter(), &req).unwrap_err().status, 413);
+        c.context_error_status = 400;
+        let e = price(&c, &counter(), &req).unwrap_err();
+        assert_eq!((e.status, e.kind.code()), (400, "context_length_exceeded"));
+    }
+}

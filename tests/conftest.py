@@ -1,0 +1,52 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import WASM, Envoy, shipped_plugin_config  # noqa: E402
+from mock_upstream import MockUpstream  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def wasm():
+    assert WASM.exists(), f"{WASM} missing: run `make wasm` (make test does)"
+    return WASM
+
+
+@pytest.fixture(scope="session")
+def upstream():
+    up = MockUpstream().start()
+    yield up
+    up.stop()
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, "rep_" + rep.when, rep)
+
+
+@pytest.fixture
+def gateway(request, tmp_path, wasm, upstream):
+    """A factory: gateway(config_overrides, concurrency=2, ecds=False) -> started Envoy."""
+    started = []
+
+    def make(overrides=None, concurrency=2, ecds=False):
+        cfg = shipped_plugin_config()
+        cfg.update(overrides or {})
+        d = tmp_path / f"envoy{len(started)}"
+        d.mkdir()
+        e = Envoy(d, upstream.port, cfg, concurrency=concurrency, ecds=ecds)
+        started.append(e)
+        return e.start()
+
+    upstream.clear()
+    yield make
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    for e in started:
+        e.stop()
+        if failed:
+            print(f"----- envoy log ({e.log_path}) -----\n{e.logs()}")

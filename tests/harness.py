@@ -1,0 +1,173 @@
+"""Real processes for end-to-end tests: Envoy with the freshly built kvgate .wasm.
+
+Envoy runs on free ports with the shipped envoy/envoy.yaml, rewritten only where a test must
+(ports, the upstream, the plugin configuration, concurrency). A readiness loop also checks the
+child is alive; logs are dumped when a test fails; teardown always kills the process.
+"""
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "kvgate_plugin.wasm"
+ENVOY = ROOT / ".venv" / "bin" / "envoy"
+SHIPPED = ROOT / "envoy" / "envoy.yaml"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shipped_bootstrap():
+    return yaml.safe_load(SHIPPED.read_text())
+
+
+def wasm_filter(bootstrap):
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    return next(f for f in hcm["http_filters"] if f["name"] == "kvgate")
+
+
+def shipped_plugin_config():
+    f = wasm_filter(shipped_bootstrap())
+    return json.loads(f["typed_config"]["config"]["configuration"]["value"])
+
+
+class Envoy:
+    def __init__(self, workdir, upstream_port, plugin_config, concurrency=2, ecds=False):
+        self.workdir = Path(workdir)
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.upstream_port = upstream_port
+        self.concurrency = concurrency
+        self.ecds_path = self.workdir / "kvgate-filter.yaml" if ecds else None
+        self.log_path = self.workdir / "envoy.log"
+        self.proc = None
+        boot = shipped_bootstrap()
+        boot["admin"]["address"]["socket_address"]["port_value"] = self.admin_port
+        listener = boot["static_resources"]["listeners"][0]
+        listener["address"]["socket_address"]["port_value"] = self.port
+        cluster = boot["static_resources"]["clusters"][0]
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+            "socket_address"]["port_value"] = upstream_port
+        f = wasm_filter(boot)
+        f["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(WASM)
+        self.filter_template = copy.deepcopy(f)
+        if ecds:
+            self.write_filter_config(plugin_config)
+            f.clear()
+            f.update({
+                "name": "kvgate",
+                "config_discovery": {
+                    "config_source": {
+                        "resource_api_version": "V3",
+                        "path_config_source": {"path": str(self.ecds_path)},
+                    },
+                    "type_urls": ["type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"],
+                },
+            })
+        else:
+            f["typed_config"]["config"]["configuration"]["value"] = json.dumps(plugin_config)
+        self.config_path = self.workdir / "envoy.json"
+        self.config_path.write_text(json.dumps(boot))
+
+    def write_filter_config(self, plugin_config):
+        """ECDS: write the filter's config to a new file and rename it over the watched one."""
+        f = copy.deepcopy(self.filter_template)
+        f["typed_config"]["config"]["configuration"]["value"] = json.dumps(plugin_config)
+        doc = {"resources": [{
+            "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+            "name": "kvgate",
+            "typed_config": f["typed_config"],
+        }]}
+        tmp = self.ecds_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.ecds_path)
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin(self):
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def start(self, timeout=60):
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [str(ENVOY), "-c", str(self.config_path), "--concurrency", str(self.concurrency),
+             "--base-id", str(self.admin_port), "-l", os.environ.get("ENVOY_LOG_LEVEL", "info"), "--disable-hot-restart"],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if requests.get(self.admin + "/ready", timeout=1).status_code == 200:
+                    # The listener is up once admin is ready; also check the filter answers.
+                    if requests.get(self.url + "/kvgate/status", timeout=2).status_code == 200:
+                        return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"envoy not ready in {timeout}s:\n{self.logs()}")
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc:
+            self.log.close()
+
+    def logs(self):
+        try:
+            return self.log_path.read_text()[-20000:]
+        except OSError:
+            return ""
+
+    def status(self):
+        r = requests.get(self.url + "/kvgate/status", timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def stats(self):
+        """kvgate's Envoy stats (admin /stats; Envoy files wasm metrics under `wasmcustom.`)."""
+        text = requests.get(self.admin + "/stats?filter=^wasmcustom\\.kvgate", timeout=5).text
+        out = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(": ")
+            if value.strip().lstrip("-").isdigit():
+                out[name.removeprefix("wasmcustom.")] = int(value)
+        return out
+
+    def wait_for(self, predicate, timeout=15, what="condition"):
+        deadline = time.time() + timeout
+        last = None
+        while time.time() < deadline:
+            last = self.status()
+            if predicate(last):
+                return last
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)}")
+
+    def assert_drained(self, timeout=15):
+        """The ledger's committed bytes return to exactly zero."""
+        s = self.wait_for(lambda s: s["committed_bytes"] == 0 and s["leases"] == 0, timeout,
+                          "committed bytes to return to zero")
+        assert s["committed_bytes"] == 0
+        return s

@@ -1,0 +1,330 @@
+"""The kvgate filter inside a real Envoy 1.40, in front of a slow streaming upstream."""
+
+import json
+import socket
+import threading
+import time
+
+import requests
+
+PER_TOKEN = 46_080  # SmolLM2-135M, f32 KV: 2 x 30 x 3 x 64 x 4
+
+
+def budget(tokens, **extra):
+    """Plugin overrides: a KV budget of exactly `tokens` tokens (safety fraction 1.0)."""
+    cfg = {"kv_budget_bytes": tokens * PER_TOKEN, "safety_fraction": 1.0}
+    cfg.update(extra)
+    return cfg
+
+
+def tokens(n):
+    return [1] * n  # a pre-tokenized prompt of n tokens: counted exactly
+
+
+def stream_in_background(gw, body, chunks=20, delay_ms=100, path="/v1/completions"):
+    """Start a slow streaming request; returns (thread, result dict)."""
+    result = {}
+
+    def run():
+        r = requests.post(gw.url + path, json=body, stream=True, timeout=60,
+                          headers={"x-mock-mode": "stream", "x-mock-chunks": str(chunks),
+                                   "x-mock-delay-ms": str(delay_ms)})
+        result["status"] = r.status_code
+        result["headers"] = dict(r.headers)
+        result["body"] = r.content
+    t = threading.Thread(target=run)
+    t.start()
+    return t, result
+
+
+def test_seed_numbers_are_what_the_ledger_reserves(gateway, upstream):
+    gw = gateway(budget(20_000))
+    cases = [
+        ({"prompt": tokens(200), "max_tokens": 4000}, 4200, 4000),
+        ({"prompt": tokens(3000), "max_tokens": 200}, 3200, 200),
+        ({"prompt": tokens(200)}, 8192, 7992),  # unset cap: the rest of the context
+        ({"prompt": tokens(200), "max_tokens": 100_000}, 8192, 7992),  # clamped
+    ]
+    for body, reserved_tokens, cap in cases:
+        upstream.clear()
+        t, res = stream_in_background(gw, body)
+        s = gw.wait_for(lambda s: s["leases"] == 1, what="the lease to appear")
+        assert s["committed_bytes"] == reserved_tokens * PER_TOKEN
+        assert s["classes"]["default"] == {"leases": 1, "bytes": reserved_tokens * PER_TOKEN}
+        t.join()
+        assert res["status"] == 200
+        assert res["body"].endswith(b"data: [DONE]\n\n")
+        (seen,) = upstream.requests()
+        assert seen["body"]["max_tokens"] == cap, "the effective cap is written into the body"
+        assert int(seen["headers"]["content-length"]) == len(json.dumps(seen["body"], separators=(",", ":")))
+        assert res["headers"]["x-kvgate-lease"] == seen["headers"]["x-kvgate-lease"]
+        assert res["headers"]["x-kvgate-max-tokens"] == str(cap)
+        gw.assert_drained()
+    st = gw.stats()
+    assert st["kvgate.admitted"] == 4
+    assert st["kvgate.released"] == 4
+
+
+def test_chat_cap_field_is_rewritten(gateway, upstream):
+    gw = gateway(budget(20_000))
+    body = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_completion_tokens": 50_000}
+    r = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 200
+    (seen,) = upstream.requests()
+    cap = seen["body"]["max_completion_tokens"]
+    assert r.headers["x-kvgate-max-tokens"] == str(cap)
+    prompt = 8192 - cap
+    # ChatML framing is counted: more than the bare question's 7 cl100k tokens.
+    assert 10 < prompt < 40
+    assert "max_tokens" not in seen["body"]
+    gw.assert_drained()
+
+
+def test_prompt_over_context_is_413_and_reserves_nothing(gateway, upstream):
+    gw = gateway(budget(20_000))
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(8192), "max_tokens": 10}, timeout=10)
+    assert r.status_code == 413
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded"
+    assert "8192" in err["message"] and "10 output tokens" in err["message"]
+    assert r.headers["x-kvgate-level"] == "green"
+    assert upstream.requests() == []
+    assert gw.status()["committed_bytes"] == 0
+    assert gw.stats()["kvgate.rejected.context_length_exceeded"] == 1
+
+
+def test_context_error_status_can_be_400(gateway):
+    gw = gateway(budget(20_000, context_error_status=400))
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(9000)}, timeout=10)
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_full_budget_answers_429_with_retry_after_then_admits_after_release(gateway, upstream):
+    gw = gateway(budget(5000, retry_after={"min_ms": 1000, "max_ms": 30000, "jitter": 0.25,
+                                           "default_lease_ms": 5000}))
+    t, res = stream_in_background(gw, {"prompt": tokens(200), "max_tokens": 4000}, chunks=15)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(200), "max_tokens": 4000}, timeout=10)
+    assert r.status_code == 429
+    err = r.json()["error"]
+    assert err["code"] == "kv_capacity_exceeded"
+    assert err["type"] == "rate_limit_error"
+    assert err["need_bytes"] == 4200 * PER_TOKEN
+    assert err["free_bytes"] == 800 * PER_TOKEN
+    retry_s, retry_ms = int(r.headers["retry-after"]), int(r.headers["retry-after-ms"])
+    assert 1000 <= retry_ms <= 30000
+    assert retry_s == -(-retry_ms // 1000)
+    assert err["retry_after_seconds"] == retry_s
+    assert r.headers["x-kvgate-level"] == "amber"  # 4200 / 5000 = 0.84
+    # A request that fits still goes through while the big one runs.
+    ok = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(100), "max_tokens": 100}, timeout=10)
+    assert ok.status_code == 200
+    t.join()
+    assert res["status"] == 200
+    gw.assert_drained()
+    again = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(200), "max_tokens": 4000}, timeout=10)
+    assert again.status_code == 200
+    gw.assert_drained()
+    st = gw.stats()
+    assert st["kvgate.rejected.kv_capacity_exceeded"] == 1
+    assert st["kvgate.admitted"] == 3
+
+
+def test_request_larger_than_budget_is_413_not_429(gateway):
+    gw = gateway(budget(1000))
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": "hello"}, timeout=10)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "kv_request_too_large"
+    assert "retry-after" not in r.headers
+
+
+def test_release_after_client_abort_mid_stream(gateway):
+    gw = gateway(budget(20_000))
+    body = json.dumps({"prompt": tokens(100), "max_tokens": 1000, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", gw.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"x-mock-mode: stream\r\nx-mock-chunks: 200\r\nx-mock-delay-ms: 100\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    first = s.recv(4096)
+    assert first.startswith(b"HTTP/1.1 200")
+    assert gw.status()["leases"] == 1
+    s.close()  # the client walks away mid-stream
+    gw.assert_drained(timeout=10)
+    assert gw.stats()["kvgate.released"] == 1
+
+
+def test_release_after_upstream_reset(gateway):
+    gw = gateway(budget(20_000))
+    try:
+        r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(100), "max_tokens": 1000},
+                          headers={"x-mock-mode": "reset", "x-mock-chunks": "6", "x-mock-delay-ms": "50"},
+                          timeout=10)
+        r.content
+    except requests.RequestException:
+        pass  # the client sees a truncated stream; that is the point
+    gw.assert_drained(timeout=10)
+    assert gw.stats()["kvgate.released"] == 1
+
+
+def test_bad_requests_are_400_and_reserve_nothing(gateway, upstream):
+    gw = gateway(budget(20_000))
+    cases = [
+        ("/v1/completions", b"{not json", None),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": -5}', "max_tokens"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": "ten"}', "max_tokens"),
+        ("/v1/completions", b'{"max_tokens": 5}', "prompt"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 3}]}', "messages[0].content"),
+    ]
+    for path, body, param in cases:
+        r = requests.post(gw.url + path, data=body, headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == 400, body
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error"
+        assert err["param"] == param, (body, err)
+    r = requests.post(gw.url + "/v1/completions", timeout=10)  # no body at all
+    assert r.status_code == 400
+    assert upstream.requests() == []
+    assert gw.status()["committed_bytes"] == 0
+    assert gw.stats()["kvgate.rejected.invalid_request"] == len(cases) + 1
+
+
+def test_body_over_limit_is_413(gateway, upstream):
+    gw = gateway(budget(20_000, max_body_bytes=1000))
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": "x" * 5000}, timeout=10)
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_body_too_large"
+    assert upstream.requests() == []
+    assert gw.status()["committed_bytes"] == 0
+
+
+def test_spoofed_kvgate_headers_are_stripped(gateway, upstream):
+    gw = gateway(budget(20_000))
+    spoof = {"x-kvgate-lease": "999", "x-kvgate-class": "vip", "x-kvgate-anything": "1"}
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, headers=spoof, timeout=10)
+    assert r.status_code == 200
+    requests.get(gw.url + "/v1/models", headers=spoof, timeout=10)
+    seen = upstream.requests()
+    assert len(seen) == 1
+    h = seen[0]["headers"]
+    assert h["x-kvgate-lease"] != "999" and h["x-kvgate-lease"] == r.headers["x-kvgate-lease"]
+    assert h["x-kvgate-class"] == "default"
+    assert "x-kvgate-anything" not in h
+    gw.assert_drained()
+
+
+def test_reaper_reclaims_a_lease_whose_stream_hangs(gateway, upstream):
+    gw = gateway(budget(20_000, tick_ms=100,
+                        lease_ttl={"base_ms": 1000, "per_output_token_ms": 0, "max_ms": 1000}))
+    result = {}
+
+    def hang():
+        r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(10), "max_tokens": 10},
+                          headers={"x-mock-mode": "hang", "x-mock-hang-s": "4"}, timeout=30)
+        result["status"] = r.status_code
+    t = threading.Thread(target=hang)
+    t.start()
+    gw.wait_for(lambda s: s["leases"] == 1)
+    s = gw.assert_drained(timeout=5)  # reaped at its 1 s deadline while the stream still hangs
+    assert s["counters"]["reaped"] == 1
+    assert t.is_alive(), "the stream is still open: only the reaper can have freed it"
+    t.join()
+    assert result["status"] == 200
+    st = gw.stats()
+    assert st["kvgate.reaped"] == 1
+    assert st["kvgate.release_unknown"] == 1  # the late end of stream found nothing to release
+    assert "reaped lease" in gw.logs()
+
+
+def test_burst_of_200_never_exceeds_capacity(gateway):
+    gw = gateway(budget(10_000), concurrency=4)
+    capacity = 10_000 * PER_TOKEN
+    peak = {"committed": 0}
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            s = gw.status()
+            peak["committed"] = max(peak["committed"], s["committed_bytes"])
+            assert s["committed_bytes"] <= s["capacity_bytes"] == capacity
+            time.sleep(0.02)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    statuses = []
+    lock = threading.Lock()
+
+    def one(i):
+        body = {"prompt": tokens(100 + i % 7), "max_tokens": 800}
+        with requests.Session() as sess:
+            r = sess.post(gw.url + "/v1/completions", json=body, timeout=60,
+                          headers={"x-mock-mode": "stream", "x-mock-chunks": "5", "x-mock-delay-ms": "60"})
+            r.content
+        with lock:
+            statuses.append(r.status_code)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    watcher.join()
+    assert len(statuses) == 200
+    assert set(statuses) <= {200, 429}
+    admitted = statuses.count(200)
+    assert admitted >= 10 and statuses.count(429) > 0
+    assert peak["committed"] <= capacity
+    s = gw.assert_drained()
+    assert s["counters"]["admitted"] == admitted
+    assert s["counters"]["released"] == admitted
+    st = gw.stats()
+    assert st["kvgate.admitted"] == admitted
+    assert st["kvgate.rejected.kv_capacity_exceeded"] == 200 - admitted
+
+
+def test_level_and_stats_are_exported(gateway):
+    gw = gateway(budget(10_000))
+    r = requests.get(gw.url + "/v1/models", timeout=10)
+    assert r.headers["x-kvgate-level"] == "green"
+    t, _ = stream_in_background(gw, {"prompt": tokens(100), "max_tokens": 7900}, chunks=10)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    assert requests.get(gw.url + "/v1/models", timeout=10).headers["x-kvgate-level"] == "amber"
+    prom = requests.get(gw.admin + "/stats/prometheus", timeout=10).text
+    for name in ["kvgate_admitted", "kvgate_released", "kvgate_reaped", "kvgate_committed_bytes",
+                 "kvgate_capacity_bytes", "kvgate_level", "kvgate_live_leases",
+                 "kvgate_rejected_kv_capacity_exceeded"]:
+        assert name in prom, name
+    st = gw.stats()
+    assert st["kvgate.committed_bytes"] == 8000 * PER_TOKEN
+    assert st["kvgate.capacity_bytes"] == 10_000 * PER_TOKEN
+    assert st["kvgate.level"] == 1
+    assert st["kvgate.live_leases"] == 1
+    t.join()
+    gw.assert_drained()
+
+
+def test_invalid_config_is_refused_naming_the_field(gateway):
+    import pytest
+    with pytest.raises(RuntimeError) as e:
+        gateway({"safety_fraction": 1.5})
+    assert "field `safety_fraction` = 1.5: must be in (0, 1]" in str(e.value)
+
+
+def test_reconfiguration_keeps_the_ledger_and_its_leases(gateway):
+    gw = gateway(budget(10_000), ecds=True)
+    t, res = stream_in_background(gw, {"prompt": tokens(100), "max_tokens": 900}, chunks=60, delay_ms=100)
+    s = gw.wait_for(lambda s: s["leases"] == 1)
+    lease_bytes = s["committed_bytes"]
+    gw.write_filter_config({**gw_plugin_config(), **budget(20_000)})
+    s = gw.wait_for(lambda s: s["capacity_bytes"] == 20_000 * PER_TOKEN, timeout=20, what="the new config")
+    assert s["leases"] == 1 and s["committed_bytes"] == lease_bytes, "the live lease survived the reload"
+    t.join()
+    assert res["status"] == 200
+    gw.assert_drained()
+    assert "ledger kept with 1 live leases" in gw.logs()
+
+
+def gw_plugin_config():
+    from harness import shipped_plugin_config
+    return shipped_plugin_config()
