@@ -157,6 +157,7 @@ mod tests {
     use crate::ledger::{AdmitOutcome, AdmitRequest};
     use crate::retry::RetryAfterConfig;
     use std::sync::atomic::Ordering;
+    #[cfg(not(target_family = "wasm"))]
     use std::sync::Arc;
 
     fn admit(l: &mut Ledger, bytes: u64) -> AdmitOutcome {
@@ -219,6 +220,8 @@ mod tests {
         assert_eq!(read(&s, "k").unwrap().committed(), 40);
     }
 
+    // wasm32-wasip1 has no threads; the single-threaded CAS tests above run there.
+    #[cfg(not(target_family = "wasm"))]
     #[test]
     fn concurrent_workers_never_overcommit() {
         let s = Arc::new(MemoryStore::default());
