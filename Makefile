@@ -9,7 +9,7 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make test   - build everything and run every test (what CI runs)"
@@ -62,5 +62,14 @@ gateway: wasm setup-venv
 
 test: setup lint test-core test-core-wasm validate test-gateway
 
-bench:
+bench: bench-core bench-gateway
+
+# Criterion: token counting and one ledger transition.
+bench-core:
 	cargo bench -p kvgate-core --bench core
+
+# Envoy with the filter vs without, same upstream, same run (needs wrk: apt-get install wrk).
+bench-gateway: wasm setup-venv
+	command -v wrk >/dev/null || apt-get install -y wrk
+	cargo build --release -p kvgate-core --example count
+	$(PY) bench/gateway_bench.py

@@ -1,0 +1,27 @@
+//! Native token counting of a file's text, for side-by-side comparison with the filter's
+//! per-request cost in bench/gateway_bench.py: `count <encoding> <file> <iterations>` prints
+//! the token count and the mean microseconds per count.
+#![allow(clippy::expect_used)]
+
+use std::time::Instant;
+
+use kvgate_core::{Encoding, TokenCounter, TokenizerSpec};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let (Some(enc), Some(file), Some(iters)) = (args.get(1), args.get(2), args.get(3)) else {
+        eprintln!("usage: count <encoding> <file> <iterations>");
+        std::process::exit(2);
+    };
+    let enc = Encoding::from_name(enc).expect("unknown encoding");
+    let iters: u32 = iters.parse().expect("iterations");
+    let text = std::fs::read_to_string(file).expect("read file");
+    let counter = TokenCounter::new(&TokenizerSpec::Builtin(enc)).expect("tokenizer");
+    let tokens = counter.count_text(&text);
+    let start = Instant::now();
+    for _ in 0..iters {
+        std::hint::black_box(counter.count_text(std::hint::black_box(&text)));
+    }
+    let us = start.elapsed().as_secs_f64() * 1e6 / f64::from(iters);
+    println!("{tokens} {us:.1}");
+}
