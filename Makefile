@@ -33,7 +33,7 @@ setup-venv: $(VENV)/.ok
 lint: setup-rust
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo clippy --workspace --all-targets --target wasm32-wasip1 -- -D warnings
+	cargo clippy -p kvgate-core -p kvgate-plugin --all-targets --target wasm32-wasip1 -- -D warnings
 
 test-core:
 	cargo test -p kvgate-core --lib --tests

@@ -8,12 +8,66 @@ use kvgate_core::retry::{splitmix64, RetryAfterConfig};
 use kvgate_core::{AdmitRequest, Encoding, Ledger, TokenCounter, TokenizerSpec};
 
 const WORDS: &[&str] = &[
-    "the", "model", "cache", "request", "token", "memory", "server", "admission", "budget",
-    "stream", "decode", "prompt", "and", "of", "to", "in", "is", "that", "for", "with", "as",
-    "on", "by", "this", "be", "are", "from", "at", "or", "an", "which", "gateway", "envoy",
-    "latency", "throughput", "capacity", "reservation", "client", "policy", "queue", "class",
-    "worst", "case", "allowed", "reach", "Paris", "France", "capital", "question", "answer",
-    "2026", "42", "(see", "below)", "e.g.,", "it's", "don't", "we'll", "naïve", "café",
+    "the",
+    "model",
+    "cache",
+    "request",
+    "token",
+    "memory",
+    "server",
+    "admission",
+    "budget",
+    "stream",
+    "decode",
+    "prompt",
+    "and",
+    "of",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "with",
+    "as",
+    "on",
+    "by",
+    "this",
+    "be",
+    "are",
+    "from",
+    "at",
+    "or",
+    "an",
+    "which",
+    "gateway",
+    "envoy",
+    "latency",
+    "throughput",
+    "capacity",
+    "reservation",
+    "client",
+    "policy",
+    "queue",
+    "class",
+    "worst",
+    "case",
+    "allowed",
+    "reach",
+    "Paris",
+    "France",
+    "capital",
+    "question",
+    "answer",
+    "2026",
+    "42",
+    "(see",
+    "below)",
+    "e.g.,",
+    "it's",
+    "don't",
+    "we'll",
+    "naïve",
+    "café",
 ];
 
 /// Deterministic English-like text of `n_words` words.
@@ -46,7 +100,11 @@ fn text_of_tokens(counter: &TokenCounter, tokens: u64) -> String {
 
 fn counting(c: &mut Criterion) {
     let mut g = c.benchmark_group("count_tokens");
-    for enc in [Encoding::Cl100kBase, Encoding::O200kBase, Encoding::R50kBase] {
+    for enc in [
+        Encoding::Cl100kBase,
+        Encoding::O200kBase,
+        Encoding::R50kBase,
+    ] {
         let counter = TokenCounter::new(&TokenizerSpec::Builtin(enc)).expect("encoding");
         for tokens in [1_000u64, 8_000] {
             let t = text_of_tokens(&counter, tokens);
@@ -85,26 +143,30 @@ fn transition(c: &mut Criterion) {
     let retry = RetryAfterConfig::default();
     for leases in [10u64, 100, 1_000] {
         let bytes = ledger_with(leases).encode();
-        g.bench_with_input(BenchmarkId::new("decode_admit_encode", leases), &bytes, |b, bytes| {
-            b.iter(|| {
-                let mut l = Ledger::decode(black_box(bytes)).expect("ledger");
-                let out = l.try_admit(
-                    &AdmitRequest {
-                        id: Some(u64::MAX - 1),
-                        bytes: 1 << 20,
-                        class: "interactive",
-                        priority: 1,
-                        fingerprint: 0xabc,
-                        now_ms: 5_000,
-                        ttl_ms: 60_000,
-                    },
-                    &retry,
-                    9,
-                );
-                black_box(out);
-                black_box(l.encode())
-            })
-        });
+        g.bench_with_input(
+            BenchmarkId::new("decode_admit_encode", leases),
+            &bytes,
+            |b, bytes| {
+                b.iter(|| {
+                    let mut l = Ledger::decode(black_box(bytes)).expect("ledger");
+                    let out = l.try_admit(
+                        &AdmitRequest {
+                            id: Some(u64::MAX - 1),
+                            bytes: 1 << 20,
+                            class: "interactive",
+                            priority: 1,
+                            fingerprint: 0xabc,
+                            now_ms: 5_000,
+                            ttl_ms: 60_000,
+                        },
+                        &retry,
+                        9,
+                    );
+                    black_box(out);
+                    black_box(l.encode())
+                })
+            },
+        );
     }
     g.finish();
 }

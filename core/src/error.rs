@@ -57,6 +57,8 @@ pub enum ErrorKind {
     QueueFull,
     /// The request was cancelled to make room for a higher class.
     Preempted,
+    /// The requested model is not served here.
+    ModelNotFound,
     /// An internal failure (host call failed, ledger unreadable). Nothing was reserved.
     Internal,
 }
@@ -72,6 +74,7 @@ impl ErrorKind {
             ErrorKind::QueueTimeout => "kv_queue_timeout",
             ErrorKind::QueueFull => "kv_queue_full",
             ErrorKind::Preempted => "kv_preempted",
+            ErrorKind::ModelNotFound => "model_not_found",
             ErrorKind::Internal => "kvgate_internal_error",
         }
     }
@@ -82,7 +85,8 @@ impl ErrorKind {
             ErrorKind::InvalidRequest
             | ErrorKind::BodyTooLarge
             | ErrorKind::ContextLengthExceeded
-            | ErrorKind::KvRequestTooLarge => "invalid_request_error",
+            | ErrorKind::KvRequestTooLarge
+            | ErrorKind::ModelNotFound => "invalid_request_error",
             ErrorKind::KvCapacityExceeded | ErrorKind::QueueTimeout | ErrorKind::QueueFull => {
                 "rate_limit_error"
             }
@@ -99,6 +103,7 @@ impl ErrorKind {
             | ErrorKind::KvRequestTooLarge => 413,
             ErrorKind::KvCapacityExceeded | ErrorKind::QueueTimeout | ErrorKind::QueueFull => 429,
             ErrorKind::Preempted => 503,
+            ErrorKind::ModelNotFound => 404,
             ErrorKind::Internal => 500,
         }
     }

@@ -237,6 +237,19 @@ impl TokenCounter {
         self.bpe.encode_ordinary(text)
     }
 
+    /// The bytes of token ids (special tokens included); ids outside the vocabulary give `None`.
+    pub fn decode_bytes(&self, ids: &[Rank]) -> Option<Vec<u8>> {
+        self.bpe.decode_bytes(ids).ok()
+    }
+
+    /// The id of a special token, if this tokenizer has it.
+    pub fn special_id(&self, token: &str) -> Option<Rank> {
+        if !self.specials.contains(token) {
+            return None;
+        }
+        self.bpe.encode_with_special_tokens(token).first().copied()
+    }
+
     /// Encode a chat as ChatML, with the generation prompt for the assistant's turn.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Vec<Rank> {
         let mut out = Vec::new();
@@ -404,6 +417,9 @@ mod tests {
         let ids = c.encode_chat(&[msg("user", "hello")]);
         assert_eq!(ids.first(), Some(&1));
         assert_eq!(ids.iter().filter(|i| **i == 2).count(), 1);
+        assert_eq!(c.decode_bytes(&[12, 13]), Some(b"hello hello".to_vec()));
+        assert_eq!(c.special_id(IM_END), Some(2));
+        assert_eq!(c.special_id("<|nope|>"), None);
         // Round trip through the .tiktoken text form.
         let text = v.to_tiktoken();
         assert_eq!(CustomBpe::parse_tiktoken(&text).unwrap(), v.ranks);

@@ -1,0 +1,501 @@
+//! The HTTP surface: OpenAI-compatible completions and chat completions (JSON and SSE), models,
+//! health, Prometheus metrics, and the admission API the kvgate filter polls.
+//!
+//! Requests are validated into `Submit` values with the same parser the filter uses
+//! (kvgate-core), so both sides agree on what a request is; every error is an OpenAI-style JSON
+//! body with the right status, and nothing is allocated for a request that fails validation.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream, StreamExt};
+use kvgate_core::{effective_output_cap, parse_request, ApiError, Endpoint, ErrorKind, Input};
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::engine::{Admission, EngineHandle, Event, FinishReason, GenParams, Submit};
+use crate::tokenizer::Tokenizer;
+
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tok: Arc<Tokenizer>,
+    pub model_name: String,
+    pub spec: kvgate_core::ModelSpec,
+    pub admission: Admission,
+}
+
+type Shared = State<Arc<AppState>>;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/v1/admission/leases", get(leases))
+        .route("/v1/admission/leases/{id}/cancel", post(cancel))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// An `ApiError` as an HTTP response (the one `IntoResponse` of this surface).
+pub struct HttpError(pub ApiError);
+
+impl IntoResponse for HttpError {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.0.status as u16).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut resp = (status, self.0.body()).into_response();
+        for (k, v) in self.0.headers() {
+            if let Ok(v) = HeaderValue::from_str(&v) {
+                resp.headers_mut().insert(k, v);
+            }
+        }
+        resp
+    }
+}
+
+impl From<ApiError> for HttpError {
+    fn from(e: ApiError) -> Self {
+        HttpError(e)
+    }
+}
+
+async fn not_found() -> HttpError {
+    HttpError(ApiError::new(ErrorKind::InvalidRequest, "Unknown path.").with_status(404))
+}
+
+async fn health() -> &'static str {
+    "ok"
+}
+
+async fn models(State(st): Shared) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": 0, "owned_by": "kvgate",
+        "max_model_len": st.spec.context_tokens,
+    }]}))
+}
+
+async fn metrics(State(st): Shared) -> impl IntoResponse {
+    let body = st.engine.metrics.render(&st.engine.pool_stats());
+    ([("content-type", "text/plain; version=0.0.4")], body)
+}
+
+#[derive(serde::Deserialize)]
+struct LeasesQuery {
+    #[serde(default)]
+    since: u64,
+    #[serde(default)]
+    include: Option<String>,
+}
+
+async fn leases(State(st): Shared, Query(q): Query<LeasesQuery>) -> Json<Value> {
+    let pool = st.engine.pool_stats();
+    let (leases, finished, cursor) = {
+        let p = st
+            .engine
+            .published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let finished: Vec<_> = p
+            .finished
+            .iter()
+            .filter(|f| f.cursor > q.since)
+            .cloned()
+            .collect();
+        (p.leases.clone(), finished, p.cursor)
+    };
+    let mut tokenizer = json!({
+        "kind": "tiktoken_bpe",
+        "pattern": st.tok.bpe.pattern,
+        "special_tokens": st.tok.bpe.special_tokens.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<Map<_, _>>(),
+        "chat_template": "chatml",
+    });
+    if q.include.as_deref() == Some("tokenizer") {
+        if let Some(t) = tokenizer.as_object_mut() {
+            t.insert("ranks".into(), Value::from(st.tok.bpe.to_tiktoken()));
+        }
+    }
+    Json(json!({
+        "pool": pool,
+        "admission": st.admission,
+        "model": {
+            "name": st.model_name,
+            "spec": st.spec,
+            "fingerprint": format!("{:016x}", st.spec.fingerprint()),
+            "kv_bytes_per_token": st.spec.kv_bytes_per_token(),
+            "tokenizer": tokenizer,
+        },
+        "leases": leases,
+        "finished": finished,
+        "cursor": cursor,
+    }))
+}
+
+async fn cancel(State(st): Shared, Path(id): Path<String>) -> Result<Json<Value>, HttpError> {
+    if st.engine.cancel(id.clone()).await {
+        Ok(Json(json!({"id": id, "cancelled": true})))
+    } else {
+        Err(HttpError(
+            ApiError::new(ErrorKind::InvalidRequest, format!("No live lease {id:?}."))
+                .with_param("id")
+                .with_status(404),
+        ))
+    }
+}
+
+async fn completions(State(st): Shared, headers: HeaderMap, body: axum::body::Bytes) -> Response {
+    generate(st, headers, Endpoint::Completions, &body).await
+}
+
+async fn chat_completions(
+    State(st): Shared,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    generate(st, headers, Endpoint::ChatCompletions, &body).await
+}
+
+struct Validated {
+    prompt: Vec<u32>,
+    params: GenParams,
+    stream: bool,
+    include_usage: bool,
+}
+
+fn validate(st: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Validated, ApiError> {
+    let (req, obj) = parse_request(endpoint, body)?;
+    if let Some(m) = req.model.as_deref().filter(|m| *m != st.model_name) {
+        return Err(ApiError::new(
+            ErrorKind::ModelNotFound,
+            format!(
+                "The model `{m}` does not exist. This server serves `{}`.",
+                st.model_name
+            ),
+        )
+        .with_param("model"));
+    }
+    if req.choices() > 1 {
+        return Err(ApiError::invalid("n", "n > 1 and best_of > 1 are not supported by kvgate-backend; send one request per choice."));
+    }
+    let prompt: Vec<u32> =
+        match &req.input {
+            Input::Chat(messages) => st.tok.counter.encode_chat(messages),
+            Input::Prompts(items) if items.len() == 1 => match obj.get("prompt") {
+                Some(Value::String(s)) => st.tok.counter.encode_text(s),
+                Some(Value::Array(a)) if a.first().is_some_and(Value::is_string) => st
+                    .tok
+                    .counter
+                    .encode_text(a.first().and_then(Value::as_str).unwrap_or("")),
+                Some(Value::Array(a)) => {
+                    let flat = match a.first() {
+                        Some(Value::Array(inner)) => inner,
+                        _ => a,
+                    };
+                    flat.iter()
+                        .map(|v| v.as_u64().unwrap_or(u64::MAX) as u32)
+                        .collect()
+                }
+                _ => Vec::new(),
+            },
+            Input::Prompts(_) => return Err(ApiError::invalid(
+                "prompt",
+                "Batched prompts are not supported by kvgate-backend; send one prompt per request.",
+            )),
+        };
+    let vocab = st.tok.vocab;
+    if let Some(bad) = prompt.iter().find(|t| u64::from(**t) >= vocab) {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("Token id {bad} is outside the vocabulary of {vocab} tokens."),
+        ));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("prompt", "The prompt is empty."));
+    }
+    let context = st.spec.context_tokens;
+    let p = prompt.len() as u64;
+    let cap =
+        effective_output_cap(req.requested_cap(), p, context).map_err(|e| e.with_status(400))?;
+    if cap.clamped {
+        let asked = req.requested_cap().unwrap_or(0);
+        let field = if req.max_completion_tokens.is_some() {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        return Err(ApiError::new(
+            ErrorKind::ContextLengthExceeded,
+            format!(
+                "This model's maximum context length is {context} tokens. However, you requested {} tokens \
+                 ({p} in the prompt, {asked} for the completion). Please reduce the prompt or the completion length.",
+                p + asked
+            ),
+        )
+        .with_param(field)
+        .with_status(400));
+    }
+    let num = |field: &str, default: f64, lo: f64, hi: f64| -> Result<f64, ApiError> {
+        match obj.get(field) {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Number(n)) => match n.as_f64() {
+                Some(v) if (lo..=hi).contains(&v) => Ok(v),
+                _ => Err(ApiError::invalid(
+                    field,
+                    format!("'{field}' must be between {lo} and {hi}, got {n}."),
+                )),
+            },
+            Some(_) => Err(ApiError::invalid(
+                field,
+                format!("'{field}' must be a number."),
+            )),
+        }
+    };
+    let temperature = num("temperature", 1.0, 0.0, 2.0)? as f32;
+    let top_p = num("top_p", 1.0, 0.0, 1.0)? as f32;
+    if top_p <= 0.0 {
+        return Err(ApiError::invalid(
+            "top_p",
+            "'top_p' must be greater than 0.",
+        ));
+    }
+    let seed = match obj.get("seed") {
+        None | Some(Value::Null) => SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+        Some(v) => v
+            .as_i64()
+            .map(|s| s as u64)
+            .ok_or_else(|| ApiError::invalid("seed", "'seed' must be an integer."))?,
+    };
+    let stop = match obj.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) if a.len() <= 4 && a.iter().all(Value::is_string) => a
+            .iter()
+            .filter_map(|s| s.as_str().map(str::to_string))
+            .collect(),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop",
+                "'stop' must be a string or an array of at most 4 strings.",
+            ))
+        }
+    };
+    let include_usage = obj
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok(Validated {
+        prompt,
+        params: GenParams {
+            max_tokens: cap.cap,
+            temperature,
+            top_p,
+            seed,
+            stop,
+        },
+        stream: req.stream,
+        include_usage,
+    })
+}
+
+async fn generate(
+    st: Arc<AppState>,
+    headers: HeaderMap,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Response {
+    let v = match validate(&st, endpoint, body) {
+        Ok(v) => v,
+        Err(e) => return HttpError(e).into_response(),
+    };
+    let lease = headers
+        .get("x-kvgate-lease")
+        .and_then(|h| h.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 64)
+        .map(str::to_string);
+    let (tx, mut rx) = unbounded_channel();
+    let submitted = st.engine.submit(Submit {
+        lease,
+        prompt: v.prompt,
+        params: v.params,
+        events: tx,
+    });
+    let id = match (submitted, rx.recv().await) {
+        (true, Some(Event::Admitted { id })) => id,
+        (_, Some(Event::Rejected(e))) => return HttpError(e).into_response(),
+        _ => {
+            return HttpError(ApiError::new(
+                ErrorKind::Internal,
+                "The engine is not running.",
+            ))
+            .into_response()
+        }
+    };
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let shape = Shape {
+        endpoint,
+        id: format!("{}-{id}", endpoint_prefix(endpoint)),
+        created,
+        model: st.model_name.clone(),
+    };
+    if v.stream {
+        let mut resp = Sse::new(sse_stream(rx, shape, v.include_usage))
+            .keep_alive(KeepAlive::default())
+            .into_response();
+        if let Ok(h) = HeaderValue::from_str(&id) {
+            resp.headers_mut().insert("x-kvgate-lease", h);
+        }
+        return resp;
+    }
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Text(t) => text.push_str(&t),
+            Event::Finished { error: Some(e), .. } => return HttpError(e).into_response(),
+            Event::Finished {
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                error: None,
+            } => {
+                return Json(shape.full(&text, reason, prompt_tokens, completion_tokens))
+                    .into_response();
+            }
+            Event::Admitted { .. } | Event::Rejected(_) => {}
+        }
+    }
+    HttpError(ApiError::new(
+        ErrorKind::Internal,
+        "The engine dropped the request.",
+    ))
+    .into_response()
+}
+
+fn endpoint_prefix(e: Endpoint) -> &'static str {
+    match e {
+        Endpoint::Completions => "cmpl",
+        Endpoint::ChatCompletions => "chatcmpl",
+    }
+}
+
+/// The OpenAI response shapes of one request.
+struct Shape {
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+fn usage(p: u64, c: u64) -> Value {
+    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c})
+}
+
+impl Shape {
+    fn full(&self, text: &str, reason: FinishReason, p: u64, c: u64) -> Value {
+        match self.endpoint {
+            Endpoint::Completions => json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text, "logprobs": null, "finish_reason": reason.as_str()}],
+                "usage": usage(p, c),
+            }),
+            Endpoint::ChatCompletions => json!({
+                "id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": null, "finish_reason": reason.as_str()}],
+                "usage": usage(p, c),
+            }),
+        }
+    }
+
+    fn chunk(&self, text: Option<&str>, first: bool, reason: Option<FinishReason>) -> Value {
+        let reason = reason.map(FinishReason::as_str);
+        match self.endpoint {
+            Endpoint::Completions => json!({
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": reason}],
+            }),
+            Endpoint::ChatCompletions => {
+                let mut delta = Map::new();
+                if first {
+                    delta.insert("role".into(), "assistant".into());
+                }
+                if let Some(t) = text {
+                    delta.insert("content".into(), t.into());
+                }
+                json!({
+                    "id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                    "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": reason}],
+                })
+            }
+        }
+    }
+
+    fn usage_chunk(&self, p: u64, c: u64) -> Value {
+        let object = match self.endpoint {
+            Endpoint::Completions => "text_completion",
+            Endpoint::ChatCompletions => "chat.completion.chunk",
+        };
+        json!({"id": self.id, "object": object, "created": self.created, "model": self.model,
+               "choices": [], "usage": usage(p, c)})
+    }
+}
+
+/// Engine events → SSE. The stream owns the event receiver: when the client goes away axum
+/// drops the stream, the receiver closes, and the engine frees the sequence on its next step.
+fn sse_stream(
+    rx: UnboundedReceiver<Event>,
+    shape: Shape,
+    include_usage: bool,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let data = |v: &Value| Ok(SseEvent::default().data(v.to_string()));
+    stream::unfold(
+        (rx, shape, true, false),
+        move |(mut rx, shape, mut first, done)| async move {
+            if done {
+                return None;
+            }
+            let mut out: Vec<Result<SseEvent, Infallible>> = Vec::new();
+            let mut finished = false;
+            match rx.recv().await {
+                Some(Event::Text(t)) => {
+                    out.push(data(&shape.chunk(Some(&t), first, None)));
+                    first = false;
+                }
+                Some(Event::Finished {
+                    reason,
+                    prompt_tokens,
+                    completion_tokens,
+                    error,
+                }) => {
+                    if let Some(e) = error {
+                        let body: Value = serde_json::from_str(&e.body()).unwrap_or(Value::Null);
+                        out.push(data(&body));
+                    }
+                    out.push(data(&shape.chunk(None, first, Some(reason))));
+                    if include_usage {
+                        out.push(data(&shape.usage_chunk(prompt_tokens, completion_tokens)));
+                    }
+                    out.push(Ok(SseEvent::default().data("[DONE]")));
+                    finished = true;
+                }
+                Some(Event::Admitted { .. } | Event::Rejected(_)) => {}
+                None => return None,
+            }
+            Some((stream::iter(out), (rx, shape, first, finished)))
+        },
+    )
+    .flatten()
+}

@@ -1,0 +1,635 @@
+//! The engine: one OS thread that owns the model, the KV pool's sequences, and the waiting and
+//! running queues (continuous batching).
+//!
+//! Handlers talk to it through a cloneable `EngineHandle` (a channel). Each loop iteration:
+//! take commands; drop sequences whose client went away (their KV blocks return to the pool at
+//! once); prefill waiting sequences within a token budget; then run ONE batched decode forward
+//! for every running sequence. Forward passes never touch the async executor.
+//!
+//! Admission (`--admission`): `reserve` takes blocks for prompt + cap when a request arrives
+//! and answers 429 if they are not free, so a sequence can never run out mid-decode; `none`
+//! takes blocks as a sequence grows, and a sequence that finds none fails mid-decode (a KV OOM)
+//! — what happens to a server that admits on prompt length alone.
+
+use std::collections::VecDeque;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use kvgate_core::{ApiError, ErrorKind};
+use serde::Serialize;
+use tokio::sync::{mpsc::UnboundedSender, oneshot};
+
+use crate::metrics::Metrics;
+use crate::model::{Llama, SeqKv};
+use crate::pool::{Allocation, BlockPool, PoolStats};
+use crate::sampling::Sampler;
+use crate::tokenizer::{Detokenizer, Tokenizer};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Admission {
+    Reserve,
+    None,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    Stop,
+    Length,
+    /// No KV block left mid-decode.
+    Error,
+    /// Cancelled through the admission API.
+    Preempted,
+    /// The client went away.
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Error => "error",
+            FinishReason::Preempted => "preempted",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct GenParams {
+    pub max_tokens: u64,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: u64,
+    pub stop: Vec<String>,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// The request holds its KV and is queued for prefill.
+    Admitted {
+        id: String,
+    },
+    Rejected(ApiError),
+    Text(String),
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+        /// Set when the sequence ended abnormally (KV OOM, preempted).
+        error: Option<ApiError>,
+    },
+}
+
+pub struct Submit {
+    pub lease: Option<String>,
+    pub prompt: Vec<u32>,
+    pub params: GenParams,
+    pub events: UnboundedSender<Event>,
+}
+
+enum Command {
+    Submit(Box<Submit>),
+    Cancel(String, oneshot::Sender<bool>),
+}
+
+/// A live sequence as the leases endpoint reports it.
+#[derive(Debug, Clone, Serialize)]
+pub struct LeaseView {
+    pub id: String,
+    pub state: &'static str,
+    pub prompt_tokens: u64,
+    pub max_tokens: u64,
+    pub reserved_tokens: u64,
+    pub reserved_bytes: u64,
+    pub used_tokens: u64,
+    pub used_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FinishedView {
+    pub cursor: u64,
+    pub id: String,
+    pub reason: FinishReason,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// What the engine publishes after every step, for handlers to read without waiting on it.
+#[derive(Debug, Default)]
+pub struct Published {
+    pub leases: Vec<LeaseView>,
+    pub finished: VecDeque<FinishedView>,
+    pub cursor: u64,
+}
+
+const FINISHED_KEPT: usize = 4096;
+
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: Sender<Command>,
+    pub published: Arc<Mutex<Published>>,
+    pub pool: BlockPool,
+    pub metrics: Arc<Metrics>,
+}
+
+impl EngineHandle {
+    pub fn submit(&self, s: Submit) -> bool {
+        self.tx.send(Command::Submit(Box::new(s))).is_ok()
+    }
+
+    pub async fn cancel(&self, id: String) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Command::Cancel(id, tx)).is_err() {
+            return false;
+        }
+        rx.await.unwrap_or(false)
+    }
+
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+}
+
+pub struct EngineConfig {
+    pub admission: Admission,
+    pub max_batch: usize,
+    pub prefill_token_budget: usize,
+}
+
+struct Seq {
+    id: String,
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
+    params: GenParams,
+    kv: Option<SeqKv>,
+    alloc: Allocation,
+    detok: Detokenizer,
+    emitted: usize,
+    sampler: Sampler,
+    events: UnboundedSender<Event>,
+    arrived: Instant,
+}
+
+impl Seq {
+    fn used_tokens(&self) -> u64 {
+        self.kv.as_ref().map_or(0, |k| k.len() as u64)
+    }
+}
+
+pub fn spawn(
+    model: Llama,
+    tok: Tokenizer,
+    pool: BlockPool,
+    cfg: EngineConfig,
+    metrics: Arc<Metrics>,
+) -> EngineHandle {
+    let (tx, rx) = mpsc::channel();
+    let published = Arc::new(Mutex::new(Published::default()));
+    let handle = EngineHandle {
+        tx,
+        published: Arc::clone(&published),
+        pool: pool.clone(),
+        metrics: Arc::clone(&metrics),
+    };
+    let engine = Engine {
+        model,
+        tok,
+        pool,
+        cfg,
+        metrics,
+        published,
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        next_internal_id: 0,
+    };
+    let spawned = std::thread::Builder::new()
+        .name("kvgate-engine".into())
+        .spawn(move || engine.run(rx));
+    if let Err(e) = spawned {
+        eprintln!("kvgate-backend: cannot start the engine thread: {e}");
+        std::process::exit(1);
+    }
+    handle
+}
+
+struct Engine {
+    model: Llama,
+    tok: Tokenizer,
+    pool: BlockPool,
+    cfg: EngineConfig,
+    metrics: Arc<Metrics>,
+    published: Arc<Mutex<Published>>,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    next_internal_id: u64,
+}
+
+impl Engine {
+    fn run(mut self, rx: Receiver<Command>) {
+        loop {
+            let idle = self.waiting.is_empty() && self.running.is_empty();
+            // Idle: block for work (with a timeout so published state stays fresh).
+            let first = if idle {
+                match rx.recv_timeout(Duration::from_millis(500)) {
+                    Ok(c) => Some(c),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            } else {
+                None
+            };
+            for cmd in first
+                .into_iter()
+                .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+            {
+                match cmd {
+                    Command::Submit(s) => self.admit(*s),
+                    Command::Cancel(id, reply) => {
+                        let found = self.preempt(&id);
+                        let _ = reply.send(found);
+                    }
+                }
+            }
+            self.drop_abandoned();
+            self.prefill_waiting();
+            self.decode_step();
+            self.publish();
+        }
+    }
+
+    fn admit(&mut self, s: Submit) {
+        let id = s.lease.clone().unwrap_or_else(|| {
+            self.next_internal_id += 1;
+            format!("internal-{}", self.next_internal_id)
+        });
+        let prompt_len = s.prompt.len() as u64;
+        let reserve_tokens = match self.cfg.admission {
+            Admission::Reserve => prompt_len + s.params.max_tokens,
+            Admission::None => 0,
+        };
+        let Some(alloc) = self.pool.allocate(self.pool.blocks_for(reserve_tokens)) else {
+            Metrics::add(&self.metrics.rejected_kv, 1);
+            let need = u64::from(self.pool.blocks_for(reserve_tokens)) * self.pool.block_bytes;
+            let free = self.pool.stats().free_bytes;
+            let err = ApiError::new(
+                ErrorKind::KvCapacityExceeded,
+                format!(
+                    "The backend's KV cache cannot hold this request now: it needs {need} bytes \
+                     (prompt {prompt_len} + max_tokens {} tokens) and {free} bytes are free.",
+                    s.params.max_tokens
+                ),
+            )
+            .with_extra("need_bytes", need)
+            .with_extra("free_bytes", free)
+            .with_retry_after_ms(1000);
+            let _ = s.events.send(Event::Rejected(err));
+            return;
+        };
+        Metrics::add(&self.metrics.requests, 1);
+        let _ = s.events.send(Event::Admitted { id: id.clone() });
+        self.waiting.push_back(Seq {
+            id,
+            sampler: Sampler::new(s.params.temperature, s.params.top_p, s.params.seed),
+            prompt: s.prompt,
+            generated: Vec::new(),
+            params: s.params,
+            kv: None,
+            alloc,
+            detok: Detokenizer::default(),
+            emitted: 0,
+            events: s.events,
+            arrived: Instant::now(),
+        });
+    }
+
+    fn preempt(&mut self, id: &str) -> bool {
+        let seq = if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            self.running.swap_remove(i)
+        } else if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            match self.waiting.remove(i) {
+                Some(s) => s,
+                None => return false,
+            }
+        } else {
+            return false;
+        };
+        Metrics::add(&self.metrics.preempted, 1);
+        let err = ApiError::new(
+            ErrorKind::Preempted,
+            "This generation was preempted to make room for higher-priority work. Retry the request.",
+        )
+        .with_retry_after_ms(1000);
+        self.finish(seq, FinishReason::Preempted, Some(err));
+        true
+    }
+
+    fn drop_abandoned(&mut self) {
+        let gone = |s: &Seq| s.events.is_closed();
+        let mut abandoned: Vec<Seq> = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running.get(i).is_some_and(gone) {
+                abandoned.push(self.running.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        let (gone_waiting, keep): (VecDeque<Seq>, VecDeque<Seq>) =
+            std::mem::take(&mut self.waiting)
+                .into_iter()
+                .partition(gone);
+        self.waiting = keep;
+        abandoned.extend(gone_waiting);
+        for s in abandoned {
+            Metrics::add(&self.metrics.cancelled, 1);
+            self.finish(s, FinishReason::Cancelled, None);
+        }
+    }
+
+    fn prefill_waiting(&mut self) {
+        let mut budget = self.cfg.prefill_token_budget;
+        while self.running.len() < self.cfg.max_batch {
+            let Some(front) = self.waiting.front() else {
+                break;
+            };
+            // Always take at least one sequence so a long prompt cannot starve.
+            if front.prompt.len() > budget && budget < self.cfg.prefill_token_budget {
+                break;
+            }
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            budget = budget.saturating_sub(seq.prompt.len());
+            Metrics::add(
+                &self.metrics.queue_us,
+                seq.arrived.elapsed().as_micros() as u64,
+            );
+            // Room for the prompt (and, in reserve mode, everything it may generate).
+            if !seq.alloc.ensure_tokens(seq.prompt.len() as u64) {
+                self.kv_oom(seq);
+                continue;
+            }
+            let started = Instant::now();
+            let result = self
+                .model
+                .new_kv(seq.alloc.tokens() as usize)
+                .and_then(|mut kv| {
+                    self.model
+                        .prefill(&seq.prompt, &mut kv)
+                        .map(|logits| (kv, logits))
+                })
+                .and_then(|(kv, logits)| Ok((kv, logits.to_vec1::<f32>()?)));
+            Metrics::add(
+                &self.metrics.prefill_us,
+                started.elapsed().as_micros() as u64,
+            );
+            match result {
+                Ok((kv, logits)) => {
+                    Metrics::add(&self.metrics.prompt_tokens, seq.prompt.len() as u64);
+                    seq.kv = Some(kv);
+                    let next = seq.sampler.sample(&logits);
+                    if let Some((reason, error)) = self.accept_token(&mut seq, next) {
+                        self.finish(seq, reason, error);
+                    } else {
+                        self.running.push(seq);
+                    }
+                }
+                Err(e) => self.internal_failure(seq, &e),
+            }
+        }
+    }
+
+    fn decode_step(&mut self) {
+        if self.running.is_empty() {
+            return;
+        }
+        // Every running sequence needs a KV slot for the token it feeds now.
+        let mut i = 0;
+        while i < self.running.len() {
+            let ok = match self.running.get_mut(i) {
+                Some(s) => {
+                    let need = s.used_tokens() + 1;
+                    let grown = s.alloc.ensure_tokens(need);
+                    if grown {
+                        let cap = s.alloc.tokens() as usize;
+                        if let Some(kv) = s.kv.as_mut() {
+                            if cap > kv.capacity() {
+                                if let Err(e) = self.model.grow_kv(kv, cap) {
+                                    eprintln!("kvgate-backend: growing a KV cache failed: {e:#}");
+                                }
+                            }
+                        }
+                    }
+                    grown && s.kv.as_ref().is_some_and(|kv| kv.len() < kv.capacity())
+                }
+                None => true,
+            };
+            if ok {
+                i += 1;
+            } else {
+                let seq = self.running.swap_remove(i);
+                self.kv_oom(seq);
+            }
+        }
+        if self.running.is_empty() {
+            return;
+        }
+        let tokens: Vec<u32> = self
+            .running
+            .iter()
+            .map(|s| s.generated.last().copied().unwrap_or(0))
+            .collect();
+        let started = Instant::now();
+        let result = {
+            let mut kvs: Vec<&mut SeqKv> = self
+                .running
+                .iter_mut()
+                .filter_map(|s| s.kv.as_mut())
+                .collect();
+            self.model
+                .decode(&tokens, &mut kvs)
+                .and_then(|l| Ok(l.to_vec2::<f32>()?))
+        };
+        Metrics::add(
+            &self.metrics.decode_us,
+            started.elapsed().as_micros() as u64,
+        );
+        Metrics::add(&self.metrics.decode_steps, 1);
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                for seq in std::mem::take(&mut self.running) {
+                    self.internal_failure(seq, &e);
+                }
+                return;
+            }
+        };
+        let running = std::mem::take(&mut self.running);
+        for (mut seq, row) in running.into_iter().zip(logits) {
+            let next = seq.sampler.sample(&row);
+            match self.accept_token(&mut seq, next) {
+                Some((reason, error)) => self.finish(seq, reason, error),
+                None => self.running.push(seq),
+            }
+        }
+    }
+
+    /// Record a sampled token, stream its text, and decide whether the sequence is done.
+    fn accept_token(
+        &mut self,
+        seq: &mut Seq,
+        token: u32,
+    ) -> Option<(FinishReason, Option<ApiError>)> {
+        if self.tok.stop_ids.contains(&token) {
+            self.flush_text(seq, None);
+            return Some((FinishReason::Stop, None));
+        }
+        seq.generated.push(token);
+        Metrics::add(&self.metrics.generated_tokens, 1);
+        if let Some(bytes) = self.tok.counter.decode_bytes(&[token]) {
+            seq.detok.push(&bytes);
+        }
+        if let Some(at) = find_stop(&seq.detok.text, &seq.params.stop) {
+            self.flush_text(seq, Some(at));
+            return Some((FinishReason::Stop, None));
+        }
+        if seq.generated.len() as u64 >= seq.params.max_tokens {
+            self.flush_text(seq, None);
+            return Some((FinishReason::Length, None));
+        }
+        // Hold back text that could still become a stop string.
+        let hold = seq
+            .params
+            .stop
+            .iter()
+            .map(|s| s.len().saturating_sub(1))
+            .max()
+            .unwrap_or(0);
+        let mut end = seq.detok.text.len().saturating_sub(hold);
+        while !seq.detok.text.is_char_boundary(end) {
+            end -= 1;
+        }
+        if end > seq.emitted {
+            let chunk = seq
+                .detok
+                .text
+                .get(seq.emitted..end)
+                .unwrap_or("")
+                .to_string();
+            seq.emitted = end;
+            let _ = seq.events.send(Event::Text(chunk));
+        }
+        None
+    }
+
+    fn flush_text(&self, seq: &mut Seq, end: Option<usize>) {
+        let end = end.unwrap_or(seq.detok.text.len());
+        if end > seq.emitted {
+            let chunk = seq
+                .detok
+                .text
+                .get(seq.emitted..end)
+                .unwrap_or("")
+                .to_string();
+            seq.emitted = end;
+            let _ = seq.events.send(Event::Text(chunk));
+        }
+    }
+
+    fn kv_oom(&mut self, seq: Seq) {
+        Metrics::add(&self.metrics.kv_oom, 1);
+        let used = seq.used_tokens();
+        let err = ApiError::new(
+            ErrorKind::Internal,
+            format!(
+                "The backend ran out of KV cache mid-decode after {used} tokens ({} generated) and \
+                 stopped this generation. An admission gateway (kvgate) prevents this by reserving \
+                 the worst case up front.",
+                seq.generated.len()
+            ),
+        )
+        .with_status(503);
+        self.finish(seq, FinishReason::Error, Some(err));
+    }
+
+    fn internal_failure(&mut self, seq: Seq, e: &anyhow::Error) {
+        eprintln!("kvgate-backend: sequence {} failed: {e:#}", seq.id);
+        let err = ApiError::new(
+            ErrorKind::Internal,
+            format!("The model failed on this request: {e}"),
+        );
+        self.finish(seq, FinishReason::Error, Some(err));
+    }
+
+    /// End a sequence: report it, record it for the filter, and free its KV (drop).
+    fn finish(&mut self, mut seq: Seq, reason: FinishReason, error: Option<ApiError>) {
+        if error.is_none() {
+            self.flush_text(&mut seq, None);
+        }
+        let prompt_tokens = seq.prompt.len() as u64;
+        let completion_tokens = seq.generated.len() as u64;
+        let _ = seq.events.send(Event::Finished {
+            reason,
+            prompt_tokens,
+            completion_tokens,
+            error,
+        });
+        let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        p.cursor += 1;
+        let cursor = p.cursor;
+        p.finished.push_back(FinishedView {
+            cursor,
+            id: seq.id.clone(),
+            reason,
+            prompt_tokens,
+            completion_tokens,
+        });
+        while p.finished.len() > FINISHED_KEPT {
+            p.finished.pop_front();
+        }
+        // `seq` (and its Allocation) drops here: the blocks are back in the pool.
+    }
+
+    fn publish(&self) {
+        let per_token = self.pool.block_bytes / u64::from(self.pool.block_tokens.max(1));
+        let view = |s: &Seq, state: &'static str| LeaseView {
+            id: s.id.clone(),
+            state,
+            prompt_tokens: s.prompt.len() as u64,
+            max_tokens: s.params.max_tokens,
+            reserved_tokens: s.alloc.tokens(),
+            reserved_bytes: s.alloc.bytes(),
+            used_tokens: s.used_tokens(),
+            used_bytes: s.used_tokens() * per_token,
+        };
+        let leases = self
+            .waiting
+            .iter()
+            .map(|s| view(s, "waiting"))
+            .chain(self.running.iter().map(|s| view(s, "running")))
+            .collect();
+        self.metrics.running.store(
+            self.running.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        self.metrics.waiting.store(
+            self.waiting.len() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        p.leases = leases;
+    }
+}
+
+/// Byte offset of the first stop string in `text`, if any.
+fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
+    stops
+        .iter()
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| text.find(s.as_str()))
+        .min()
+}

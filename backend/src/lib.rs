@@ -1,0 +1,11 @@
+//! kvgate-backend as a library: the model, the KV block pool, the engine and the HTTP surface.
+//! The binary (`main.rs`) wires them from command-line flags; tests and benchmarks use them
+//! directly.
+
+pub mod api;
+pub mod engine;
+pub mod metrics;
+pub mod model;
+pub mod pool;
+pub mod sampling;
+pub mod tokenizer;

@@ -1,0 +1,150 @@
+//! kvgate-backend: an OpenAI-compatible LLM server with continuous batching and a KV block pool
+//! under a hard byte budget, reporting its leases to the kvgate filter.
+
+use kvgate_backend::{api, engine, metrics, model, pool, tokenizer};
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context as _, Result};
+use candle_core::quantized::gguf_file;
+use candle_core::Device;
+use clap::Parser;
+
+use crate::engine::{Admission, EngineConfig};
+
+/// An OpenAI-compatible LLM server whose KV cache is a block pool with a hard byte budget.
+#[derive(Parser, Debug)]
+#[command(version, about)]
+struct Args {
+    /// GGUF model file (Llama family). `make setup` fetches the default SmolLM2-135M-Instruct.
+    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    model: PathBuf,
+    /// The model name clients send (`model` field) and /v1/models lists.
+    #[arg(long, default_value = "smollm2-135m-instruct")]
+    model_name: String,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Device: `cpu`, or `cuda:N` (build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Hard budget of the KV cache in bytes (rounded down to whole blocks).
+    #[arg(long, default_value_t = 512 * 1024 * 1024)]
+    kv_cache_bytes: u64,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// `reserve`: hold prompt + max_tokens blocks from arrival, 429 when they are not free (never
+    /// OOM mid-decode). `none`: take blocks as sequences grow (can fail mid-decode).
+    #[arg(long, value_enum, default_value_t = Admission::Reserve)]
+    admission: Admission,
+    /// Most sequences decoded together in one batched step.
+    #[arg(long, default_value_t = 16)]
+    max_batch: usize,
+    /// Prompt tokens prefilled per scheduler step (at least one prompt is always taken).
+    #[arg(long, default_value_t = 2048)]
+    prefill_token_budget: usize,
+    /// Cap on the context length (the model's own is used when smaller).
+    #[arg(long, default_value_t = 8192)]
+    max_context: usize,
+}
+
+fn device(spec: &str) -> Result<Device> {
+    if spec == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    if let Some(n) = spec.strip_prefix("cuda:") {
+        let n: usize = n.parse().with_context(|| format!("bad device {spec:?}"))?;
+        return Device::new_cuda(n)
+            .with_context(|| format!("CUDA device {n} (was this built with --features cuda?)"));
+    }
+    bail!("unknown device {spec:?}: use cpu or cuda:N")
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let dev = device(&args.device)?;
+    if args.block_size == 0 {
+        bail!("--block-size must be at least 1");
+    }
+    let started = std::time::Instant::now();
+    let mut file = std::fs::File::open(&args.model).with_context(|| {
+        format!(
+            "opening model {} (run `make setup` to fetch the default model)",
+            args.model.display()
+        )
+    })?;
+    let ct = gguf_file::Content::read(&mut file)
+        .with_context(|| format!("reading GGUF {}", args.model.display()))?;
+    let cfg = model::Config::from_gguf(&ct, args.max_context)?;
+    let tok = tokenizer::Tokenizer::from_gguf(&ct)?;
+    let llama = model::Llama::from_gguf(&ct, &mut file, cfg.clone(), &dev)?;
+    let spec = cfg.kv_spec();
+    spec.validate()?;
+    let per_token = spec
+        .kv_bytes_per_token()
+        .context("KV bytes per token overflow")?;
+    let pool = pool::BlockPool::new(args.kv_cache_bytes, args.block_size, per_token);
+    let stats = pool.stats();
+    if stats.blocks_total == 0 {
+        bail!(
+            "--kv-cache-bytes {} is smaller than one block ({} bytes)",
+            args.kv_cache_bytes,
+            stats.block_bytes
+        );
+    }
+    let metrics = Arc::new(metrics::Metrics::default());
+    let tok = Arc::new(tok);
+    let engine = engine::spawn(
+        llama,
+        tokenizer::Tokenizer::from_gguf(&ct)?,
+        pool,
+        EngineConfig {
+            admission: args.admission,
+            max_batch: args.max_batch.max(1),
+            prefill_token_budget: args.prefill_token_budget.max(1),
+        },
+        metrics,
+    );
+    let state = Arc::new(api::AppState {
+        engine,
+        tok,
+        model_name: args.model_name.clone(),
+        spec,
+        admission: args.admission,
+    });
+    let addr: SocketAddr = format!("{}:{}", args.host, args.port)
+        .parse()
+        .context("bad --host/--port")?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    eprintln!(
+        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; admission {:?}; loaded in {:.1}s)",
+        env!("CARGO_PKG_VERSION"),
+        args.model_name,
+        listener.local_addr()?,
+        args.device,
+        cfg.layers,
+        cfg.kv_heads,
+        cfg.head_dim,
+        cfg.context,
+        stats.blocks_total,
+        stats.block_tokens,
+        stats.capacity_bytes,
+        per_token,
+        args.admission,
+        started.elapsed().as_secs_f64(),
+    );
+    axum::serve(listener, api::router(state))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(())
+}
