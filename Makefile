@@ -9,7 +9,7 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make test   - build everything and run every test (what CI runs)"
@@ -80,7 +80,11 @@ backend: backend-build model
 
 test: setup lint test-core test-core-wasm validate test-gateway test-backend
 
-bench: bench-core bench-gateway
+bench: bench-core bench-gateway bench-backend
+
+# Decode tok/s vs candle-transformers, batching at 1/4/8/16 streams, time to first token.
+bench-backend: model
+	cargo run --release -p kvgate-backend --example decode_bench
 
 # Criterion: token counting and one ledger transition.
 bench-core:

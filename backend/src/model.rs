@@ -123,10 +123,11 @@ pub struct Llama {
     device: Device,
 }
 
-/// One sequence's KV cache: per layer, K and V of shape `[kv_heads, capacity, head_dim]`.
-/// Capacity grows only when the caller has secured KV blocks for it.
+/// One sequence's KV cache, in host memory: per layer, K and V as `[position][kv_head][head_dim]`
+/// f32, so appending a token is one contiguous copy and growing never re-lays out the data.
+/// `capacity` is what the caller's KV blocks pay for; the vectors never hold more.
 pub struct SeqKv {
-    layers: Vec<(Tensor, Tensor)>,
+    layers: Vec<(Vec<f32>, Vec<f32>)>,
     len: usize,
     capacity: usize,
 }
@@ -219,12 +220,15 @@ impl Llama {
 
     /// An empty KV cache holding room for `capacity` tokens.
     pub fn new_kv(&self, capacity: usize) -> Result<SeqKv> {
-        let c = &self.cfg;
-        let mut layers = Vec::with_capacity(c.layers);
-        for _ in 0..c.layers {
-            let z = || Tensor::zeros((c.kv_heads, capacity, c.head_dim), DType::F32, &self.device);
-            layers.push((z()?, z()?));
-        }
+        let row = self.cfg.kv_heads * self.cfg.head_dim;
+        let layers = (0..self.cfg.layers)
+            .map(|_| {
+                (
+                    Vec::with_capacity(capacity * row),
+                    Vec::with_capacity(capacity * row),
+                )
+            })
+            .collect();
         Ok(SeqKv {
             layers,
             len: 0,
@@ -237,38 +241,34 @@ impl Llama {
         if capacity <= kv.capacity {
             return Ok(());
         }
-        let c = &self.cfg;
+        let row = self.cfg.kv_heads * self.cfg.head_dim;
         for (k, v) in kv.layers.iter_mut() {
-            for t in [k, v] {
-                let bigger =
-                    Tensor::zeros((c.kv_heads, capacity, c.head_dim), DType::F32, &self.device)?;
-                if kv.len > 0 {
-                    bigger.slice_set(&t.narrow(1, 0, kv.len)?.contiguous()?, 1, 0)?;
-                }
-                *t = bigger;
-            }
+            k.reserve_exact(capacity * row - k.len());
+            v.reserve_exact(capacity * row - v.len());
         }
         kv.capacity = capacity;
         Ok(())
     }
 
-    /// Prefill one sequence with `tokens` (appended after what its cache holds); returns the
-    /// logits of the last position, `[vocab]`.
+    /// Prefill an empty cache with `tokens`; returns the logits of the last position, `[vocab]`.
     pub fn prefill(&self, tokens: &[u32], kv: &mut SeqKv) -> Result<Tensor> {
         let t = tokens.len();
         if t == 0 {
             bail!("empty prompt");
         }
-        if kv.len + t > kv.capacity {
-            bail!("KV cache too small: {} + {} > {}", kv.len, t, kv.capacity);
+        if !kv.is_empty() {
+            bail!("prefill needs an empty KV cache");
+        }
+        if t > kv.capacity {
+            bail!("KV cache too small: {t} > {}", kv.capacity);
         }
         let c = &self.cfg;
-        let start = kv.len;
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?; // [t, hidden]
-        let cos = self.cos.narrow(0, start, t)?;
-        let sin = self.sin.narrow(0, start, t)?;
-        let mask = causal_mask(t, start + t, start, &self.device)?;
+        let cos = self.cos.narrow(0, 0, t)?;
+        let sin = self.sin.narrow(0, 0, t)?;
+        let mask = causal_mask(t, &self.device)?;
+        let groups = c.heads / c.kv_heads;
         for (layer, (kc, vc)) in self.layers.iter().zip(kv.layers.iter_mut()) {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
             let q = h
@@ -281,20 +281,30 @@ impl Llama {
                 .reshape((1, t, c.kv_heads, c.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let v = h
-                .matmul(&layer.wv)?
-                .reshape((t, c.kv_heads, c.head_dim))?
-                .transpose(0, 1)?
-                .contiguous()?;
+            let v = h.matmul(&layer.wv)?.reshape((t, c.kv_heads, c.head_dim))?;
             let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?.squeeze(0)?; // [heads, t, hd]
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?.squeeze(0)?; // [kv, t, hd]
-            kc.slice_set(&k, 1, start)?;
-            vc.slice_set(&v, 1, start)?;
-            let y = self.attend(&q, kc, vc, start + t, Some(&mask))?; // [t, heads*hd]
+                                                                                // The cache is [position][kv][hd]: store K transposed back, V as projected.
+            kc.extend(k.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?);
+            vc.extend(v.flatten_all()?.to_vec1::<f32>()?);
+            // Causal attention over the prompt, grouped-query: head h reads KV head h / groups.
+            let v = v.transpose(0, 1)?.contiguous()?; // [kv, t, hd]
+            let q = q.reshape((c.kv_heads, groups * t, c.head_dim))?;
+            let att = (q.matmul(&k.t()?)? / (c.head_dim as f64).sqrt())?; // [kv, groups*t, t]
+            let att = att
+                .reshape((c.kv_heads, groups, t, t))?
+                .broadcast_add(&mask)?
+                .reshape((c.kv_heads, groups * t, t))?;
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let y = att.matmul(&v)?; // [kv, groups*t, hd]
+            let y = y
+                .reshape((c.heads, t, c.head_dim))?
+                .transpose(0, 1)?
+                .reshape((t, c.heads * c.head_dim))?;
             x = (x + y.matmul(&layer.wo)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
-        kv.len += t;
+        kv.len = t;
         let last = x.i(t - 1)?.unsqueeze(0)?;
         let last = candle_nn::ops::rms_norm(&last, &self.norm, c.rms_eps as f32)?;
         Ok(last.matmul(&self.lm_head)?.squeeze(0)?)
@@ -302,6 +312,10 @@ impl Llama {
 
     /// One decode step for a batch: `tokens[b]` is appended to `kvs[b]`. Returns logits
     /// `[batch, vocab]`. Every cache must have room for one more token.
+    ///
+    /// Projections, norms and the MLP run batched on the device; attention, whose length differs
+    /// per sequence, runs per sequence over the host-side caches (a tight loop instead of a dozen
+    /// small tensor ops per sequence and layer, which dominated batched steps).
     pub fn decode(&self, tokens: &[u32], kvs: &mut [&mut SeqKv]) -> Result<Tensor> {
         let b = tokens.len();
         if b == 0 || b != kvs.len() {
@@ -321,28 +335,39 @@ impl Llama {
         let cos = self.cos.index_select(&pos, 0)?.unsqueeze(1)?.contiguous()?; // [b, 1, hd/2]
         let sin = self.sin.index_select(&pos, 0)?.unsqueeze(1)?.contiguous()?;
         let mut x = self.embed.index_select(&ids, 0)?; // [b, hidden]
+        let (q_row, kv_row) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut out = vec![0f32; b * q_row];
+        let mut scores = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
             let q = h.matmul(&layer.wq)?.reshape((b, c.heads, 1, c.head_dim))?;
             let k = h
                 .matmul(&layer.wk)?
                 .reshape((b, c.kv_heads, 1, c.head_dim))?;
-            let v = h
-                .matmul(&layer.wv)?
-                .reshape((b, c.kv_heads, 1, c.head_dim))?;
-            let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?;
-            let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?;
-            let mut ys = Vec::with_capacity(b);
+            let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            let v = h.matmul(&layer.wv)?.flatten_all()?.to_vec1::<f32>()?;
             for (bi, kv) in kvs.iter_mut().enumerate() {
-                let at = kv.len;
+                let len = kv.len + 1;
                 let Some((kc, vc)) = kv.layers.get_mut(li) else {
                     bail!("layer {li} missing in cache")
                 };
-                kc.slice_set(&k.i(bi)?.contiguous()?, 1, at)?;
-                vc.slice_set(&v.i(bi)?.contiguous()?, 1, at)?;
-                ys.push(self.attend(&q.i(bi)?, kc, vc, at + 1, None)?);
+                let row = bi * kv_row..(bi + 1) * kv_row;
+                kc.extend_from_slice(k.get(row.clone()).unwrap_or(&[]));
+                vc.extend_from_slice(v.get(row).unwrap_or(&[]));
+                let (Some(qb), Some(ob)) = (
+                    q.get(bi * q_row..(bi + 1) * q_row),
+                    out.get_mut(bi * q_row..(bi + 1) * q_row),
+                ) else {
+                    bail!("decode buffers misaligned");
+                };
+                attend_host(c, qb, kc, vc, len, ob, &mut scores);
             }
-            let y = Tensor::cat(&ys, 0)?; // [b, heads*hd]
+            let y = Tensor::from_slice(&out, (b, q_row), &self.device)?;
             x = (x + y.matmul(&layer.wo)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
@@ -353,37 +378,6 @@ impl Llama {
         Ok(x.matmul(&self.lm_head)?)
     }
 
-    /// Attention of `q` `[heads, t, hd]` over the first `len` cached positions; returns
-    /// `[t, heads*hd]`. Grouped-query: head `h` reads KV head `h / (heads / kv_heads)`.
-    fn attend(
-        &self,
-        q: &Tensor,
-        kc: &Tensor,
-        vc: &Tensor,
-        len: usize,
-        mask: Option<&Tensor>,
-    ) -> Result<Tensor> {
-        let c = &self.cfg;
-        let t = q.dim(1)?;
-        let groups = c.heads / c.kv_heads;
-        let k = kc.narrow(1, 0, len)?; // [kv, len, hd]
-        let v = vc.narrow(1, 0, len)?;
-        let q = q.reshape((c.kv_heads, groups * t, c.head_dim))?;
-        let att = (q.matmul(&k.t()?)? / (c.head_dim as f64).sqrt())?; // [kv, groups*t, len]
-        let att = match mask {
-            Some(m) => att
-                .reshape((c.kv_heads, groups, t, len))?
-                .broadcast_add(m)?
-                .reshape((c.kv_heads, groups * t, len))?,
-            None => att,
-        };
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
-        let y = att.matmul(&v.contiguous()?)?; // [kv, groups*t, hd]
-        Ok(y.reshape((c.heads, t, c.head_dim))?
-            .transpose(0, 1)?
-            .reshape((t, c.heads * c.head_dim))?)
-    }
-
     fn mlp(&self, layer: &Layer, x: &Tensor) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(x, &layer.ffn_norm, self.cfg.rms_eps as f32)?;
         let gate = candle_nn::ops::silu(&h.matmul(&layer.w_gate)?)?;
@@ -392,15 +386,56 @@ impl Llama {
     }
 }
 
-/// `[t, len]` additive mask: query `i` (at absolute position `start + i`) sees keys `≤ start + i`.
-fn causal_mask(t: usize, len: usize, start: usize, device: &Device) -> Result<Tensor> {
-    let mut m = vec![0f32; t * len];
-    for i in 0..t {
-        for j in (start + i + 1)..len {
-            if let Some(x) = m.get_mut(i * len + j) {
-                *x = f32::NEG_INFINITY;
+/// `[t, t]` additive causal mask: query `i` sees keys `≤ i`.
+fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+    let m: Vec<f32> = (0..t * t)
+        .map(|n| {
+            if n % t > n / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(m, (t, t), device)?)
+}
+
+/// One query token's attention over `len` cached positions (layout `[pos][kv][hd]`), written to
+/// `out` (`[heads][hd]`). Grouped-query: head `h` reads KV head `h / (heads / kv_heads)`.
+fn attend_host(
+    c: &Config,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    len: usize,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let (hd, kvh) = (c.head_dim, c.kv_heads);
+    let groups = c.heads / kvh;
+    let scale = 1.0 / (hd as f32).sqrt();
+    scores.resize(len, 0.0);
+    for (h, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
+        let g = h / groups;
+        let mut max = f32::NEG_INFINITY;
+        for (p, s) in scores.iter_mut().enumerate() {
+            let at = (p * kvh + g) * hd;
+            let kp = k.get(at..at + hd).unwrap_or(&[]);
+            *s = qh.iter().zip(kp).map(|(a, b)| a * b).sum::<f32>() * scale;
+            max = max.max(*s);
+        }
+        let mut sum = 0.0;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        oh.fill(0.0);
+        for (p, s) in scores.iter().enumerate() {
+            let w = s / sum;
+            let at = (p * kvh + g) * hd;
+            for (o, x) in oh.iter_mut().zip(v.get(at..at + hd).unwrap_or(&[])) {
+                *o += w * x;
             }
         }
     }
-    Ok(Tensor::from_vec(m, (t, len), device)?)
 }

@@ -3,6 +3,7 @@
 //! sequences of different lengths (batching must not change any sequence's output).
 //!
 //! Needs the default model (`make setup` fetches it); run in release (`make test` does).
+#![allow(clippy::unwrap_used, clippy::indexing_slicing)]
 
 use std::path::PathBuf;
 
@@ -14,13 +15,17 @@ use kvgate_backend::tokenizer::Tokenizer;
 use kvgate_core::request::ChatMessage;
 
 fn model_path() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    let p =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/SmolLM2-135M-Instruct.Q4_1.gguf");
     assert!(p.exists(), "{} missing: run `make setup`", p.display());
     p
 }
 
 fn chat(tok: &Tokenizer, q: &str) -> Vec<u32> {
-    tok.counter.encode_chat(&[ChatMessage { role: "user".into(), content: q.into() }])
+    tok.counter.encode_chat(&[ChatMessage {
+        role: "user".into(),
+        content: q.into(),
+    }])
 }
 
 /// Greedy decode with candle-transformers' reference implementation (all weights dequantized).
@@ -29,8 +34,16 @@ fn reference(prompt: &[u32], steps: usize, stop: &[u32]) -> Vec<u32> {
     std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
     let mut f = std::fs::File::open(model_path()).unwrap();
     let ct = gguf_file::Content::read(&mut f).unwrap();
-    let mut m = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(ct, &mut f, &Device::Cpu).unwrap();
-    let input = Tensor::new(prompt, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let mut m = candle_transformers::models::quantized_llama::ModelWeights::from_gguf(
+        ct,
+        &mut f,
+        &Device::Cpu,
+    )
+    .unwrap();
+    let input = Tensor::new(prompt, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
     let logits = m.forward(&input, 0).unwrap().squeeze(0).unwrap();
     let mut next = argmax(&logits.to_vec1::<f32>().unwrap());
     let mut out = vec![];
@@ -39,8 +52,15 @@ fn reference(prompt: &[u32], steps: usize, stop: &[u32]) -> Vec<u32> {
             break;
         }
         out.push(next);
-        let input = Tensor::new(&[next], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let logits = m.forward(&input, prompt.len() + i).unwrap().squeeze(0).unwrap();
+        let input = Tensor::new(&[next], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits = m
+            .forward(&input, prompt.len() + i)
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
         next = argmax(&logits.to_vec1::<f32>().unwrap());
     }
     out
@@ -51,12 +71,18 @@ fn ours() -> (Llama, Tokenizer) {
     let ct = gguf_file::Content::read(&mut f).unwrap();
     let cfg = Config::from_gguf(&ct, 4096).unwrap();
     let tok = Tokenizer::from_gguf(&ct).unwrap();
-    (Llama::from_gguf(&ct, &mut f, cfg, &Device::Cpu).unwrap(), tok)
+    (
+        Llama::from_gguf(&ct, &mut f, cfg, &Device::Cpu).unwrap(),
+        tok,
+    )
 }
 
 /// Greedy decode of several prompts together: one prefill each, then batched decode steps.
 fn ours_batched(m: &Llama, prompts: &[Vec<u32>], steps: usize, stop: &[u32]) -> Vec<Vec<u32>> {
-    let mut kvs: Vec<_> = prompts.iter().map(|p| m.new_kv(p.len() + steps + 1).unwrap()).collect();
+    let mut kvs: Vec<_> = prompts
+        .iter()
+        .map(|p| m.new_kv(p.len() + steps + 1).unwrap())
+        .collect();
     let mut outs: Vec<Vec<u32>> = vec![vec![]; prompts.len()];
     let mut next: Vec<u32> = prompts
         .iter()
@@ -76,7 +102,11 @@ fn ours_batched(m: &Llama, prompts: &[Vec<u32>], steps: usize, stop: &[u32]) -> 
         // Keep decoding finished sequences too (their outputs are ignored): the batch shape
         // changes nothing for the others, which is what this checks.
         let mut refs: Vec<_> = kvs.iter_mut().collect();
-        let logits = m.decode(&next, &mut refs).unwrap().to_vec2::<f32>().unwrap();
+        let logits = m
+            .decode(&next, &mut refs)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
         next = logits.iter().map(|row| argmax(row)).collect();
     }
     outs
@@ -94,11 +124,26 @@ fn greedy_matches_candle_transformers_token_for_token() {
     assert_eq!(alone[0], expect, "ours alone vs candle-transformers");
 
     let other1 = chat(&tok, "Write a haiku about the sea.");
-    let other2 = tok.counter.encode_text("The quick brown fox jumps over the lazy dog, and then");
-    let batch = ours_batched(&m, &[other1.clone(), q.clone(), other2.clone()], 24, &tok.stop_ids);
+    let other2 = tok
+        .counter
+        .encode_text("The quick brown fox jumps over the lazy dog, and then");
+    let batch = ours_batched(
+        &m,
+        &[other1.clone(), q.clone(), other2.clone()],
+        24,
+        &tok.stop_ids,
+    );
     assert_eq!(batch[1], expect, "the same sequence inside a batch of 3");
-    assert_eq!(batch[0], reference(&other1, 24, &tok.stop_ids), "first batch member");
-    assert_eq!(batch[2], reference(&other2, 24, &tok.stop_ids), "third batch member");
+    assert_eq!(
+        batch[0],
+        reference(&other1, 24, &tok.stop_ids),
+        "first batch member"
+    );
+    assert_eq!(
+        batch[2],
+        reference(&other2, 24, &tok.stop_ids),
+        "third batch member"
+    );
 }
 
 #[test]
@@ -106,10 +151,21 @@ fn tokenizer_counts_what_the_filter_counts() {
     // The filter and the backend share kvgate-core: a chat counted for pricing is exactly the
     // prompt the backend prefills.
     let (_, tok) = ours();
-    let msgs = [ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }];
-    assert_eq!(tok.counter.count_chat(&msgs), tok.counter.encode_chat(&msgs).len() as u64);
+    let msgs = [ChatMessage {
+        role: "user".into(),
+        content: "What is the capital of France?".into(),
+    }];
+    assert_eq!(
+        tok.counter.count_chat(&msgs),
+        tok.counter.encode_chat(&msgs).len() as u64
+    );
     // ChatML specials are single tokens of this vocabulary.
     let ids = tok.counter.encode_chat(&msgs);
     assert_eq!(ids.first().copied(), tok.counter.special_id("<|im_start|>"));
-    assert_eq!(tok.counter.decode_bytes(&tok.counter.encode_text("héllo wörld")).unwrap(), "héllo wörld".as_bytes());
+    assert_eq!(
+        tok.counter
+            .decode_bytes(&tok.counter.encode_text("héllo wörld"))
+            .unwrap(),
+        "héllo wörld".as_bytes()
+    );
 }

@@ -1,0 +1,113 @@
+//! Decode benchmark, same run, same model, same dequantized f32 weights:
+//! - single-stream greedy decode tok/s: ours vs candle-transformers' `quantized_llama`;
+//! - aggregate decode tok/s of our batched forward at 1, 4, 8 and 16 concurrent sequences;
+//! - time to first token (prefill + first sample) for a ~100-token chat prompt.
+//!
+//! `cargo run --release -p kvgate-backend --example decode_bench [-- MODEL.gguf]`
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::indexing_slicing)]
+
+use std::time::Instant;
+
+use candle_core::quantized::gguf_file;
+use candle_core::{Device, Tensor};
+use kvgate_backend::model::{Config, Llama};
+use kvgate_backend::sampling::argmax;
+use kvgate_backend::tokenizer::Tokenizer;
+use kvgate_core::request::ChatMessage;
+
+const STEPS: usize = 64;
+
+fn main() {
+    let path = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "models/SmolLM2-135M-Instruct.Q4_1.gguf".into());
+    let dev = Device::Cpu;
+    let mut f = std::fs::File::open(&path).expect("model file (run `make setup`)");
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    let cfg = Config::from_gguf(&ct, 4096).unwrap();
+    let tok = Tokenizer::from_gguf(&ct).unwrap();
+    let ours = Llama::from_gguf(&ct, &mut f, cfg, &dev).unwrap();
+    let question = "Explain in detail how a key-value cache speeds up transformer decoding, and why its memory grows with every generated token. Give a worked example with numbers for a small model, then discuss what a server should do when many users send long prompts with large max_tokens at the same time.";
+    let prompt = tok.counter.encode_chat(&[ChatMessage {
+        role: "user".into(),
+        content: question.into(),
+    }]);
+
+    // Reference: candle-transformers with every weight dequantized to f32.
+    std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");
+    let mut f2 = std::fs::File::open(&path).unwrap();
+    let ct2 = gguf_file::Content::read(&mut f2).unwrap();
+    let mut reference =
+        candle_transformers::models::quantized_llama::ModelWeights::from_gguf(ct2, &mut f2, &dev)
+            .unwrap();
+    let t0 = Instant::now();
+    let input = Tensor::new(prompt.as_slice(), &dev)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits = reference.forward(&input, 0).unwrap().squeeze(0).unwrap();
+    let mut next = argmax(&logits.to_vec1::<f32>().unwrap());
+    let ref_ttft = t0.elapsed();
+    let t0 = Instant::now();
+    for i in 0..STEPS {
+        let input = Tensor::new(&[next], &dev).unwrap().unsqueeze(0).unwrap();
+        let logits = reference
+            .forward(&input, prompt.len() + i)
+            .unwrap()
+            .squeeze(0)
+            .unwrap();
+        next = argmax(&logits.to_vec1::<f32>().unwrap());
+    }
+    let ref_tps = STEPS as f64 / t0.elapsed().as_secs_f64();
+
+    let mut rows = Vec::new();
+    let mut ttft = None;
+    for batch in [1usize, 4, 8, 16] {
+        let mut kvs: Vec<_> = (0..batch)
+            .map(|_| ours.new_kv(prompt.len() + STEPS + 1).unwrap())
+            .collect();
+        let mut next = Vec::with_capacity(batch);
+        for kv in kvs.iter_mut() {
+            let t0 = Instant::now();
+            let logits = ours.prefill(&prompt, kv).unwrap();
+            next.push(argmax(&logits.to_vec1::<f32>().unwrap()));
+            ttft.get_or_insert(t0.elapsed());
+        }
+        let t0 = Instant::now();
+        for _ in 0..STEPS {
+            let mut refs: Vec<_> = kvs.iter_mut().collect();
+            let logits = ours
+                .decode(&next, &mut refs)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            next = logits.iter().map(|r| argmax(r)).collect();
+        }
+        rows.push((batch, (batch * STEPS) as f64 / t0.elapsed().as_secs_f64()));
+    }
+    let single = rows[0].1;
+    println!(
+        "prompt {} tokens, {STEPS} decode steps, f32 weights, CPU",
+        prompt.len()
+    );
+    println!();
+    println!("| measure | candle-transformers quantized_llama | kvgate-backend | ratio |");
+    println!("|---|---|---|---|");
+    println!(
+        "| single-stream decode tok/s | {ref_tps:.1} | {single:.1} | {:.2} |",
+        single / ref_tps
+    );
+    let ours_ttft = ttft.unwrap().as_secs_f64() * 1e3;
+    println!(
+        "| time to first token ({} tokens), ms | {:.0} | {ours_ttft:.0} | {:.2} |",
+        prompt.len(),
+        ref_ttft.as_secs_f64() * 1e3,
+        ours_ttft / (ref_ttft.as_secs_f64() * 1e3)
+    );
+    println!();
+    println!("| concurrent streams | aggregate decode tok/s | vs 1 stream |");
+    println!("|---|---|---|");
+    for (b, tps) in rows {
+        println!("| {b} | {tps:.1} | {:.2}x |", tps / single);
+    }
+}
