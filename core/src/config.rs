@@ -43,7 +43,49 @@ pub struct RawConfig {
     pub context_error_status: u32,
     #[serde(default = "d_tick")]
     pub tick_ms: u64,
+    /// Poll the backend's admission API (leases, releases, real KV use). Absent: no callout.
+    #[serde(default)]
+    pub backend: Option<RawBackend>,
 }
+
+/// The callout to the backend's `GET /v1/admission/leases`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawBackend {
+    /// Envoy cluster of the backend.
+    pub cluster: String,
+    /// `:authority` of the callout requests.
+    pub authority: String,
+    pub leases_path: String,
+    /// `{id}` is replaced by the lease id.
+    pub cancel_path: String,
+    pub poll_ms: u64,
+    pub timeout_ms: u64,
+    /// A ledger lease the backend does not know is reclaimed after this long.
+    pub lost_grace_ms: u64,
+    /// Log a warning when |ledger committed − backend used| exceeds this.
+    pub drift_warn_bytes: u64,
+    /// Consecutive failed polls before the backend is reported down (level red).
+    pub down_after_failures: u32,
+}
+
+impl Default for RawBackend {
+    fn default() -> Self {
+        RawBackend {
+            cluster: "kvgate_backend".into(),
+            authority: "kvgate-backend".into(),
+            leases_path: "/v1/admission/leases".into(),
+            cancel_path: "/v1/admission/leases/{id}/cancel".into(),
+            poll_ms: 1000,
+            timeout_ms: 2000,
+            lost_grace_ms: 30_000,
+            drift_warn_bytes: 256 * 1024 * 1024,
+            down_after_failures: 3,
+        }
+    }
+}
+
+pub type BackendCallout = RawBackend;
 
 fn d_safety() -> f64 {
     0.9
@@ -158,6 +200,7 @@ pub struct Config {
     pub status_path: String,
     pub context_error_status: u32,
     pub tick_ms: u64,
+    pub backend: Option<BackendCallout>,
 }
 
 impl Config {
@@ -280,6 +323,39 @@ impl TryFrom<RawConfig> for Config {
                 "must be in 50..=60000",
             ));
         }
+        if let Some(b) = &raw.backend {
+            if b.cluster.is_empty() {
+                return Err(ConfigError::new(
+                    "backend.cluster",
+                    "\"\"",
+                    "must name an Envoy cluster",
+                ));
+            }
+            if !b.leases_path.starts_with('/')
+                || !b.cancel_path.starts_with('/')
+                || !b.cancel_path.contains("{id}")
+            {
+                return Err(ConfigError::new(
+                    "backend.leases_path/cancel_path",
+                    format!("{:?} {:?}", b.leases_path, b.cancel_path),
+                    "paths must start with '/' and cancel_path must contain {id}",
+                ));
+            }
+            if !(100..=60_000).contains(&b.poll_ms) || b.timeout_ms == 0 {
+                return Err(ConfigError::new(
+                    "backend.poll_ms",
+                    b.poll_ms,
+                    "must be in 100..=60000 (and timeout_ms > 0)",
+                ));
+            }
+            if b.lost_grace_ms < 2 * b.poll_ms {
+                return Err(ConfigError::new(
+                    "backend.lost_grace_ms",
+                    b.lost_grace_ms,
+                    "must be at least twice poll_ms, or live requests would be reclaimed",
+                ));
+            }
+        }
         Ok(Config {
             pricing,
             tokenizer,
@@ -300,6 +376,7 @@ impl TryFrom<RawConfig> for Config {
             status_path: raw.status_path,
             context_error_status: raw.context_error_status,
             tick_ms: raw.tick_ms,
+            backend: raw.backend,
         })
     }
 }
@@ -382,6 +459,15 @@ mod tests {
                 "policy.default_class",
             ),
             (r#""surprise":1"#, "(plugin configuration)"),
+            (r#""backend":{"poll_ms":10}"#, "backend.poll_ms"),
+            (
+                r#""backend":{"cancel_path":"/x"}"#,
+                "backend.leases_path/cancel_path",
+            ),
+            (
+                r#""backend":{"poll_ms":1000,"lost_grace_ms":1000}"#,
+                "backend.lost_grace_ms",
+            ),
         ] {
             let e = with(extra).unwrap_err();
             assert_eq!(e.field, field, "{extra}: {e}");

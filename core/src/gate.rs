@@ -48,6 +48,8 @@ pub enum Decision {
         cap: u64,
         /// `Some(asked)` when a degrade policy lowered the cap from `asked` to `cap`.
         degraded_from: Option<u64>,
+        /// Leases of lower classes evicted to make room; the caller cancels them at the backend.
+        preempted: Vec<Lease>,
     },
     Rejected(ApiError),
 }
@@ -84,6 +86,7 @@ pub fn decide(
                 lease,
                 cap,
                 degraded_from: None,
+                preempted: Vec::new(),
             }
         }
         AdmitOutcome::Rejected {
@@ -119,8 +122,27 @@ pub fn decide(
                         lease,
                         cap: smaller,
                         degraded_from: Some(cap),
+                        preempted: Vec::new(),
                     };
                 }
+            }
+        }
+    }
+    if reason == RejectReason::InsufficientCapacity && !class.preempts.is_empty() {
+        if let Some(victims) = choose_victims(ledger, class, need) {
+            let preempted: Vec<Lease> = victims.iter().filter_map(|id| ledger.evict(*id)).collect();
+            ledger.uncount_rejection();
+            if let AdmitOutcome::Admitted { lease } = ledger.try_admit(
+                &request(priced.price.bytes, cap),
+                &cfg.retry_after,
+                jitter_seed,
+            ) {
+                return Decision::Admitted {
+                    lease,
+                    cap,
+                    degraded_from: None,
+                    preempted,
+                };
             }
         }
     }
@@ -131,6 +153,27 @@ pub fn decide(
         ledger,
         retry_after.map(|r| r.ms),
     ))
+}
+
+/// The youngest leases (least work lost) of the classes `class` may preempt whose bytes, with
+/// what is free, cover `need`; `None` when even all of them would not.
+fn choose_victims(ledger: &Ledger, class: &ClassPolicy, need: u64) -> Option<Vec<u64>> {
+    let mut candidates: Vec<&Lease> = ledger
+        .leases()
+        .iter()
+        .filter(|l| class.preempts.iter().any(|c| *c == l.class) && l.priority < class.priority)
+        .collect();
+    candidates.sort_by(|a, b| b.created_ms.cmp(&a.created_ms));
+    let mut free = ledger.free();
+    let mut ids = Vec::new();
+    for l in candidates {
+        if free >= need {
+            break;
+        }
+        free = free.saturating_add(l.bytes);
+        ids.push(l.id);
+    }
+    (free >= need).then_some(ids)
 }
 
 fn rejection(
@@ -253,6 +296,7 @@ mod tests {
                 cap,
                 degraded_from,
                 lease,
+                ..
             } => {
                 assert_eq!((cap, degraded_from), (600, Some(4000)));
                 assert_eq!(lease.bytes, 800 * 46_080);
@@ -265,6 +309,52 @@ mod tests {
         assert!(
             matches!(decide(&mut l, &c, &class, &p, None, 0, 1), Decision::Rejected(e) if e.status == 429)
         );
+    }
+
+    #[test]
+    fn preempt_evicts_the_youngest_lower_class_leases() {
+        let c = cfg(
+            r#"{"classes":{"default":{},"batch":{"priority":1},"vip":{"priority":5,"preempts":["batch"]}}}"#,
+            10_000,
+        );
+        let batch = c.policy.get("batch").unwrap().clone();
+        let vip = c.policy.get("vip").unwrap().clone();
+        let def = c.policy.get("default").unwrap().clone();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let p3k = priced(
+            &c,
+            &format!(r#"{{"prompt":{:?},"max_tokens":2900}}"#, vec![1; 100]),
+        );
+        // t=0 default 3k, t=1 batch 3k, t=2 batch 3k: 9k of 10k.
+        for (t, class) in [(0, &def), (1, &batch), (2, &batch)] {
+            assert!(matches!(
+                decide(&mut l, &c, class, &p3k, None, t, 1),
+                Decision::Admitted { .. }
+            ));
+        }
+        // vip needs 3k with 1k free: evicts one batch lease, the youngest (t=2).
+        match decide(&mut l, &c, &vip, &p3k, None, 3, 1) {
+            Decision::Admitted { preempted, .. } => {
+                assert_eq!(preempted.len(), 1);
+                assert_eq!(preempted[0].created_ms, 2);
+                assert_eq!(preempted[0].class, "batch");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(l.committed(), 9_000 * 46_080);
+        // Another vip: evicts the last batch lease; the default lease is not preemptible.
+        assert!(
+            matches!(decide(&mut l, &c, &vip, &p3k, None, 4, 1), Decision::Admitted { preempted, .. } if preempted.len() == 1)
+        );
+        assert!(
+            matches!(decide(&mut l, &c, &vip, &p3k, None, 5, 1), Decision::Rejected(e) if e.status == 429)
+        );
+        // batch cannot preempt anything.
+        assert!(matches!(
+            decide(&mut l, &c, &batch, &p3k, None, 6, 1),
+            Decision::Rejected(_)
+        ));
+        l.check().unwrap();
     }
 
     #[test]

@@ -270,6 +270,25 @@ impl Ledger {
         reaped
     }
 
+    /// Remove a lease to make room for a higher class (preemption). Not a natural end, so the
+    /// lifetime mean is left alone.
+    pub fn evict(&mut self, id: u64) -> Option<Lease> {
+        let pos = self.leases.iter().position(|l| l.id == id)?;
+        let lease = self.leases.swap_remove(pos);
+        self.committed = self.committed.saturating_sub(lease.bytes);
+        self.counters.released = self.counters.released.saturating_add(1);
+        Some(lease)
+    }
+
+    /// Remove a lease the backend does not know (reconciliation); counted as reaped.
+    pub fn remove_lost(&mut self, id: u64) -> Option<Lease> {
+        let pos = self.leases.iter().position(|l| l.id == id)?;
+        let lease = self.leases.swap_remove(pos);
+        self.committed = self.committed.saturating_sub(lease.bytes);
+        self.counters.reaped = self.counters.reaped.saturating_add(1);
+        Some(lease)
+    }
+
     /// The earliest lease deadline, if any (lets a caller skip a reap that would do nothing).
     pub fn next_deadline(&self) -> Option<u64> {
         self.leases.iter().map(|l| l.deadline_ms).min()

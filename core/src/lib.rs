@@ -11,6 +11,8 @@ pub mod error;
 pub mod gate;
 pub mod ledger;
 pub mod policy;
+pub mod queue;
+pub mod reconcile;
 pub mod report;
 pub mod request;
 pub mod retry;

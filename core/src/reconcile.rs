@@ -1,0 +1,163 @@
+//! Reconciliation of the ledger with the backend's own account of its leases.
+//!
+//! The backend (`GET /v1/admission/leases`) reports its KV pool, the leases it holds, and the
+//! leases that finished since a cursor. One pure transition applies a report: leases the backend
+//! says finished are released (the backend's release report is authoritative, even if the
+//! filter has not seen the end of the stream yet); leases the backend does not know, past a grace
+//! period that covers requests still on their way, are lost and reclaimed. Drift is what the
+//! ledger holds against what the backend really holds.
+
+use std::collections::HashSet;
+
+use serde_json::Value;
+
+use crate::ledger::{Lease, Ledger};
+
+/// What one poll of the backend said.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BackendReport {
+    pub capacity_bytes: u64,
+    pub used_bytes: u64,
+    /// Ids the backend holds now (waiting or running).
+    pub live: Vec<u64>,
+    /// Ids that finished since the cursor we sent.
+    pub finished: Vec<u64>,
+    pub cursor: u64,
+    pub fingerprint: Option<String>,
+}
+
+impl BackendReport {
+    /// Parse the backend's JSON. Ids that are not the filter's (not u64) are ignored: they are
+    /// requests that reached the backend without passing through this gateway.
+    pub fn parse(body: &[u8]) -> Result<BackendReport, String> {
+        let v: Value = serde_json::from_slice(body).map_err(|e| format!("bad JSON: {e}"))?;
+        let u = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64);
+        let pool = v.get("pool").ok_or("no `pool`")?;
+        let ids = |k: &str| -> Vec<u64> {
+            v.get(k)
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|l| l.get("id").and_then(Value::as_str))
+                        .filter_map(|s| s.parse().ok())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        Ok(BackendReport {
+            capacity_bytes: u(pool, "capacity_bytes").ok_or("no `pool.capacity_bytes`")?,
+            used_bytes: u(pool, "used_bytes").ok_or("no `pool.used_bytes`")?,
+            live: ids("leases"),
+            finished: ids("finished"),
+            cursor: u(&v, "cursor").unwrap_or(0),
+            fingerprint: v
+                .get("model")
+                .and_then(|m| m.get("fingerprint"))
+                .and_then(Value::as_str)
+                .map(str::to_string),
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Reconciled {
+    /// Released because the backend reported them finished.
+    pub released: Vec<Lease>,
+    /// Reclaimed because the backend does not know them (past the grace period).
+    pub lost: Vec<Lease>,
+}
+
+/// Apply a backend report to the ledger. Pure: safe to re-run on a CAS retry.
+pub fn reconcile(
+    ledger: &mut Ledger,
+    report: &BackendReport,
+    now_ms: u64,
+    grace_ms: u64,
+) -> Reconciled {
+    let mut out = Reconciled::default();
+    for id in &report.finished {
+        if let crate::ledger::ReleaseOutcome::Released(l) = ledger.release(*id, now_ms) {
+            out.released.push(l);
+        }
+    }
+    let live: HashSet<u64> = report.live.iter().copied().collect();
+    let lost: Vec<u64> = ledger
+        .leases()
+        .iter()
+        .filter(|l| !live.contains(&l.id) && l.created_ms.saturating_add(grace_ms) <= now_ms)
+        .map(|l| l.id)
+        .collect();
+    for id in lost {
+        if let Some(l) = ledger.remove_lost(id) {
+            out.lost.push(l);
+        }
+    }
+    out
+}
+
+/// Ledger committed minus backend used, as a signed number of bytes.
+pub fn drift(ledger: &Ledger, report: &BackendReport) -> i128 {
+    i128::from(ledger.committed()) - i128::from(report.used_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::{AdmitOutcome, AdmitRequest};
+    use crate::retry::RetryAfterConfig;
+
+    fn admit(l: &mut Ledger, id: u64, bytes: u64, now: u64) {
+        let r = AdmitRequest {
+            id: Some(id),
+            bytes,
+            class: "c",
+            priority: 0,
+            fingerprint: 0,
+            now_ms: now,
+            ttl_ms: 1_000_000,
+        };
+        assert!(matches!(
+            l.try_admit(&r, &RetryAfterConfig::default(), 0),
+            AdmitOutcome::Admitted { .. }
+        ));
+    }
+
+    #[test]
+    fn parses_the_backend_document() {
+        let body = br#"{"pool":{"capacity_bytes":1000,"used_bytes":300},"cursor":7,
+            "leases":[{"id":"11"},{"id":"internal-3"}],"finished":[{"id":"12","reason":"stop"}],
+            "model":{"fingerprint":"abc"}}"#;
+        let r = BackendReport::parse(body).unwrap();
+        assert_eq!(r.live, vec![11]);
+        assert_eq!(r.finished, vec![12]);
+        assert_eq!((r.capacity_bytes, r.used_bytes, r.cursor), (1000, 300, 7));
+        assert_eq!(r.fingerprint.as_deref(), Some("abc"));
+        assert!(BackendReport::parse(b"{}").is_err());
+        assert!(BackendReport::parse(b"nope").is_err());
+    }
+
+    #[test]
+    fn finished_are_released_and_unknown_old_leases_are_lost() {
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 100, 0); // backend reports it finished
+        admit(&mut l, 2, 200, 0); // backend holds it
+        admit(&mut l, 3, 300, 0); // backend never heard of it: lost
+        admit(&mut l, 4, 400, 9_500); // too young to call lost
+        let report = BackendReport {
+            live: vec![2],
+            finished: vec![1, 99],
+            used_bytes: 208,
+            ..Default::default()
+        };
+        let r = reconcile(&mut l, &report, 10_000, 5_000);
+        assert_eq!(r.released.iter().map(|x| x.id).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(r.lost.iter().map(|x| x.id).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(l.committed(), 600);
+        assert_eq!(drift(&l, &report), 392);
+        l.check().unwrap();
+        // Idempotent: the same report again changes nothing.
+        let again = reconcile(&mut l, &report, 10_000, 5_000);
+        assert_eq!(again, Reconciled::default());
+        assert_eq!(l.counters().reaped, 1);
+    }
+}
