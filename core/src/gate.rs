@@ -161,9 +161,9 @@ fn choose_victims(ledger: &Ledger, class: &ClassPolicy, need: u64) -> Option<Vec
     let mut candidates: Vec<&Lease> = ledger
         .leases()
         .iter()
-        .filter(|l| class.preempts.iter().any(|c| *c == l.class) && l.priority < class.priority)
+        .filter(|l| class.preempts.contains(&l.class) && l.priority < class.priority)
         .collect();
-    candidates.sort_by(|a, b| b.created_ms.cmp(&a.created_ms));
+    candidates.sort_by_key(|l| std::cmp::Reverse(l.created_ms));
     let mut free = ledger.free();
     let mut ids = Vec::new();
     for l in candidates {

@@ -1,41 +1,43 @@
-//! The per-request context: strip, buffer, parse, price, reserve, forward; release at the end.
+//! The per-request context: strip, buffer, parse, price, reserve (or queue), forward; release
+//! at the end of the stream, whatever ends it.
 //!
 //! Envoy turns a paused request-headers callback into "stop everything" and would never hand
 //! the body over, so headers continue at once; the buffer filter configured right after this
-//! one holds headers and body back from the router until the body callback has decided. What
-//! must be in the forwarded headers is therefore set in the headers callback: the lease id is
-//! drawn there (random, so it is unique without coordination) and reserved under that id once
-//! the body is priced. A rejected request is answered locally and never reaches the backend.
+//! one holds headers and body back from the router until this filter has decided. What must be
+//! in the forwarded headers is therefore set in the headers callback: the lease id is drawn
+//! there (random, unique without coordination) and reserved under that id once the body is
+//! priced. A rejected request is answered locally and never reaches the backend.
 
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
-use kvgate_core::gate::{self, Decision};
+use kvgate_core::gate;
 use kvgate_core::report::status_json;
-use kvgate_core::retry::splitmix64;
-use kvgate_core::store::{self, StoreError};
-use kvgate_core::{parse_request, write_cap, ApiError, Endpoint, ErrorKind, Level, ReleaseOutcome};
+use kvgate_core::store;
+use kvgate_core::{parse_request, Action as PolicyAction, ApiError, Endpoint, ErrorKind, Level};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext};
 use proxy_wasm::types::{Action, BufferType, MapType};
+use serde_json::json;
 
 use crate::abi;
 use crate::host::{self, EnvoyStore};
-use crate::root::{Metrics, Runtime};
-use crate::{CAS_ATTEMPTS, LEDGER_KEY};
+use crate::ticket::{Attempt, Ticket};
+use crate::worker::{Runtime, Worker};
+use crate::LEDGER_KEY;
 
 const REQ: MapType = MapType::HttpRequestHeaders;
 const RESP: MapType = MapType::HttpResponseHeaders;
 
 pub struct Filter {
+    context_id: u32,
+    worker: Rc<Worker>,
     rt: Option<Rc<Runtime>>,
-    metrics: Rc<Metrics>,
-    /// Set for a guarded request until it is decided.
+    /// Set for a guarded request between its headers and its decision.
     pending: Option<Pending>,
-    /// The reservation to release at the end of the stream.
-    lease: Option<u64>,
+    ticket: Option<Rc<Ticket>>,
+    queued: bool,
     level: Option<Level>,
-    cap: Option<u64>,
-    degraded: Option<(u64, u64)>,
 }
 
 struct Pending {
@@ -46,15 +48,16 @@ struct Pending {
 }
 
 impl Filter {
-    pub fn new(rt: Option<Rc<Runtime>>, metrics: Rc<Metrics>) -> Filter {
+    pub fn new(context_id: u32, worker: Rc<Worker>) -> Filter {
+        let rt = worker.runtime();
         Filter {
+            context_id,
+            worker,
             rt,
-            metrics,
             pending: None,
-            lease: None,
+            ticket: None,
+            queued: false,
             level: None,
-            cap: None,
-            degraded: None,
         }
     }
 
@@ -62,7 +65,7 @@ impl Filter {
         match self.level {
             Some(l) => l,
             None => store::read(&EnvoyStore, LEDGER_KEY)
-                .map(|l| l.level(&rt.cfg.levels))
+                .map(|l| self.worker.level(&l, &rt.cfg))
                 .unwrap_or(Level::Red),
         }
     }
@@ -70,24 +73,43 @@ impl Filter {
     /// Answer locally with an error and count it. Nothing is reserved on this path.
     fn reject(&mut self, rt: &Runtime, err: &ApiError) -> Action {
         self.pending = None;
-        self.metrics.rejected(err.kind);
-        host::send_error(err, self.current_level(rt).as_str());
+        reply_error(&self.worker, err, self.current_level(rt));
         Action::Pause
     }
 
     fn serve_status(&mut self, rt: &Runtime) -> Action {
-        let body = match store::read(&EnvoyStore, LEDGER_KEY) {
-            Ok(ledger) => status_json(&ledger, &rt.cfg, rt.counter.name()).to_string(),
+        let ledger = match store::read(&EnvoyStore, LEDGER_KEY) {
+            Ok(l) => l,
             Err(e) => {
                 let err = ApiError::new(ErrorKind::Internal, format!("kvgate: {e}"));
                 return self.reject(rt, &err);
             }
         };
+        let mut doc = status_json(&ledger, &rt.cfg, rt.counter.name());
+        let b = self.worker.backend.get();
+        if let Some(o) = doc.as_object_mut() {
+            o.insert(
+                "level".into(),
+                self.worker.level(&ledger, &rt.cfg).as_str().into(),
+            );
+            o.insert("queued".into(), self.worker.metrics.queued.get().into());
+            if rt.cfg.backend.is_some() {
+                o.insert(
+                    "backend".into(),
+                    json!({
+                        "polled": b.polled, "up": b.up, "consecutive_failures": b.failures,
+                        "used_bytes": b.used_bytes, "capacity_bytes": b.capacity_bytes,
+                        "drift_bytes": i64::try_from(b.drift_bytes).unwrap_or(i64::MAX),
+                        "last_ok_ms": b.last_ok_ms,
+                    }),
+                );
+            }
+        }
         let headers = [
             ("content-type", "application/json"),
             ("cache-control", "no-store"),
         ];
-        if let Err(s) = abi::send_local_response(200, &headers, body.as_bytes()) {
+        if let Err(s) = abi::send_local_response(200, &headers, doc.to_string().as_bytes()) {
             host::warn(&format!("kvgate: status reply failed: {s:?}"));
         }
         Action::Pause
@@ -106,19 +128,7 @@ impl Filter {
         }
     }
 
-    /// Announce the lease id and class, and drop content-length (the body will be rewritten;
-    /// the buffer filter sets the new length once the whole body is known).
-    fn prepare_forward_headers(rt: &Runtime, p: &Pending) -> Result<(), String> {
-        abi::remove_header(REQ, "content-length").map_err(|s| format!("content-length: {s:?}"))?;
-        abi::set_header(REQ, "x-kvgate-lease", &p.lease_id.to_string())
-            .map_err(|s| format!("x-kvgate-lease: {s:?}"))?;
-        abi::set_header(REQ, "x-kvgate-class", &p.class)
-            .map_err(|s| format!("x-kvgate-class: {s:?}"))?;
-        let _ = rt;
-        Ok(())
-    }
-
-    /// The whole body is here: decide.
+    /// The whole body is here: price it, then admit, queue or reject.
     fn finish(&mut self) -> Action {
         let (Some(rt), Some(p)) = (self.rt.clone(), self.pending.take()) else {
             return Action::Continue;
@@ -133,7 +143,7 @@ impl Filter {
                 return self.reject(&rt, &e);
             }
         };
-        let (req, mut obj) = match parse_request(p.endpoint, &body) {
+        let (req, obj) = match parse_request(p.endpoint, &body) {
             Ok(v) => v,
             Err(e) => return self.reject(&rt, &e),
         };
@@ -141,99 +151,103 @@ impl Filter {
             Ok(v) => v,
             Err(e) => return self.reject(&rt, &e),
         };
-        let class = rt.cfg.policy.resolve(Some(&p.class));
-        let now = host::now_ms();
-        let seed = splitmix64(host::now_nanos() ^ p.lease_id);
-        let decided = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
-            gate::decide(l, &rt.cfg, class, &priced, Some(p.lease_id), now, seed)
+        let class = rt.cfg.policy.resolve(Some(&p.class)).clone();
+        let ticket = Rc::new(Ticket {
+            context_id: self.context_id,
+            lease_id: p.lease_id,
+            class,
+            priced,
+            body: RefCell::new(obj),
+            body_size: p.body_size,
+            granted: Cell::new(None),
+            pending_cancels: Cell::new(0),
         });
-        let (decision, ledger) = match decided {
-            Ok(v) => v,
-            Err(e) => return self.ledger_failure(&rt, &e),
-        };
-        self.metrics.observe(&ledger, &rt.cfg);
-        self.level = Some(ledger.level(&rt.cfg.levels));
-        match decision {
-            Decision::Rejected(err) => {
-                host::info(&format!(
-                    "kvgate: rejected ({}) class {} need {} B, committed {} B of {} B, retry after {} ms",
-                    err.kind.code(),
-                    class.name,
-                    priced.price.bytes,
-                    ledger.committed(),
-                    ledger.capacity(),
-                    err.retry_after_ms.unwrap_or(0),
-                ));
-                self.reject(&rt, &err)
-            }
-            Decision::Admitted {
-                lease,
-                cap,
-                degraded_from,
-            } => {
-                self.lease = Some(lease.id);
-                self.cap = Some(cap);
-                self.metrics.admitted.inc();
-                if let Some(asked) = degraded_from {
-                    self.metrics.degraded.inc();
-                    self.degraded = Some((asked, cap));
-                }
-                let new_body = write_cap(&mut obj, cap);
-                if let Err(s) =
-                    abi::set_buffer(BufferType::HttpRequestBody, 0, p.body_size, &new_body)
+        self.ticket = Some(Rc::clone(&ticket));
+        match ticket.attempt(&self.worker, &rt) {
+            Attempt::Admitted { ready: true } => Action::Continue,
+            Attempt::Admitted { ready: false } => Action::Pause,
+            Attempt::Rejected(err) => {
+                if let (
+                    ErrorKind::KvCapacityExceeded,
+                    PolicyAction::Queue {
+                        max_wait_ms,
+                        max_depth,
+                    },
+                ) = (err.kind, &ticket.class.action)
                 {
-                    // Half-admitted is not allowed: give the reservation back and fail clearly.
-                    self.release();
-                    let e = ApiError::new(
-                        ErrorKind::Internal,
-                        format!("kvgate could not rewrite the request body ({s:?})."),
+                    let deadline = host::now_ms().saturating_add(*max_wait_ms);
+                    let pushed = self.worker.queue.borrow_mut().push(
+                        Rc::clone(&ticket),
+                        &ticket.class.name,
+                        ticket.class.priority,
+                        deadline,
+                        *max_depth,
                     );
-                    return self.reject(&rt, &e);
+                    if pushed.is_ok() {
+                        self.queued = true;
+                        self.worker.metrics.queued.add(1);
+                        return Action::Pause;
+                    }
+                    let full = ApiError::new(
+                        ErrorKind::QueueFull,
+                        format!(
+                            "The KV cache budget is spent and the admission queue of class {} is full ({max_depth} waiting). Retry after the time in the Retry-After header.",
+                            ticket.class.name
+                        ),
+                    )
+                    .with_retry_after_ms(err.retry_after_ms.unwrap_or(rt.cfg.retry_after.min_ms));
+                    return self.reject(&rt, &full);
                 }
-                Action::Continue
+                self.reject(&rt, &err)
             }
         }
     }
 
-    fn ledger_failure(&mut self, rt: &Runtime, e: &StoreError) -> Action {
-        self.metrics.ledger_errors.inc();
-        host::warn(&format!("kvgate: ledger: {e}"));
-        let err = ApiError::new(
-            ErrorKind::Internal,
-            "kvgate could not update its admission ledger; nothing was reserved. Retry shortly.",
-        )
-        .with_status(503)
-        .with_retry_after_ms(rt.cfg.retry_after.min_ms);
-        self.reject(rt, &err)
-    }
-
-    fn release(&mut self) {
-        let Some(id) = self.lease.take() else { return };
-        let now = host::now_ms();
-        match store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
-            l.release(id, now)
-        }) {
-            Ok((ReleaseOutcome::Released(_), ledger)) => {
-                self.metrics.released.inc();
-                if let Some(rt) = &self.rt {
-                    self.metrics.observe(&ledger, &rt.cfg);
-                }
-            }
-            // Already reaped (or released by the backend's report): nothing to do.
-            Ok((ReleaseOutcome::Unknown, _)) => self.metrics.release_unknown.inc(),
-            Err(e) => {
-                self.metrics.ledger_errors.inc();
-                host::warn(&format!(
-                    "kvgate: release of lease {id} failed: {e}; the reaper will reclaim it"
-                ));
-            }
+    fn end_of_stream(&mut self) {
+        if self.queued {
+            self.queued = false;
+            let id = self.context_id;
+            let gone = self
+                .worker
+                .queue
+                .borrow_mut()
+                .remove_where(|t| t.context_id == id);
+            self.worker.metrics.queued.add_signed(-(gone.len() as i64));
+        }
+        if let Some(t) = self.ticket.take() {
+            t.release(&self.worker);
         }
     }
 }
 
+/// Send an OpenAI-style error as the local reply of the current (effective) stream.
+pub fn reply_error(worker: &Worker, err: &ApiError, level: Level) {
+    worker.metrics.rejected(err.kind);
+    host::send_error(err, level.as_str());
+}
+
 impl Context for Filter {
+    fn on_http_call_response(
+        &mut self,
+        _token: u32,
+        _headers: usize,
+        _body: usize,
+        _trailers: usize,
+    ) {
+        // A preemption cancel answered (or failed: the victim's KV is freed when it ends or is
+        // reaped either way). When the last one is in, the request goes on.
+        let Some(t) = &self.ticket else { return };
+        let left = t.pending_cancels.get().saturating_sub(1);
+        t.pending_cancels.set(left);
+        if left == 0 {
+            if let Err(s) = hostcalls::resume_http_request() {
+                host::warn(&format!("kvgate: resume after preemption failed: {s:?}"));
+            }
+        }
+    }
+
     fn on_done(&mut self) -> bool {
-        self.release();
+        self.end_of_stream();
         true
     }
 }
@@ -269,20 +283,25 @@ impl HttpContext for Filter {
             .as_deref()
             .and_then(|h| abi::header(REQ, h));
         let class = rt.cfg.policy.resolve(class_value.as_deref()).name.clone();
-        let p = Pending {
-            endpoint,
-            lease_id: rt.next_lease_id(),
-            class,
-            body_size: 0,
-        };
-        if let Err(e) = Self::prepare_forward_headers(&rt, &p) {
+        let lease_id = self.worker.next_lease_id();
+        // Announce the lease and class; drop content-length (the body will be rewritten; the
+        // buffer filter sets the new length once the whole body is known).
+        let set = abi::remove_header(REQ, "content-length")
+            .and_then(|()| abi::set_header(REQ, "x-kvgate-lease", &lease_id.to_string()))
+            .and_then(|()| abi::set_header(REQ, "x-kvgate-class", &class));
+        if let Err(s) = set {
             let err = ApiError::new(
                 ErrorKind::Internal,
-                format!("kvgate could not set request headers ({e})."),
+                format!("kvgate could not set request headers ({s:?})."),
             );
             return self.reject(&rt, &err);
         }
-        self.pending = Some(p);
+        self.pending = Some(Pending {
+            endpoint,
+            lease_id,
+            class,
+            body_size: 0,
+        });
         Action::Continue
     }
 
@@ -291,7 +310,17 @@ impl HttpContext for Filter {
             return Action::Continue;
         };
         let Some(p) = self.pending.as_mut() else {
-            return Action::Continue;
+            // Decided already (queued or waiting on preemption cancels): hold the rest.
+            return if self.queued
+                || self
+                    .ticket
+                    .as_ref()
+                    .is_some_and(|t| t.pending_cancels.get() > 0)
+            {
+                Action::Pause
+            } else {
+                Action::Continue
+            };
         };
         p.body_size = body_size;
         if body_size as u64 > rt.cfg.max_body_bytes {
@@ -312,7 +341,10 @@ impl HttpContext for Filter {
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
         // With trailers the body callback never sees end_of_stream: the trailers end the body.
-        self.finish()
+        if self.pending.is_some() {
+            return self.finish();
+        }
+        Action::Continue
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
@@ -320,23 +352,28 @@ impl HttpContext for Filter {
             return Action::Continue;
         };
         let _ = abi::set_header(RESP, "x-kvgate-level", self.current_level(&rt).as_str());
-        if let Some(id) = self.lease {
-            let _ = abi::set_header(RESP, "x-kvgate-lease", &id.to_string());
-        }
-        if let Some(cap) = self.cap {
-            let _ = abi::set_header(RESP, "x-kvgate-max-tokens", &cap.to_string());
-        }
-        if let Some((asked, granted)) = self.degraded {
-            let _ = abi::set_header(
-                RESP,
-                "x-kvgate-degraded",
-                &format!("max_tokens={asked}->{granted}"),
-            );
+        if let Some(g) = self.ticket.as_ref().and_then(|t| t.granted.get()) {
+            let _ = abi::set_header(RESP, "x-kvgate-lease", &g.lease.to_string());
+            let _ = abi::set_header(RESP, "x-kvgate-max-tokens", &g.cap.to_string());
+            if let Some(asked) = g.degraded_from {
+                let _ = abi::set_header(
+                    RESP,
+                    "x-kvgate-degraded",
+                    &format!("max_tokens={asked}->{}", g.cap),
+                );
+            }
         }
         Action::Continue
     }
 
     fn on_log(&mut self) {
-        self.release();
+        self.end_of_stream();
     }
+}
+
+/// Decisions made outside the request's own callbacks (the queue) need the request's level.
+pub fn level_now(worker: &Worker, rt: &Runtime) -> Level {
+    store::read(&EnvoyStore, LEDGER_KEY)
+        .map(|l| worker.level(&l, &rt.cfg))
+        .unwrap_or(Level::Red)
 }

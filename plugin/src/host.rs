@@ -82,6 +82,17 @@ impl Metric {
             let _ = hostcalls::increment_metric(id, i64::try_from(n).unwrap_or(i64::MAX));
         }
     }
+    pub fn add_signed(self, n: i64) {
+        if let Some(id) = self.0 {
+            let _ = hostcalls::increment_metric(id, n);
+        }
+    }
+    /// The metric's value (for gauges: summed over every worker that moves it).
+    pub fn get(self) -> u64 {
+        self.0
+            .and_then(|id| hostcalls::get_metric(id).ok())
+            .unwrap_or(0)
+    }
     pub fn set(self, v: u64) {
         if let Some(id) = self.0 {
             let _ = hostcalls::record_metric(id, v);

@@ -1,157 +1,66 @@
-//! The root context: configuration, the ledger's seeding, the reaper tick, and metrics.
+//! The root context of a worker: configuration, the ledger's seeding, and a 100 ms tick that
+//! reaps expired leases, retries queued requests, and polls the backend's admission API.
 
-use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
 use kvgate_core::config::Config;
-use kvgate_core::retry::splitmix64;
+use kvgate_core::reconcile::{drift, reconcile, BackendReport};
 use kvgate_core::store::{self, StoreError};
-use kvgate_core::{ErrorKind, Ledger, TokenCounter};
+use kvgate_core::{ApiError, ErrorKind, Ledger, TokenCounter};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{BufferType, ContextType, LogLevel};
+use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 
-use crate::filter::Filter;
-use crate::host::{self, EnvoyStore, Metric};
+use crate::filter::{level_now, reply_error, Filter};
+use crate::host::{self, EnvoyStore};
+use crate::ticket::Attempt;
+use crate::worker::{Runtime, Worker};
 use crate::{CAS_ATTEMPTS, LEDGER_KEY};
 
-/// What a request needs from the configuration; replaced whole on reconfiguration.
-pub struct Runtime {
-    pub cfg: Config,
-    pub counter: Rc<TokenCounter>,
-    lease_ids: Rc<LeaseIds>,
-}
-
-impl Runtime {
-    pub fn next_lease_id(&self) -> u64 {
-        self.lease_ids.next()
-    }
-}
-
-/// Lease ids drawn without coordination between workers and gateways: a per-VM random seed
-/// (WASI random) stepped by a counter through SplitMix64, kept below 2^53 so JSON clients read
-/// them exactly. A collision among live leases is a ~n²/2^54 event, and the ledger refuses it.
-pub struct LeaseIds {
-    seed: u64,
-    counter: std::cell::Cell<u64>,
-}
-
-impl LeaseIds {
-    fn new() -> LeaseIds {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(host::now_nanos());
-        LeaseIds {
-            seed: h.finish(),
-            counter: std::cell::Cell::new(0),
-        }
-    }
-
-    fn next(&self) -> u64 {
-        let n = self.counter.get().wrapping_add(1);
-        self.counter.set(n);
-        (splitmix64(self.seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 11).max(1)
-    }
-}
-
-pub struct Metrics {
-    pub admitted: Metric,
-    pub degraded: Metric,
-    pub released: Metric,
-    pub reaped: Metric,
-    pub release_unknown: Metric,
-    pub ledger_errors: Metric,
-    rejected: Vec<(ErrorKind, Metric)>,
-    pub committed_bytes: Metric,
-    pub capacity_bytes: Metric,
-    pub level: Metric,
-    pub live_leases: Metric,
-}
-
-impl Metrics {
-    fn define() -> Metrics {
-        let rejected = [
-            ErrorKind::InvalidRequest,
-            ErrorKind::BodyTooLarge,
-            ErrorKind::ContextLengthExceeded,
-            ErrorKind::KvRequestTooLarge,
-            ErrorKind::KvCapacityExceeded,
-            ErrorKind::Internal,
-        ]
-        .into_iter()
-        .map(|k| (k, Metric::counter(&format!("kvgate.rejected.{}", k.code()))))
-        .collect();
-        Metrics {
-            admitted: Metric::counter("kvgate.admitted"),
-            degraded: Metric::counter("kvgate.degraded"),
-            released: Metric::counter("kvgate.released"),
-            reaped: Metric::counter("kvgate.reaped"),
-            release_unknown: Metric::counter("kvgate.release_unknown"),
-            ledger_errors: Metric::counter("kvgate.ledger_errors"),
-            rejected,
-            committed_bytes: Metric::gauge("kvgate.committed_bytes"),
-            capacity_bytes: Metric::gauge("kvgate.capacity_bytes"),
-            level: Metric::gauge("kvgate.level"),
-            live_leases: Metric::gauge("kvgate.live_leases"),
-        }
-    }
-
-    pub fn rejected(&self, kind: ErrorKind) {
-        if let Some((_, m)) = self.rejected.iter().find(|(k, _)| *k == kind) {
-            m.inc();
-        }
-    }
-
-    /// Gauges mirror the global ledger; every worker writes the same values.
-    pub fn observe(&self, ledger: &Ledger, cfg: &Config) {
-        self.committed_bytes.set(ledger.committed());
-        self.capacity_bytes.set(ledger.capacity());
-        self.level.set(ledger.level(&cfg.levels).as_gauge());
-        self.live_leases.set(ledger.leases().len() as u64);
-    }
-}
+/// The tick: fast enough for queued requests to move when budget frees.
+const TICK: Duration = Duration::from_millis(100);
 
 pub struct Root {
-    runtime: Rc<RefCell<Option<Rc<Runtime>>>>,
-    metrics: Rc<Metrics>,
-    lease_ids: Rc<LeaseIds>,
+    worker: Rc<Worker>,
+    next_reap_ms: u64,
+    next_poll_ms: u64,
+    poll_in_flight: Option<u32>,
+    cursor: u64,
 }
 
 impl Root {
     pub fn new() -> Root {
         Root {
-            runtime: Rc::new(RefCell::new(None)),
-            metrics: Rc::new(Metrics::define()),
-            lease_ids: Rc::new(LeaseIds::new()),
+            worker: Rc::new(Worker::new()),
+            next_reap_ms: 0,
+            next_poll_ms: 0,
+            poll_in_flight: None,
+            cursor: 0,
         }
-    }
-
-    fn current(&self) -> Option<Rc<Runtime>> {
-        self.runtime.borrow().clone()
     }
 
     fn configure(&mut self, bytes: &[u8]) -> Result<(), String> {
         let cfg = Config::from_json(bytes).map_err(|e| e.to_string())?;
         // Building a tokenizer is expensive (ranks → hash maps): reuse it when unchanged.
-        let counter = match self.current() {
+        let counter = match self.worker.runtime() {
             Some(rt) if rt.cfg.tokenizer == cfg.tokenizer => Rc::clone(&rt.counter),
             _ => Rc::new(TokenCounter::new(&cfg.tokenizer).map_err(|e| e.to_string())?),
         };
         let capacity = cfg.pricing.capacity_bytes;
-        // Lease ids are drawn by the filter (`LeaseIds`), so the ledger's own counter is unused.
+        // Lease ids are drawn by the filter, so the ledger's own counter is unused.
         let seeded = store::seed(&EnvoyStore, LEDGER_KEY, || Ledger::new(capacity, 1))
             .map_err(|e| e.to_string())?;
         let (_, ledger) = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
             l.set_capacity(capacity)
         })
         .map_err(|e| e.to_string())?;
-        self.metrics.observe(&ledger, &cfg);
-        if let Err(s) = hostcalls::set_tick_period(Duration::from_millis(cfg.tick_ms)) {
-            return Err(format!("set_tick_period failed: {s:?}"));
-        }
+        self.worker
+            .metrics
+            .observe(&ledger, ledger.level(&cfg.levels));
+        hostcalls::set_tick_period(TICK).map_err(|s| format!("set_tick_period failed: {s:?}"))?;
         host::info(&format!(
-            "kvgate {} ({}) configured: capacity {} B ({} B x {}), {} B/token, context {}, tokenizer {}, model fingerprint {:016x}, ledger {} with {} live leases",
+            "kvgate {} ({}) configured: capacity {} B ({} B x {}), {} B/token, context {}, tokenizer {}, model fingerprint {:016x}, backend callout {}, ledger {} with {} live leases",
             kvgate_core::VERSION,
             option_env!("KVGATE_GIT_HASH").unwrap_or("unknown"),
             capacity,
@@ -161,22 +70,20 @@ impl Root {
             cfg.pricing.spec.context_tokens,
             counter.name(),
             cfg.pricing.spec.fingerprint(),
+            cfg.backend.as_ref().map_or("off".to_string(), |b| format!("{} every {} ms", b.cluster, b.poll_ms)),
             if seeded { "created" } else { "kept" },
             ledger.leases().len(),
         ));
-        *self.runtime.borrow_mut() = Some(Rc::new(Runtime {
-            cfg,
-            counter,
-            lease_ids: Rc::clone(&self.lease_ids),
-        }));
+        *self.worker.runtime.borrow_mut() = Some(Rc::new(Runtime { cfg, counter }));
         Ok(())
     }
 
-    fn reap(&self, rt: &Runtime) -> Result<(), StoreError> {
-        let now = host::now_ms();
+    fn reap(&self, rt: &Runtime, now: u64) -> Result<(), StoreError> {
         let ledger = store::read(&EnvoyStore, LEDGER_KEY)?;
         if ledger.next_deadline().is_none_or(|d| d > now) {
-            self.metrics.observe(&ledger, &rt.cfg);
+            self.worker
+                .metrics
+                .observe(&ledger, self.worker.level(&ledger, &rt.cfg));
             return Ok(());
         }
         let (reaped, ledger) =
@@ -190,13 +97,201 @@ impl Root {
                 now.saturating_sub(lease.deadline_ms)
             ));
         }
-        self.metrics.reaped.add(reaped.len() as u64);
-        self.metrics.observe(&ledger, &rt.cfg);
+        self.worker.metrics.reaped.add(reaped.len() as u64);
+        self.worker
+            .metrics
+            .observe(&ledger, self.worker.level(&ledger, &rt.cfg));
         Ok(())
+    }
+
+    /// Answer queued requests whose wait ran out, then admit from the front while budget allows.
+    fn drain_queue(&self, rt: &Runtime, now: u64) {
+        let expired = self.worker.queue.borrow_mut().expire(now);
+        for e in expired {
+            self.worker.metrics.queued.add_signed(-1);
+            if hostcalls::set_effective_context(e.item.context_id).is_err() {
+                continue; // the stream is gone
+            }
+            let err = ApiError::new(
+                ErrorKind::QueueTimeout,
+                format!(
+                    "The request waited the class {} limit for KV cache budget without it freeing up. Retry after the time in the Retry-After header.",
+                    e.class
+                ),
+            )
+            .with_retry_after_ms(rt.cfg.retry_after.min_ms);
+            reply_error(&self.worker, &err, level_now(&self.worker, rt));
+        }
+        loop {
+            let Some(ticket) = self
+                .worker
+                .queue
+                .borrow()
+                .front()
+                .map(|e| Rc::clone(&e.item))
+            else {
+                break;
+            };
+            if hostcalls::set_effective_context(ticket.context_id).is_err() {
+                self.worker.queue.borrow_mut().pop_front();
+                self.worker.metrics.queued.add_signed(-1);
+                continue;
+            }
+            match ticket.attempt(&self.worker, rt) {
+                Attempt::Admitted { ready } => {
+                    self.worker.queue.borrow_mut().pop_front();
+                    self.worker.metrics.queued.add_signed(-1);
+                    if ready {
+                        let _ = hostcalls::resume_http_request();
+                    }
+                }
+                // Strict order: the front waits for budget; nothing jumps ahead of it.
+                Attempt::Rejected(e) if e.kind == ErrorKind::KvCapacityExceeded => break,
+                Attempt::Rejected(e) => {
+                    self.worker.queue.borrow_mut().pop_front();
+                    self.worker.metrics.queued.add_signed(-1);
+                    reply_error(&self.worker, &e, level_now(&self.worker, rt));
+                }
+            }
+        }
+    }
+
+    fn poll_backend(&mut self, rt: &Runtime, now: u64) {
+        let Some(b) = &rt.cfg.backend else { return };
+        if self.poll_in_flight.is_some() || now < self.next_poll_ms {
+            return;
+        }
+        self.next_poll_ms = now + b.poll_ms;
+        let path = format!("{}?since={}", b.leases_path, self.cursor);
+        let headers = vec![
+            (":method", "GET"),
+            (":path", path.as_str()),
+            (":authority", b.authority.as_str()),
+        ];
+        match hostcalls::dispatch_http_call(
+            &b.cluster,
+            headers,
+            None,
+            vec![],
+            Duration::from_millis(b.timeout_ms),
+        ) {
+            Ok(token) => self.poll_in_flight = Some(token),
+            Err(s) => self.poll_failed(rt, &format!("dispatch failed: {s:?}")),
+        }
+    }
+
+    fn poll_failed(&self, rt: &Runtime, why: &str) {
+        let Some(b) = &rt.cfg.backend else { return };
+        self.worker.metrics.backend_poll_failures.inc();
+        let mut h = self.worker.backend.get();
+        h.polled = true;
+        h.failures += 1;
+        if h.failures >= b.down_after_failures && h.up {
+            host::warn(&format!(
+                "kvgate: backend {} is down after {} failed polls: {why}",
+                b.cluster, h.failures
+            ));
+        }
+        if h.failures >= b.down_after_failures {
+            h.up = false;
+            self.worker.metrics.backend_up.set(0);
+        }
+        self.worker.backend.set(h);
+    }
+
+    fn poll_answered(&mut self, rt: &Runtime, body_size: usize) {
+        let Some(b) = &rt.cfg.backend else { return };
+        let status = abi_status();
+        let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+            .ok()
+            .flatten()
+            .unwrap_or_default();
+        if status != Some(200) {
+            return self.poll_failed(rt, &format!("status {status:?}"));
+        }
+        let report = match BackendReport::parse(&body) {
+            Ok(r) => r,
+            Err(e) => return self.poll_failed(rt, &e),
+        };
+        let now = host::now_ms();
+        let done = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+            reconcile(l, &report, now, b.lost_grace_ms)
+        });
+        let (rec, ledger) = match done {
+            Ok(v) => v,
+            Err(e) => {
+                self.worker.metrics.ledger_errors.inc();
+                return host::warn(&format!("kvgate: reconcile: {e}"));
+            }
+        };
+        self.cursor = report.cursor;
+        for l in &rec.lost {
+            host::warn(&format!(
+                "kvgate: lease {} ({} B, class {}) is unknown to the backend {} ms after admission; reclaimed as lost",
+                l.id,
+                l.bytes,
+                l.class,
+                now.saturating_sub(l.created_ms)
+            ));
+        }
+        self.worker
+            .metrics
+            .released_by_backend
+            .add(rec.released.len() as u64);
+        self.worker.metrics.lost.add(rec.lost.len() as u64);
+        let d = drift(&ledger, &report);
+        if d.unsigned_abs() > u128::from(b.drift_warn_bytes) {
+            host::warn(&format!(
+                "kvgate: drift {d} B between the ledger ({} B committed) and the backend ({} B used) exceeds {} B",
+                ledger.committed(),
+                report.used_bytes,
+                b.drift_warn_bytes
+            ));
+        }
+        let mut h = self.worker.backend.get();
+        if !h.up && h.polled {
+            host::info(&format!("kvgate: backend {} is up again", b.cluster));
+        }
+        h = crate::worker::BackendHealth {
+            polled: true,
+            up: true,
+            failures: 0,
+            used_bytes: report.used_bytes,
+            capacity_bytes: report.capacity_bytes,
+            drift_bytes: d,
+            last_ok_ms: now,
+        };
+        self.worker.backend.set(h);
+        let m = &self.worker.metrics;
+        m.backend_up.set(1);
+        m.backend_used_bytes.set(report.used_bytes);
+        m.drift_bytes
+            .set(u64::try_from(d.unsigned_abs()).unwrap_or(u64::MAX));
+        m.observe(&ledger, self.worker.level(&ledger, &rt.cfg));
     }
 }
 
-impl Context for Root {}
+fn abi_status() -> Option<u32> {
+    crate::abi::header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse().ok())
+}
+
+impl Context for Root {
+    fn on_http_call_response(
+        &mut self,
+        token: u32,
+        _headers: usize,
+        body_size: usize,
+        _trailers: usize,
+    ) {
+        if self.poll_in_flight != Some(token) {
+            return;
+        }
+        self.poll_in_flight = None;
+        if let Some(rt) = self.worker.runtime() {
+            self.poll_answered(&rt, body_size);
+        }
+    }
+}
 
 impl RootContext for Root {
     fn on_configure(&mut self, size: usize) -> bool {
@@ -221,18 +316,25 @@ impl RootContext for Root {
     }
 
     fn on_tick(&mut self) {
-        let Some(rt) = self.current() else { return };
-        if let Err(e) = self.reap(&rt) {
-            self.metrics.ledger_errors.inc();
-            host::warn(&format!("kvgate: reaper: {e}"));
+        let Some(rt) = self.worker.runtime() else {
+            return;
+        };
+        let now = host::now_ms();
+        if now >= self.next_reap_ms {
+            self.next_reap_ms = now + rt.cfg.tick_ms;
+            if let Err(e) = self.reap(&rt, now) {
+                self.worker.metrics.ledger_errors.inc();
+                host::warn(&format!("kvgate: reaper: {e}"));
+            }
         }
+        if !self.worker.queue.borrow().is_empty() {
+            self.drain_queue(&rt, now);
+        }
+        self.poll_backend(&rt, now);
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Filter::new(
-            self.current(),
-            Rc::clone(&self.metrics),
-        )))
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Filter::new(context_id, Rc::clone(&self.worker))))
     }
 
     fn get_type(&self) -> Option<ContextType> {

@@ -1,0 +1,188 @@
+//! A priced request on its way through admission: decided at once, or parked in the worker's
+//! queue and decided later by the root context. Either way the same code reserves, rewrites the
+//! body, and starts the preemption cancels; the HTTP context reads the outcome to answer headers
+//! and to release the lease at the end of the stream.
+
+use std::cell::{Cell, RefCell};
+
+use kvgate_core::gate::{self, Decision, Priced};
+use kvgate_core::retry::splitmix64;
+use kvgate_core::store;
+use kvgate_core::{write_cap, ApiError, ClassPolicy, ErrorKind, Lease};
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::BufferType;
+use serde_json::{Map, Value};
+
+use crate::abi;
+use crate::host::{self, EnvoyStore};
+use crate::worker::{Runtime, Worker};
+use crate::{CAS_ATTEMPTS, LEDGER_KEY};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Granted {
+    pub lease: u64,
+    pub cap: u64,
+    pub degraded_from: Option<u64>,
+}
+
+pub struct Ticket {
+    pub context_id: u32,
+    pub lease_id: u64,
+    pub class: ClassPolicy,
+    pub priced: Priced,
+    pub body: RefCell<Map<String, Value>>,
+    pub body_size: usize,
+    pub granted: Cell<Option<Granted>>,
+    /// Preemption cancels still in flight; the request goes on when they are answered.
+    pub pending_cancels: Cell<u32>,
+}
+
+pub enum Attempt {
+    /// Reserved and rewritten; `ready` is false while preemption cancels are in flight.
+    Admitted {
+        ready: bool,
+    },
+    Rejected(ApiError),
+}
+
+impl Ticket {
+    /// Decide and reserve (one CAS). On admission the body is rewritten with the granted cap and
+    /// the preempted leases are cancelled at the backend. The effective context must be this
+    /// ticket's stream.
+    pub fn attempt(&self, worker: &Worker, rt: &Runtime) -> Attempt {
+        let now = host::now_ms();
+        let seed = splitmix64(host::now_nanos() ^ self.lease_id);
+        let decided = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+            gate::decide(
+                l,
+                &rt.cfg,
+                &self.class,
+                &self.priced,
+                Some(self.lease_id),
+                now,
+                seed,
+            )
+        });
+        let (decision, ledger) = match decided {
+            Ok(v) => v,
+            Err(e) => {
+                worker.metrics.ledger_errors.inc();
+                host::warn(&format!("kvgate: ledger: {e}"));
+                let err = ApiError::new(
+                    ErrorKind::Internal,
+                    "kvgate could not update its admission ledger; nothing was reserved. Retry shortly.",
+                )
+                .with_status(503)
+                .with_retry_after_ms(rt.cfg.retry_after.min_ms);
+                return Attempt::Rejected(err);
+            }
+        };
+        worker
+            .metrics
+            .observe(&ledger, worker.level(&ledger, &rt.cfg));
+        match decision {
+            Decision::Rejected(err) => {
+                host::info(&format!(
+                    "kvgate: rejected ({}) class {} need {} B, committed {} B of {} B, retry after {} ms",
+                    err.kind.code(),
+                    self.class.name,
+                    self.priced.price.bytes,
+                    ledger.committed(),
+                    ledger.capacity(),
+                    err.retry_after_ms.unwrap_or(0),
+                ));
+                Attempt::Rejected(err)
+            }
+            Decision::Admitted {
+                lease,
+                cap,
+                degraded_from,
+                preempted,
+            } => {
+                self.granted.set(Some(Granted {
+                    lease: lease.id,
+                    cap,
+                    degraded_from,
+                }));
+                worker.metrics.admitted.inc();
+                if degraded_from.is_some() {
+                    worker.metrics.degraded.inc();
+                }
+                let new_body = write_cap(&mut self.body.borrow_mut(), cap);
+                if let Err(s) =
+                    abi::set_buffer(BufferType::HttpRequestBody, 0, self.body_size, &new_body)
+                {
+                    // Half-admitted is not allowed: give the reservation back and fail clearly.
+                    self.release(worker);
+                    return Attempt::Rejected(ApiError::new(
+                        ErrorKind::Internal,
+                        format!("kvgate could not rewrite the request body ({s:?})."),
+                    ));
+                }
+                let cancels = self.cancel_at_backend(worker, rt, &preempted);
+                self.pending_cancels.set(cancels);
+                Attempt::Admitted {
+                    ready: cancels == 0,
+                }
+            }
+        }
+    }
+
+    /// Ask the backend to stop the preempted sequences now; their streams end with an explicit
+    /// error the client can retry. Returns the number of cancels in flight.
+    fn cancel_at_backend(&self, worker: &Worker, rt: &Runtime, victims: &[Lease]) -> u32 {
+        let mut sent = 0;
+        for v in victims {
+            worker.metrics.preempted.inc();
+            host::info(&format!(
+                "kvgate: preempting lease {} ({} B, class {}) for class {}",
+                v.id, v.bytes, v.class, self.class.name
+            ));
+            let Some(b) = &rt.cfg.backend else { continue };
+            let path = b.cancel_path.replace("{id}", &v.id.to_string());
+            let headers = vec![
+                (":method", "POST"),
+                (":path", path.as_str()),
+                (":authority", b.authority.as_str()),
+            ];
+            match hostcalls::dispatch_http_call(
+                &b.cluster,
+                headers,
+                None,
+                vec![],
+                std::time::Duration::from_millis(b.timeout_ms),
+            ) {
+                Ok(_) => sent += 1,
+                Err(s) => host::warn(&format!("kvgate: cancel of lease {} not sent: {s:?}", v.id)),
+            }
+        }
+        sent
+    }
+
+    /// Give the reservation back (end of stream, or a failure after admission). Idempotent.
+    pub fn release(&self, worker: &Worker) {
+        let Some(g) = self.granted.take() else { return };
+        let now = host::now_ms();
+        match store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+            l.release(g.lease, now)
+        }) {
+            Ok((kvgate_core::ReleaseOutcome::Released(_), ledger)) => {
+                worker.metrics.released.inc();
+                if let Some(rt) = worker.runtime() {
+                    worker
+                        .metrics
+                        .observe(&ledger, worker.level(&ledger, &rt.cfg));
+                }
+            }
+            // Already released by the backend's report, reaped, or preempted: nothing to do.
+            Ok((kvgate_core::ReleaseOutcome::Unknown, _)) => worker.metrics.release_unknown.inc(),
+            Err(e) => {
+                worker.metrics.ledger_errors.inc();
+                host::warn(&format!(
+                    "kvgate: release of lease {} failed: {e}; the reaper will reclaim it",
+                    g.lease
+                ));
+            }
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! State shared by the root context and the HTTP contexts of one worker (one wasm VM): the
+//! current configuration, metrics, lease-id source, the admission queue and the backend's health.
+//! Never shared across workers: what all workers must agree on lives in the ledger.
+
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+use kvgate_core::config::Config;
+use kvgate_core::queue::AdmissionQueue;
+use kvgate_core::retry::splitmix64;
+use kvgate_core::{ErrorKind, Ledger, Level, TokenCounter};
+
+use crate::host::{self, Metric};
+use crate::ticket::Ticket;
+
+/// What a request needs from the configuration; replaced whole on reconfiguration.
+pub struct Runtime {
+    pub cfg: Config,
+    pub counter: Rc<TokenCounter>,
+}
+
+/// The backend as this worker's polls last saw it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BackendHealth {
+    pub polled: bool,
+    pub up: bool,
+    pub failures: u32,
+    pub used_bytes: u64,
+    pub capacity_bytes: u64,
+    pub drift_bytes: i128,
+    pub last_ok_ms: u64,
+}
+
+pub struct Worker {
+    pub runtime: RefCell<Option<Rc<Runtime>>>,
+    pub metrics: Metrics,
+    pub queue: RefCell<AdmissionQueue<Rc<Ticket>>>,
+    pub backend: Cell<BackendHealth>,
+    lease_seed: u64,
+    lease_counter: Cell<u64>,
+}
+
+impl Worker {
+    pub fn new() -> Worker {
+        use std::hash::{BuildHasher, Hasher};
+        // WASI random (through std's RandomState) mixed with the clock.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(host::now_nanos());
+        Worker {
+            runtime: RefCell::new(None),
+            metrics: Metrics::define(),
+            queue: RefCell::new(AdmissionQueue::default()),
+            backend: Cell::new(BackendHealth::default()),
+            lease_seed: h.finish(),
+            lease_counter: Cell::new(0),
+        }
+    }
+
+    pub fn runtime(&self) -> Option<Rc<Runtime>> {
+        self.runtime.borrow().clone()
+    }
+
+    /// Lease ids drawn without coordination between workers and gateways: a per-VM random seed
+    /// stepped through SplitMix64, below 2^53 so JSON clients read them exactly. A collision
+    /// among live leases is a ~n²/2^54 event, and the ledger refuses it.
+    pub fn next_lease_id(&self) -> u64 {
+        let n = self.lease_counter.get().wrapping_add(1);
+        self.lease_counter.set(n);
+        (splitmix64(self.lease_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 11).max(1)
+    }
+
+    /// The level callers see: the ledger's, or red while the backend is down.
+    pub fn level(&self, ledger: &Ledger, cfg: &Config) -> Level {
+        let b = self.backend.get();
+        if cfg.backend.is_some() && b.polled && !b.up {
+            Level::Red
+        } else {
+            ledger.level(&cfg.levels)
+        }
+    }
+}
+
+pub struct Metrics {
+    pub admitted: Metric,
+    pub degraded: Metric,
+    pub preempted: Metric,
+    pub released: Metric,
+    pub released_by_backend: Metric,
+    pub reaped: Metric,
+    pub lost: Metric,
+    pub release_unknown: Metric,
+    pub ledger_errors: Metric,
+    pub backend_poll_failures: Metric,
+    rejected: Vec<(ErrorKind, Metric)>,
+    pub queued: Metric,
+    pub committed_bytes: Metric,
+    pub capacity_bytes: Metric,
+    pub level: Metric,
+    pub live_leases: Metric,
+    pub backend_up: Metric,
+    pub backend_used_bytes: Metric,
+    pub drift_bytes: Metric,
+}
+
+impl Metrics {
+    fn define() -> Metrics {
+        let rejected = [
+            ErrorKind::InvalidRequest,
+            ErrorKind::BodyTooLarge,
+            ErrorKind::ContextLengthExceeded,
+            ErrorKind::KvRequestTooLarge,
+            ErrorKind::KvCapacityExceeded,
+            ErrorKind::QueueTimeout,
+            ErrorKind::QueueFull,
+            ErrorKind::Internal,
+        ]
+        .into_iter()
+        .map(|k| (k, Metric::counter(&format!("kvgate.rejected.{}", k.code()))))
+        .collect();
+        Metrics {
+            admitted: Metric::counter("kvgate.admitted"),
+            degraded: Metric::counter("kvgate.degraded"),
+            preempted: Metric::counter("kvgate.preempted"),
+            released: Metric::counter("kvgate.released"),
+            released_by_backend: Metric::counter("kvgate.released_by_backend"),
+            reaped: Metric::counter("kvgate.reaped"),
+            lost: Metric::counter("kvgate.lost"),
+            release_unknown: Metric::counter("kvgate.release_unknown"),
+            ledger_errors: Metric::counter("kvgate.ledger_errors"),
+            backend_poll_failures: Metric::counter("kvgate.backend_poll_failures"),
+            rejected,
+            queued: Metric::gauge("kvgate.queued"),
+            committed_bytes: Metric::gauge("kvgate.committed_bytes"),
+            capacity_bytes: Metric::gauge("kvgate.capacity_bytes"),
+            level: Metric::gauge("kvgate.level"),
+            live_leases: Metric::gauge("kvgate.live_leases"),
+            backend_up: Metric::gauge("kvgate.backend_up"),
+            backend_used_bytes: Metric::gauge("kvgate.backend_used_bytes"),
+            drift_bytes: Metric::gauge("kvgate.drift_bytes"),
+        }
+    }
+
+    pub fn rejected(&self, kind: ErrorKind) {
+        if let Some((_, m)) = self.rejected.iter().find(|(k, _)| *k == kind) {
+            m.inc();
+        }
+    }
+
+    /// Gauges mirror the global ledger; every worker writes the same values.
+    pub fn observe(&self, ledger: &Ledger, level: Level) {
+        self.committed_bytes.set(ledger.committed());
+        self.capacity_bytes.set(ledger.capacity());
+        self.level.set(level.as_gauge());
+        self.live_leases.set(ledger.leases().len() as u64);
+    }
+}
