@@ -9,7 +9,7 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make test   - build everything and run every test (what CI runs)"
@@ -78,7 +78,11 @@ test-backend: backend-build model setup-venv
 backend: backend-build model
 	target/release/kvgate-backend --model $(MODEL)
 
-test: setup lint test-core test-core-wasm validate test-gateway test-backend
+# The closed loop: Envoy + filter + the real backend with the real model.
+test-loop: wasm backend-build model setup-venv
+	cd tests && ../$(PY) -m pytest -q test_loop.py
+
+test: setup lint test-core test-core-wasm validate test-gateway test-backend test-loop
 
 bench: bench-core bench-gateway bench-backend
 

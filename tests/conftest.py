@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BACKEND, MODEL, WASM, Backend, Envoy, shipped_plugin_config  # noqa: E402
+from harness import BACKEND, BLOCK_BYTES, MODEL, WASM, Backend, Envoy, shipped_plugin_config  # noqa: E402
 from mock_upstream import MockUpstream  # noqa: E402
 
 
@@ -70,3 +70,36 @@ def backend(request, tmp_path):
         b.stop()
         if failed:
             print(f"----- backend log ({b.log_path}) -----\n{b.logs()}")
+
+
+@pytest.fixture
+def stack(request, tmp_path, wasm, backend):
+    """The product: the real backend with the real model behind Envoy with the filter.
+
+    stack(blocks, plugin_overrides, *backend_flags) -> (envoy, backend). The gateway's budget is
+    the backend's KV pool, with one KV block of scratch margin per request (the backend rounds
+    every reservation up to whole blocks), and the backend callout polling every 200 ms.
+    """
+    started = []
+
+    def make(blocks=64, overrides=None, *backend_flags, concurrency=2, ecds=False):
+        b = backend("--kv-cache-bytes", blocks * BLOCK_BYTES, *backend_flags)
+        cfg = shipped_plugin_config()
+        cfg.update({
+            "kv_budget_bytes": blocks * BLOCK_BYTES,
+            "scratch_margin_bytes": BLOCK_BYTES,
+            "backend": {"poll_ms": 200, "timeout_ms": 1000, "lost_grace_ms": 5000, "down_after_failures": 2},
+        })
+        cfg.update(overrides or {})
+        d = tmp_path / f"stack{len(started)}"
+        d.mkdir()
+        e = Envoy(d, b.port, cfg, concurrency=concurrency, ecds=ecds)
+        started.append(e)
+        return e.start(), b
+
+    yield make
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    for e in started:
+        e.stop()
+        if failed:
+            print(f"----- envoy log ({e.log_path}) -----\n{e.logs()}")

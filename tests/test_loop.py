@@ -1,0 +1,179 @@
+"""The closed loop: real Envoy + the kvgate filter + the real backend with the real model.
+
+Every test ends with the ledger's committed bytes at exactly zero and the backend's pool empty.
+"""
+
+import json
+import threading
+import time
+
+import requests
+
+from harness import BLOCK_BYTES
+
+MODEL = "smollm2-135m-instruct"
+COUNTING = "1, 2, 3, 4,"  # greedy SmolLM2 keeps counting: a generation that runs to max_tokens
+
+
+def drained(gw, b):
+    gw.assert_drained()
+    b.wait_pool_empty()
+
+
+def sse(resp):
+    return [json.loads(l[6:]) for l in resp.iter_lines() if l.startswith(b"data: {")]
+
+
+def long_stream(gw, max_tokens, headers=None, result=None):
+    """Start a streaming completion that runs to max_tokens; returns (thread, result)."""
+    result = {} if result is None else result
+
+    def run():
+        r = requests.post(gw.url + "/v1/completions", stream=True, timeout=120, headers=headers or {},
+                          json={"model": MODEL, "prompt": COUNTING, "max_tokens": max_tokens,
+                                "temperature": 0, "stream": True})
+        result["status"] = r.status_code
+        result["headers"] = dict(r.headers)
+        result["events"] = sse(r) if r.status_code == 200 else r.json()
+    t = threading.Thread(target=run)
+    t.start()
+    return t, result
+
+
+def test_chat_through_the_gateway_prices_exactly_and_frees_everything(stack):
+    gw, b = stack(64)
+    r = requests.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0, "max_tokens": 40})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert r.headers["x-kvgate-max-tokens"] == "40"
+    assert r.headers["x-kvgate-level"] == "green"
+    # The filter counts with cl100k here, the backend with the model's own tokenizer: the ledger
+    # entry was priced from the filter's count; both return to zero.
+    drained(gw, b)
+    # No cap on a 1,024-token budget: the worst case is the whole 8,192 context, which can never
+    # fit, so the answer is an immediate 413 (not a 429 to retry).
+    r = requests.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "kv_request_too_large"
+    assert b.metrics()["kvgate_backend_requests_total"] == 1
+
+
+def test_status_tracks_the_backend_while_a_stream_runs(stack):
+    gw, b = stack(64)
+    t, res = long_stream(gw, 300)
+    s = gw.wait_for(lambda s: s["leases"] == 1 and s.get("backend", {}).get("used_bytes", 0) > 0,
+                    what="the backend's report of the live lease")
+    assert s["backend"]["up"] is True
+    # The ledger prices exact tokens plus one block of margin; the backend holds whole blocks.
+    assert abs(s["backend"]["drift_bytes"]) <= BLOCK_BYTES
+    (lease,) = b.leases()["leases"]
+    assert lease["id"] == res.get("headers", {}).get("x-kvgate-lease", lease["id"])
+    t.join()
+    assert res["status"] == 200
+    assert res["events"][-1]["choices"][0]["finish_reason"] == "length"
+    drained(gw, b)
+    st = gw.stats()
+    assert st["kvgate.backend_up"] == 1
+    assert st["kvgate.lost"] == 0
+
+
+def test_backend_down_turns_the_level_red_and_back(stack):
+    gw, b = stack(64)
+    gw.wait_for(lambda s: s.get("backend", {}).get("up") is True, what="first poll")
+    b.stop()
+    s = gw.wait_for(lambda s: s["backend"]["up"] is False, timeout=10, what="the backend to be reported down")
+    assert s["level"] == "red"
+    assert requests.get(gw.url + "/v1/models", timeout=10).headers["x-kvgate-level"] == "red"
+    assert gw.stats()["kvgate.backend_up"] == 0
+    b.start()
+    s = gw.wait_for(lambda s: s["backend"]["up"] is True, timeout=10, what="the backend to come back")
+    assert s["level"] == "green"
+    drained(gw, b)
+
+
+def test_full_budget_429_then_client_retry_succeeds(stack):
+    gw, b = stack(64, {"retry_after": {"min_ms": 500, "max_ms": 3000, "jitter": 0.1, "default_lease_ms": 2000}})
+    t, res = long_stream(gw, 700)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    r = requests.post(gw.url + "/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 700, "temperature": 0})
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "kv_capacity_exceeded"
+    assert 500 <= int(r.headers["retry-after-ms"]) <= 3000
+    assert b.metrics()["kvgate_backend_requests_total"] == 1, "the rejected request never reached the backend"
+    t.join()
+    drained(gw, b)
+    assert b.metrics()["kvgate_backend_kv_oom_total"] == 0
+
+
+def test_preempt_cancels_the_youngest_lower_class_stream(stack):
+    policy = {"default_class": "batch", "class_header": "x-tenant-class", "classes": {
+        "batch": {"action": "reject", "priority": 0},
+        "vip": {"action": "reject", "priority": 5, "preempts": ["batch"]}}}
+    gw, b = stack(64, {"policy": policy})
+    t, res = long_stream(gw, 700, headers={"x-tenant-class": "batch"})
+    gw.wait_for(lambda s: s["classes"]["batch"]["leases"] == 1)
+    r = requests.post(gw.url + "/v1/completions", timeout=60, headers={"x-tenant-class": "vip"},
+                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 500, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 500
+    t.join()
+    # The preempted stream ended with an explicit, retryable error.
+    assert res["status"] == 200
+    assert res["events"][-2]["error"]["code"] == "kv_preempted"
+    assert res["events"][-1]["choices"][0]["finish_reason"] == "preempted"
+    drained(gw, b)
+    assert gw.stats()["kvgate.preempted"] == 1
+    m = b.metrics()
+    assert m["kvgate_backend_preempted_total"] == 1 and m["kvgate_backend_kv_oom_total"] == 0
+
+
+def test_queue_waits_for_budget_then_times_out(stack):
+    policy = {"classes": {"default": {"action": "queue", "max_wait_ms": 30000, "max_depth": 4}}}
+    gw, b = stack(64, {"policy": policy})
+    # 921 tokens usable: 400 (+prompt, +1 block) now, 700 (+...) next does not fit.
+    t, res = long_stream(gw, 400)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    t0 = time.time()
+    r2 = {}
+    t2 = threading.Thread(target=lambda: r2.update(r=requests.post(gw.url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": COUNTING, "max_tokens": 700, "temperature": 0})))
+    t2.start()
+    gw.wait_for(lambda s: s["queued"] == 1, what="the second request to queue")
+    t.join()
+    t2.join()
+    assert r2["r"].status_code == 200, r2["r"].text
+    assert time.time() - t0 > 1.0, "it waited for the first to finish"
+    drained(gw, b)
+    # A short max_wait answers 429 with the queue's reason when budget never frees.
+    gw2, b2 = stack(64, {"policy": {"classes": {"default": {"action": "queue", "max_wait_ms": 300, "max_depth": 4}}}})
+    t, res = long_stream(gw2, 400)
+    gw2.wait_for(lambda s: s["leases"] == 1)
+    r = requests.post(gw2.url + "/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 700, "temperature": 0})
+    assert r.status_code == 429
+    assert r.json()["error"]["code"] == "kv_queue_timeout"
+    assert "retry-after" in r.headers
+    t.join()
+    drained(gw2, b2)
+
+
+def test_degrade_lowers_the_cap_and_says_so(stack):
+    policy = {"classes": {"default": {"action": "degrade", "min_output_tokens": 50}}}
+    gw, b = stack(64, {"policy": policy})
+    t, res = long_stream(gw, 600)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    r = requests.post(gw.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 600, "temperature": 0})
+    assert r.status_code == 200, r.text
+    asked, granted = r.headers["x-kvgate-degraded"].removeprefix("max_tokens=").split("->")
+    assert asked == "600" and 50 <= int(granted) < 600
+    assert r.json()["usage"]["completion_tokens"] == int(granted)
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    t.join()
+    drained(gw, b)
+    assert gw.stats()["kvgate.degraded"] == 1
