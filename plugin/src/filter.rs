@@ -38,6 +38,8 @@ pub struct Filter {
     ticket: Option<Rc<Ticket>>,
     queued: bool,
     level: Option<Level>,
+    /// The upstream response reached its end (otherwise the stream was cut short).
+    response_done: bool,
 }
 
 struct Pending {
@@ -58,6 +60,7 @@ impl Filter {
             ticket: None,
             queued: false,
             level: None,
+            response_done: false,
         }
     }
 
@@ -215,6 +218,11 @@ impl Filter {
             self.worker.metrics.queued.add_signed(-(gone.len() as i64));
         }
         if let Some(t) = self.ticket.take() {
+            // Cut short (client gone, reset) while the backend may still be decoding: tell it to
+            // stop now, or it would hold KV the ledger no longer counts.
+            if let (Some(g), Some(rt), false) = (t.granted.get(), &self.rt, self.response_done) {
+                crate::ticket::cancel_lease(rt, g.lease);
+            }
             t.release(&self.worker);
         }
     }
@@ -347,7 +355,18 @@ impl HttpContext for Filter {
         Action::Continue
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
+        self.response_done |= end_of_stream;
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.response_done = true;
+        Action::Continue
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.response_done |= end_of_stream;
         let Some(rt) = self.rt.clone() else {
             return Action::Continue;
         };

@@ -186,3 +186,30 @@ impl Ticket {
         }
     }
 }
+
+/// `POST` the backend's cancel endpoint for a lease (when the callout is configured). Returns
+/// whether the call went out.
+pub fn cancel_lease(rt: &Runtime, id: u64) -> bool {
+    let Some(b) = &rt.cfg.backend else {
+        return false;
+    };
+    let path = b.cancel_path.replace("{id}", &id.to_string());
+    let headers = vec![
+        (":method", "POST"),
+        (":path", path.as_str()),
+        (":authority", b.authority.as_str()),
+    ];
+    match hostcalls::dispatch_http_call(
+        &b.cluster,
+        headers,
+        None,
+        vec![],
+        std::time::Duration::from_millis(b.timeout_ms),
+    ) {
+        Ok(_) => true,
+        Err(s) => {
+            host::warn(&format!("kvgate: cancel of lease {id} not sent: {s:?}"));
+            false
+        }
+    }
+}
