@@ -240,7 +240,8 @@ impl Root {
             .add(rec.released.len() as u64);
         self.worker.metrics.lost.add(rec.lost.len() as u64);
         let d = drift(&ledger, &report);
-        let was_over = self.worker.backend.get().drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);
+        let was_over =
+            self.worker.backend.get().drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);
         // Edge-triggered: one line when the gap crosses the threshold, not one per poll.
         if d.unsigned_abs() > u128::from(b.drift_warn_bytes) && !was_over {
             host::warn(&format!(
