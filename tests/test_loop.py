@@ -201,3 +201,22 @@ def test_live_policy_reload_changes_behaviour_and_keeps_leases(stack):
     t.join()
     assert res["events"][-1]["choices"][0]["finish_reason"] == "length", "the old stream was not disturbed"
     drained(gw, b)
+
+
+def test_model_descriptor_from_the_backend_makes_counts_exact(stack):
+    spec = {"layers": 30, "kv_heads": 3, "head_dim": 64, "kv_dtype_bytes": 4, "context_tokens": 8192}
+    # 600 blocks = 9,600 tokens: room for a whole-context reservation.
+    gw, b = stack(600, {"model": "from_backend", "fallback_model": spec, "kv_budget_bytes": 10 * BLOCK_BYTES,
+                        "fallback_token_multiplier": 1.5})
+    s = gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
+    assert s["capacity_bytes"] == int(600 * BLOCK_BYTES * 0.9), "the budget came from the backend's pool"
+    assert s["model"]["fingerprint"] == b.leases()["model"]["fingerprint"]
+    assert "model descriptor from the backend" in gw.logs()
+    # No cap: the filter grants context − prompt, counting with the model's own tokenizer, so the
+    # grant plus the backend's prompt count is exactly the context.
+    r = requests.post(gw.url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France? Answer briefly."}],
+        "temperature": 0, "stop": ["."]})
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-kvgate-max-tokens"]) + r.json()["usage"]["prompt_tokens"] == 8192
+    drained(gw, b)

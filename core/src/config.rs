@@ -17,7 +17,15 @@ use crate::tokenize::{CustomBpe, Encoding, TokenizerSpec};
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawConfig {
-    pub model: ModelSpec,
+    /// The model's KV shape, or `"from_backend"`: take spec, KV budget and tokenizer from the
+    /// backend's descriptor (needs `backend`); until it arrives, price with `fallback_model`,
+    /// `kv_budget_bytes` and the configured tokenizer, counts multiplied by
+    /// `fallback_token_multiplier`.
+    pub model: serde_json::Value,
+    #[serde(default)]
+    pub fallback_model: Option<ModelSpec>,
+    #[serde(default = "d_multiplier")]
+    pub fallback_token_multiplier: f64,
     pub kv_budget_bytes: u64,
     #[serde(default = "d_safety")]
     pub safety_fraction: f64,
@@ -89,6 +97,9 @@ pub type BackendCallout = RawBackend;
 
 fn d_safety() -> f64 {
     0.9
+}
+fn d_multiplier() -> f64 {
+    1.25
 }
 fn d_paths() -> Vec<String> {
     vec!["/v1/completions".into(), "/v1/chat/completions".into()]
@@ -190,6 +201,11 @@ impl LeaseTtl {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     pub pricing: Pricing,
+    /// The model descriptor comes from the backend (`"model": "from_backend"`).
+    pub from_backend: bool,
+    /// Counted prompt tokens are multiplied by this (above 1 while pricing with a fallback
+    /// tokenizer; exactly 1 with the model's own).
+    pub token_multiplier: f64,
     pub tokenizer: TokenizerSpec,
     pub levels: LevelThresholds,
     pub retry_after: RetryAfterConfig,
@@ -227,8 +243,46 @@ impl TryFrom<RawConfig> for Config {
     type Error = ConfigError;
 
     fn try_from(raw: RawConfig) -> Result<Config, ConfigError> {
+        let (spec, from_backend) = match &raw.model {
+            serde_json::Value::String(s) if s == "from_backend" => {
+                if raw.backend.is_none() {
+                    return Err(ConfigError::new(
+                        "model",
+                        "\"from_backend\"",
+                        "needs the `backend` callout to fetch the descriptor",
+                    ));
+                }
+                let spec = raw.fallback_model.ok_or_else(|| {
+                    ConfigError::new(
+                        "fallback_model",
+                        "missing",
+                        "is required with \"model\": \"from_backend\" (used until the descriptor arrives)",
+                    )
+                })?;
+                (spec, true)
+            }
+            v @ serde_json::Value::Object(_) => (
+                serde_json::from_value::<ModelSpec>(v.clone())
+                    .map_err(|e| ConfigError::new("model", v.to_string(), e.to_string()))?,
+                false,
+            ),
+            other => {
+                return Err(ConfigError::new(
+                    "model",
+                    other.to_string(),
+                    "must be a model spec object or \"from_backend\"",
+                ))
+            }
+        };
+        if !(1.0..=4.0).contains(&raw.fallback_token_multiplier) {
+            return Err(ConfigError::new(
+                "fallback_token_multiplier",
+                raw.fallback_token_multiplier,
+                "must be in [1, 4]",
+            ));
+        }
         let pricing = Pricing::new(
-            raw.model,
+            spec,
             raw.kv_budget_bytes,
             raw.safety_fraction,
             raw.scratch_margin_bytes,
@@ -358,6 +412,12 @@ impl TryFrom<RawConfig> for Config {
         }
         Ok(Config {
             pricing,
+            from_backend,
+            token_multiplier: if from_backend {
+                raw.fallback_token_multiplier
+            } else {
+                1.0
+            },
             tokenizer,
             levels: LevelThresholds {
                 amber: l.amber,
@@ -477,6 +537,28 @@ mod tests {
     }
 
     #[test]
+    fn model_from_backend_needs_a_fallback_and_the_callout() {
+        let base = r#""kv_budget_bytes":1073741824,"backend":{}"#;
+        let ok = Config::from_json(
+            format!(r#"{{"model":"from_backend","fallback_model":{{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192}},{base}}}"#).as_bytes(),
+        )
+        .unwrap();
+        assert!(ok.from_backend);
+        assert_eq!(ok.token_multiplier, 1.25);
+        let e = Config::from_json(format!(r#"{{"model":"from_backend",{base}}}"#).as_bytes())
+            .unwrap_err();
+        assert_eq!(e.field, "fallback_model");
+        let e = Config::from_json(br#"{"model":"from_backend","kv_budget_bytes":1}"#).unwrap_err();
+        assert_eq!(e.field, "model");
+        let e = Config::from_json(br#"{"model":"llama","kv_budget_bytes":1}"#).unwrap_err();
+        assert_eq!(e.field, "model");
+        assert_eq!(
+            Config::from_json(MIN.as_bytes()).unwrap().token_multiplier,
+            1.0
+        );
+    }
+
+    #[test]
     fn custom_tokenizer_from_config() {
         let c = with(r#""tokenizer":{"ranks":"YQ== 0\nYg== 1\nYWI= 2","pattern":"\\w+|\\s+","special_tokens":{"<|im_start|>":3}}"#).unwrap();
         let TokenizerSpec::Custom(bpe) = &c.tokenizer else {
@@ -488,5 +570,29 @@ mod tests {
         );
         let counter = crate::TokenCounter::new(&c.tokenizer).unwrap();
         assert_eq!(counter.encode_text("ab"), vec![2]);
+    }
+}
+
+impl Config {
+    /// This configuration with the backend's model descriptor applied: its spec and KV budget,
+    /// its tokenizer, and exact counting.
+    pub fn with_descriptor(
+        &self,
+        spec: ModelSpec,
+        kv_budget_bytes: u64,
+        tokenizer: TokenizerSpec,
+    ) -> Result<Config, ConfigError> {
+        let pricing = Pricing::new(
+            spec,
+            kv_budget_bytes,
+            self.pricing.safety_fraction,
+            self.pricing.scratch_margin_bytes,
+        )?;
+        Ok(Config {
+            pricing,
+            tokenizer,
+            token_multiplier: 1.0,
+            ..self.clone()
+        })
     }
 }

@@ -24,7 +24,23 @@ pub fn price(
     counter: &TokenCounter,
     req: &ParsedRequest,
 ) -> Result<Priced, ApiError> {
-    let prompt_tokens = counter.count_input(&req.input);
+    let mut prompt_tokens = counter.count_input(&req.input);
+    if cfg.token_multiplier > 1.0 {
+        // A fallback tokenizer only approximates the model's: pad text counts (token arrays
+        // are exact and stay as they are).
+        let exact: Vec<bool> = match &req.input {
+            crate::request::Input::Prompts(items) => items
+                .iter()
+                .map(|i| matches!(i, crate::request::PromptItem::Tokens(_)))
+                .collect(),
+            crate::request::Input::Chat(_) => vec![false],
+        };
+        for (t, exact) in prompt_tokens.iter_mut().zip(exact) {
+            if !exact {
+                *t = (*t as f64 * cfg.token_multiplier).ceil() as u64;
+            }
+        }
+    }
     let choices = req.choices();
     let price =
         price_request(&cfg.pricing, &prompt_tokens, req.requested_cap(), choices).map_err(|e| {

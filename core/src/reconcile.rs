@@ -161,3 +161,82 @@ mod tests {
         assert_eq!(l.counters().reaped, 1);
     }
 }
+
+/// The backend's model descriptor (`GET /v1/admission/leases?include=tokenizer`): what the filter
+/// needs to price exactly for the served model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Descriptor {
+    pub spec: crate::spec::ModelSpec,
+    pub fingerprint: String,
+    pub kv_capacity_bytes: u64,
+    pub tokenizer: crate::tokenize::TokenizerSpec,
+}
+
+impl Descriptor {
+    /// `None` when the document carries no tokenizer ranks (a poll without `include=tokenizer`).
+    pub fn parse(body: &[u8]) -> Result<Option<Descriptor>, String> {
+        let v: Value = serde_json::from_slice(body).map_err(|e| format!("bad JSON: {e}"))?;
+        let model = v.get("model").ok_or("no `model`")?;
+        let tok = model.get("tokenizer").ok_or("no `model.tokenizer`")?;
+        let Some(ranks) = tok.get("ranks").and_then(Value::as_str) else {
+            return Ok(None);
+        };
+        let spec: crate::spec::ModelSpec =
+            serde_json::from_value(model.get("spec").cloned().unwrap_or(Value::Null))
+                .map_err(|e| format!("bad `model.spec`: {e}"))?;
+        let pattern = tok
+            .get("pattern")
+            .and_then(Value::as_str)
+            .ok_or("no `model.tokenizer.pattern`")?;
+        let special_tokens = tok
+            .get("special_tokens")
+            .and_then(Value::as_object)
+            .map(|m| {
+                m.iter()
+                    .filter_map(|(k, v)| Some((k.clone(), u32::try_from(v.as_u64()?).ok()?)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let ranks = crate::tokenize::CustomBpe::parse_tiktoken(ranks).map_err(|e| e.to_string())?;
+        Ok(Some(Descriptor {
+            spec,
+            fingerprint: model
+                .get("fingerprint")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string(),
+            kv_capacity_bytes: v
+                .get("pool")
+                .and_then(|p| p.get("capacity_bytes"))
+                .and_then(Value::as_u64)
+                .ok_or("no `pool.capacity_bytes`")?,
+            tokenizer: crate::tokenize::TokenizerSpec::Custom(crate::tokenize::CustomBpe {
+                ranks,
+                pattern: pattern.to_string(),
+                special_tokens,
+            }),
+        }))
+    }
+}
+
+#[cfg(test)]
+mod descriptor_tests {
+    use super::*;
+
+    #[test]
+    fn parses_spec_budget_and_tokenizer() {
+        let body = br#"{"pool":{"capacity_bytes":737280,"used_bytes":0},"cursor":0,"leases":[],"finished":[],
+            "model":{"fingerprint":"ebbd44da4ae04b5d","spec":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},
+            "tokenizer":{"pattern":"\\w+|\\s+","special_tokens":{"<|im_end|>":3},"ranks":"YQ== 0\nYg== 1\nYWI= 2\n"}}}"#;
+        let d = Descriptor::parse(body).unwrap().unwrap();
+        assert_eq!(d.spec.layers, 30);
+        assert_eq!(d.kv_capacity_bytes, 737_280);
+        assert_eq!(d.fingerprint, d.spec.fingerprint_hex());
+        let c = crate::TokenCounter::new(&d.tokenizer).unwrap();
+        assert_eq!(c.encode_text("ab"), vec![2]);
+        assert_eq!(c.special_id("<|im_end|>"), Some(3));
+        let no_ranks = br#"{"pool":{"capacity_bytes":1,"used_bytes":0},"model":{"tokenizer":{"pattern":"x"}}}"#;
+        assert_eq!(Descriptor::parse(no_ranks).unwrap(), None);
+        assert!(Descriptor::parse(b"[]").is_err());
+    }
+}

@@ -59,6 +59,11 @@ impl ModelSpec {
             .checked_mul(self.kv_dtype_bytes)
     }
 
+    /// The fingerprint as 16 hex digits (as the status endpoint and the backend report it).
+    pub fn fingerprint_hex(&self) -> String {
+        format!("{:016x}", self.fingerprint())
+    }
+
     /// A stable 64-bit fingerprint of the estimator version and the spec (FNV-1a over a fixed
     /// little-endian layout). It does not depend on Rust's `Hash`, which is not stable across builds.
     pub fn fingerprint(&self) -> u64 {

@@ -5,7 +5,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use kvgate_core::config::Config;
-use kvgate_core::reconcile::{drift, reconcile, BackendReport};
+use kvgate_core::reconcile::{drift, reconcile, BackendReport, Descriptor};
 use kvgate_core::store::{self, StoreError};
 use kvgate_core::{ApiError, ErrorKind, Ledger, TokenCounter};
 use proxy_wasm::hostcalls;
@@ -27,6 +27,11 @@ pub struct Root {
     next_poll_ms: u64,
     poll_in_flight: Option<u32>,
     cursor: u64,
+    /// The configuration as written (before a backend descriptor is applied to it).
+    configured: Option<Config>,
+    /// `"model": "from_backend"`: the next poll asks for the descriptor.
+    want_descriptor: bool,
+    descriptor_fingerprint: Option<String>,
 }
 
 impl Root {
@@ -37,6 +42,9 @@ impl Root {
             next_poll_ms: 0,
             poll_in_flight: None,
             cursor: 0,
+            configured: None,
+            want_descriptor: false,
+            descriptor_fingerprint: None,
         }
     }
 
@@ -74,6 +82,41 @@ impl Root {
             if seeded { "created" } else { "kept" },
             ledger.leases().len(),
         ));
+        self.want_descriptor = cfg.from_backend;
+        self.next_poll_ms = 0;
+        self.configured = Some(cfg.clone());
+        *self.worker.runtime.borrow_mut() = Some(Rc::new(Runtime { cfg, counter }));
+        Ok(())
+    }
+
+    /// Price with the served model's own spec, budget and tokenizer from now on.
+    fn apply_descriptor(&mut self, d: Descriptor) -> Result<(), String> {
+        let Some(base) = &self.configured else {
+            return Ok(());
+        };
+        let started = host::now_ms();
+        let cfg = base
+            .with_descriptor(d.spec, d.kv_capacity_bytes, d.tokenizer)
+            .map_err(|e| e.to_string())?;
+        let counter = Rc::new(TokenCounter::new(&cfg.tokenizer).map_err(|e| e.to_string())?);
+        let capacity = cfg.pricing.capacity_bytes;
+        store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+            l.set_capacity(capacity)
+        })
+        .map_err(|e| e.to_string())?;
+        host::info(&format!(
+            "kvgate: model descriptor from the backend: fingerprint {} ({} layers, {} KV heads x {}, context {}), KV budget {} B (capacity {} B), its own tokenizer; built in {} ms",
+            d.fingerprint,
+            d.spec.layers,
+            d.spec.kv_heads,
+            d.spec.head_dim,
+            d.spec.context_tokens,
+            d.kv_capacity_bytes,
+            capacity,
+            host::now_ms().saturating_sub(started),
+        ));
+        self.descriptor_fingerprint = Some(d.fingerprint);
+        self.want_descriptor = false;
         *self.worker.runtime.borrow_mut() = Some(Rc::new(Runtime { cfg, counter }));
         Ok(())
     }
@@ -162,7 +205,12 @@ impl Root {
             return;
         }
         self.next_poll_ms = now + b.poll_ms;
-        let path = format!("{}?since={}", b.leases_path, self.cursor);
+        let include = if self.want_descriptor {
+            "&include=tokenizer"
+        } else {
+            ""
+        };
+        let path = format!("{}?since={}{include}", b.leases_path, self.cursor);
         let headers = vec![
             (":method", "GET"),
             (":path", path.as_str()),
@@ -213,6 +261,7 @@ impl Root {
             Ok(r) => r,
             Err(e) => return self.poll_failed(rt, &e),
         };
+        self.follow_descriptor(&body, &report);
         let now = host::now_ms();
         let done = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
             reconcile(l, &report, now, b.lost_grace_ms)
@@ -271,6 +320,35 @@ impl Root {
         m.drift_bytes
             .set(u64::try_from(d.unsigned_abs()).unwrap_or(u64::MAX));
         m.observe(&ledger, self.worker.level(&ledger, &rt.cfg));
+    }
+}
+
+impl Root {
+    /// `"model": "from_backend"`: take the descriptor when asked for, and ask again when the
+    /// backend's fingerprint changes (live leases keep the fingerprint that priced them).
+    fn follow_descriptor(&mut self, body: &[u8], report: &BackendReport) {
+        if !self.configured.as_ref().is_some_and(|c| c.from_backend) {
+            return;
+        }
+        if self.want_descriptor {
+            match Descriptor::parse(body) {
+                Ok(Some(d)) => {
+                    if let Err(e) = self.apply_descriptor(d) {
+                        host::warn(&format!("kvgate: model descriptor refused: {e}"));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => host::warn(&format!("kvgate: model descriptor unreadable: {e}")),
+            }
+        } else if report.fingerprint.is_some() && report.fingerprint != self.descriptor_fingerprint
+        {
+            host::info(&format!(
+                "kvgate: the backend's model fingerprint changed ({:?} -> {:?}); fetching its descriptor",
+                self.descriptor_fingerprint, report.fingerprint
+            ));
+            self.want_descriptor = true;
+            self.next_poll_ms = 0;
+        }
     }
 }
 
