@@ -475,6 +475,30 @@ fn tokenizer_spec(raw: RawTokenizer) -> Result<TokenizerSpec, ConfigError> {
     }
 }
 
+impl Config {
+    /// This configuration with the backend's model descriptor applied: its spec and KV budget,
+    /// its tokenizer, and exact counting.
+    pub fn with_descriptor(
+        &self,
+        spec: ModelSpec,
+        kv_budget_bytes: u64,
+        tokenizer: TokenizerSpec,
+    ) -> Result<Config, ConfigError> {
+        let pricing = Pricing::new(
+            spec,
+            kv_budget_bytes,
+            self.pricing.safety_fraction,
+            self.pricing.scratch_margin_bytes,
+        )?;
+        Ok(Config {
+            pricing,
+            tokenizer,
+            token_multiplier: 1.0,
+            ..self.clone()
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -570,29 +594,5 @@ mod tests {
         );
         let counter = crate::TokenCounter::new(&c.tokenizer).unwrap();
         assert_eq!(counter.encode_text("ab"), vec![2]);
-    }
-}
-
-impl Config {
-    /// This configuration with the backend's model descriptor applied: its spec and KV budget,
-    /// its tokenizer, and exact counting.
-    pub fn with_descriptor(
-        &self,
-        spec: ModelSpec,
-        kv_budget_bytes: u64,
-        tokenizer: TokenizerSpec,
-    ) -> Result<Config, ConfigError> {
-        let pricing = Pricing::new(
-            spec,
-            kv_budget_bytes,
-            self.pricing.safety_fraction,
-            self.pricing.scratch_margin_bytes,
-        )?;
-        Ok(Config {
-            pricing,
-            tokenizer,
-            token_multiplier: 1.0,
-            ..self.clone()
-        })
     }
 }
