@@ -9,6 +9,15 @@ from harness import BACKEND, BLOCK_BYTES, MODEL, WASM, Backend, Envoy, shipped_p
 from mock_upstream import MockUpstream  # noqa: E402
 
 
+def teardown(request, processes):
+    """Stop every process; print its log when the test failed."""
+    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
+    for p in processes:
+        p.stop()
+        if failed:
+            print(f"----- {p.name} log ({p.log_path}) -----\n{p.logs()}")
+
+
 @pytest.fixture(scope="session")
 def wasm():
     assert WASM.exists(), f"{WASM} missing: run `make wasm` (make test does)"
@@ -45,11 +54,7 @@ def gateway(request, tmp_path, wasm, upstream):
 
     upstream.clear()
     yield make
-    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
-    for e in started:
-        e.stop()
-        if failed:
-            print(f"----- envoy log ({e.log_path}) -----\n{e.logs()}")
+    teardown(request, started)
 
 
 @pytest.fixture
@@ -65,11 +70,7 @@ def backend(request, tmp_path):
         return b.start()
 
     yield make
-    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
-    for b in started:
-        b.stop()
-        if failed:
-            print(f"----- backend log ({b.log_path}) -----\n{b.logs()}")
+    teardown(request, started)
 
 
 @pytest.fixture
@@ -98,8 +99,4 @@ def stack(request, tmp_path, wasm, backend):
         return e.start(), b
 
     yield make
-    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
-    for e in started:
-        e.stop()
-        if failed:
-            print(f"----- envoy log ({e.log_path}) -----\n{e.logs()}")
+    teardown(request, started)

@@ -46,7 +46,48 @@ def shipped_plugin_config():
     return json.loads(f["typed_config"]["config"]["configuration"]["value"])
 
 
-class Envoy:
+class Process:
+    """A child process on free ports: a readiness loop that also checks the child is alive,
+    logs kept for failure reports, teardown that always ends it."""
+
+    name = "process"
+
+    def launch(self, args, ready, timeout):
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if ready():
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not ready in {timeout}s:\n{self.logs()}")
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc:
+            self.log.close()
+
+    def logs(self):
+        try:
+            return self.log_path.read_text()[-20000:]
+        except OSError:
+            return ""
+
+
+class Envoy(Process):
+    name = "envoy"
+
     def __init__(self, workdir, upstream_port, plugin_config, concurrency=2, ecds=False):
         self.workdir = Path(workdir)
         self.port = free_port()
@@ -108,42 +149,15 @@ class Envoy:
         return f"http://127.0.0.1:{self.admin_port}"
 
     def start(self, timeout=60):
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [str(ENVOY), "-c", str(self.config_path), "--concurrency", str(self.concurrency),
-             "--base-id", str(self.admin_port), "-l", os.environ.get("ENVOY_LOG_LEVEL", "info"), "--disable-hot-restart"],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-        )
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if requests.get(self.admin + "/ready", timeout=1).status_code == 200:
-                    # The listener is up once admin is ready; also check the filter answers.
-                    if requests.get(self.url + "/kvgate/status", timeout=2).status_code == 200:
-                        return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"envoy not ready in {timeout}s:\n{self.logs()}")
+        args = [str(ENVOY), "-c", str(self.config_path), "--concurrency", str(self.concurrency),
+                "--base-id", str(self.admin_port), "-l", os.environ.get("ENVOY_LOG_LEVEL", "info"),
+                "--disable-hot-restart"]
 
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc:
-            self.log.close()
-
-    def logs(self):
-        try:
-            return self.log_path.read_text()[-20000:]
-        except OSError:
-            return ""
+        def ready():
+            # Admin ready, and the filter answering on the listener.
+            return (requests.get(self.admin + "/ready", timeout=1).status_code == 200
+                    and requests.get(self.url + "/kvgate/status", timeout=2).status_code == 200)
+        return self.launch(args, ready, timeout)
 
     def status(self):
         r = requests.get(self.url + "/kvgate/status", timeout=5)
@@ -178,8 +192,10 @@ class Envoy:
         return s
 
 
-class Backend:
+class Backend(Process):
     """The real kvgate-backend binary with the real model, on a free port."""
+
+    name = "backend"
 
     def __init__(self, workdir, *args, port=None):
         self.workdir = Path(workdir)
@@ -193,36 +209,7 @@ class Backend:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout=60):
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"backend exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"backend not ready in {timeout}s:\n{self.logs()}")
-
-    def stop(self):
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc:
-            self.log.close()
-
-    def logs(self):
-        try:
-            return self.log_path.read_text()[-20000:]
-        except OSError:
-            return ""
+        return self.launch(self.args, lambda: requests.get(self.url + "/health", timeout=1).status_code == 200, timeout)
 
     def leases(self, since=0):
         r = requests.get(self.url + f"/v1/admission/leases?since={since}", timeout=5)

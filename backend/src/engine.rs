@@ -514,16 +514,7 @@ impl Engine {
         while !seq.detok.text.is_char_boundary(end) {
             end -= 1;
         }
-        if end > seq.emitted {
-            let chunk = seq
-                .detok
-                .text
-                .get(seq.emitted..end)
-                .unwrap_or("")
-                .to_string();
-            seq.emitted = end;
-            let _ = seq.events.send(Event::Text(chunk));
-        }
+        self.flush_text(seq, Some(end));
         None
     }
 

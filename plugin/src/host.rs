@@ -99,3 +99,24 @@ impl Metric {
         }
     }
 }
+
+/// A callout to the backend's admission API; the answer comes to the current (effective)
+/// context's `on_http_call_response` under the returned token.
+pub fn call_backend(
+    b: &kvgate_core::config::BackendCallout,
+    method: &str,
+    path: &str,
+) -> Result<u32, Status> {
+    let headers = vec![
+        (":method", method),
+        (":path", path),
+        (":authority", b.authority.as_str()),
+    ];
+    hostcalls::dispatch_http_call(
+        &b.cluster,
+        headers,
+        None,
+        vec![],
+        std::time::Duration::from_millis(b.timeout_ms),
+    )
+}

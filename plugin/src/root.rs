@@ -211,18 +211,7 @@ impl Root {
             ""
         };
         let path = format!("{}?since={}{include}", b.leases_path, self.cursor);
-        let headers = vec![
-            (":method", "GET"),
-            (":path", path.as_str()),
-            (":authority", b.authority.as_str()),
-        ];
-        match hostcalls::dispatch_http_call(
-            &b.cluster,
-            headers,
-            None,
-            vec![],
-            Duration::from_millis(b.timeout_ms),
-        ) {
+        match host::call_backend(b, "GET", &path) {
             Ok(token) => self.poll_in_flight = Some(token),
             Err(s) => self.poll_failed(rt, &format!("dispatch failed: {s:?}")),
         }

@@ -9,7 +9,6 @@ use kvgate_core::gate::{self, Decision, Priced};
 use kvgate_core::retry::splitmix64;
 use kvgate_core::store;
 use kvgate_core::{write_cap, ApiError, ClassPolicy, ErrorKind, Lease};
-use proxy_wasm::hostcalls;
 use proxy_wasm::types::BufferType;
 use serde_json::{Map, Value};
 
@@ -138,22 +137,8 @@ impl Ticket {
                 "kvgate: preempting lease {} ({} B, class {}) for class {}",
                 v.id, v.bytes, v.class, self.class.name
             ));
-            let Some(b) = &rt.cfg.backend else { continue };
-            let path = b.cancel_path.replace("{id}", &v.id.to_string());
-            let headers = vec![
-                (":method", "POST"),
-                (":path", path.as_str()),
-                (":authority", b.authority.as_str()),
-            ];
-            match hostcalls::dispatch_http_call(
-                &b.cluster,
-                headers,
-                None,
-                vec![],
-                std::time::Duration::from_millis(b.timeout_ms),
-            ) {
-                Ok(_) => sent += 1,
-                Err(s) => host::warn(&format!("kvgate: cancel of lease {} not sent: {s:?}", v.id)),
+            if cancel_lease(rt, v.id) {
+                sent += 1;
             }
         }
         sent
@@ -194,18 +179,7 @@ pub fn cancel_lease(rt: &Runtime, id: u64) -> bool {
         return false;
     };
     let path = b.cancel_path.replace("{id}", &id.to_string());
-    let headers = vec![
-        (":method", "POST"),
-        (":path", path.as_str()),
-        (":authority", b.authority.as_str()),
-    ];
-    match hostcalls::dispatch_http_call(
-        &b.cluster,
-        headers,
-        None,
-        vec![],
-        std::time::Duration::from_millis(b.timeout_ms),
-    ) {
+    match host::call_backend(b, "POST", &path) {
         Ok(_) => true,
         Err(s) => {
             host::warn(&format!("kvgate: cancel of lease {id} not sent: {s:?}"));
