@@ -25,6 +25,55 @@ use crate::model::{Llama, SeqKv};
 use crate::pool::{Allocation, BlockPool, PoolStats};
 use crate::sampling::Sampler;
 use crate::tokenizer::{Detokenizer, Tokenizer};
+use candle_core::Tensor;
+
+/// What the engine needs from a model: per-sequence KV state, prefill, one batched decode step.
+/// `Llama` is the real one; the scheduler's own tests use a tiny stand-in.
+pub trait Forward {
+    type Kv: KvState + Send;
+    fn new_kv(&self, capacity: usize) -> anyhow::Result<Self::Kv>;
+    fn grow_kv(&self, kv: &mut Self::Kv, capacity: usize) -> anyhow::Result<()>;
+    /// Logits of the last prompt position.
+    fn prefill(&self, tokens: &[u32], kv: &mut Self::Kv) -> anyhow::Result<Vec<f32>>;
+    /// Logits, one row per sequence.
+    fn decode(&self, tokens: &[u32], kvs: &mut [&mut Self::Kv]) -> anyhow::Result<Vec<Vec<f32>>>;
+}
+
+pub trait KvState {
+    /// Tokens cached.
+    fn len(&self) -> usize;
+    /// Tokens the cache may hold (what the sequence's KV blocks pay for).
+    fn capacity(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl KvState for SeqKv {
+    fn len(&self) -> usize {
+        SeqKv::len(self)
+    }
+    fn capacity(&self) -> usize {
+        SeqKv::capacity(self)
+    }
+}
+
+impl Forward for Llama {
+    type Kv = SeqKv;
+    fn new_kv(&self, capacity: usize) -> anyhow::Result<SeqKv> {
+        Llama::new_kv(self, capacity)
+    }
+    fn grow_kv(&self, kv: &mut SeqKv, capacity: usize) -> anyhow::Result<()> {
+        Llama::grow_kv(self, kv, capacity)
+    }
+    fn prefill(&self, tokens: &[u32], kv: &mut SeqKv) -> anyhow::Result<Vec<f32>> {
+        Ok(Llama::prefill(self, tokens, kv)?.to_vec1::<f32>()?)
+    }
+    fn decode(&self, tokens: &[u32], kvs: &mut [&mut SeqKv]) -> anyhow::Result<Vec<Vec<f32>>> {
+        let logits: Tensor = Llama::decode(self, tokens, kvs)?;
+        Ok(logits.to_vec2::<f32>()?)
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -160,12 +209,12 @@ pub struct EngineConfig {
     pub prefill_token_budget: usize,
 }
 
-struct Seq {
+struct Seq<K> {
     id: String,
     prompt: Vec<u32>,
     generated: Vec<u32>,
     params: GenParams,
-    kv: Option<SeqKv>,
+    kv: Option<K>,
     alloc: Allocation,
     detok: Detokenizer,
     emitted: usize,
@@ -174,14 +223,14 @@ struct Seq {
     arrived: Instant,
 }
 
-impl Seq {
+impl<K: KvState> Seq<K> {
     fn used_tokens(&self) -> u64 {
         self.kv.as_ref().map_or(0, |k| k.len() as u64)
     }
 }
 
-pub fn spawn(
-    model: Llama,
+pub fn spawn<M: Forward + Send + 'static>(
+    model: M,
     tok: Tokenizer,
     pool: BlockPool,
     cfg: EngineConfig,
@@ -195,17 +244,7 @@ pub fn spawn(
         pool: pool.clone(),
         metrics: Arc::clone(&metrics),
     };
-    let engine = Engine {
-        model,
-        tok,
-        pool,
-        cfg,
-        metrics,
-        published,
-        waiting: VecDeque::new(),
-        running: Vec::new(),
-        next_internal_id: 0,
-    };
+    let engine = Engine::new(model, tok, pool, cfg, metrics, published);
     let spawned = std::thread::Builder::new()
         .name("kvgate-engine".into())
         .spawn(move || engine.run(rx));
@@ -216,19 +255,40 @@ pub fn spawn(
     handle
 }
 
-struct Engine {
-    model: Llama,
+struct Engine<M: Forward> {
+    model: M,
     tok: Tokenizer,
     pool: BlockPool,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
     published: Arc<Mutex<Published>>,
-    waiting: VecDeque<Seq>,
-    running: Vec<Seq>,
+    waiting: VecDeque<Seq<M::Kv>>,
+    running: Vec<Seq<M::Kv>>,
     next_internal_id: u64,
 }
 
-impl Engine {
+impl<M: Forward> Engine<M> {
+    fn new(
+        model: M,
+        tok: Tokenizer,
+        pool: BlockPool,
+        cfg: EngineConfig,
+        metrics: Arc<Metrics>,
+        published: Arc<Mutex<Published>>,
+    ) -> Self {
+        Engine {
+            model,
+            tok,
+            pool,
+            cfg,
+            metrics,
+            published,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_internal_id: 0,
+        }
+    }
+
     fn run(mut self, rx: Receiver<Command>) {
         loop {
             let idle = self.waiting.is_empty() && self.running.is_empty();
@@ -254,12 +314,18 @@ impl Engine {
                     }
                 }
             }
-            self.drop_abandoned();
-            self.prefill_waiting();
-            self.publish();
-            self.decode_step();
-            self.publish();
+            self.step();
         }
+    }
+
+    /// One scheduler iteration after commands: free abandoned sequences, prefill within the
+    /// budget, one batched decode step.
+    fn step(&mut self) {
+        self.drop_abandoned();
+        self.prefill_waiting();
+        self.publish();
+        self.decode_step();
+        self.publish();
     }
 
     fn admit(&mut self, s: Submit) {
@@ -329,8 +395,8 @@ impl Engine {
     }
 
     fn drop_abandoned(&mut self) {
-        let gone = |s: &Seq| s.events.is_closed();
-        let mut abandoned: Vec<Seq> = Vec::new();
+        let gone = |s: &Seq<M::Kv>| s.events.is_closed();
+        let mut abandoned: Vec<Seq<M::Kv>> = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
             if self.running.get(i).is_some_and(gone) {
@@ -339,10 +405,10 @@ impl Engine {
                 i += 1;
             }
         }
-        let (gone_waiting, keep): (VecDeque<Seq>, VecDeque<Seq>) =
-            std::mem::take(&mut self.waiting)
-                .into_iter()
-                .partition(gone);
+        type Queue<K> = VecDeque<Seq<K>>;
+        let (gone_waiting, keep): (Queue<M::Kv>, Queue<M::Kv>) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(gone);
         self.waiting = keep;
         abandoned.extend(gone_waiting);
         for s in abandoned {
@@ -382,8 +448,7 @@ impl Engine {
                     self.model
                         .prefill(&seq.prompt, &mut kv)
                         .map(|logits| (kv, logits))
-                })
-                .and_then(|(kv, logits)| Ok((kv, logits.to_vec1::<f32>()?)));
+                });
             Metrics::add(
                 &self.metrics.prefill_us,
                 started.elapsed().as_micros() as u64,
@@ -446,14 +511,12 @@ impl Engine {
             .collect();
         let started = Instant::now();
         let result = {
-            let mut kvs: Vec<&mut SeqKv> = self
+            let mut kvs: Vec<&mut M::Kv> = self
                 .running
                 .iter_mut()
                 .filter_map(|s| s.kv.as_mut())
                 .collect();
-            self.model
-                .decode(&tokens, &mut kvs)
-                .and_then(|l| Ok(l.to_vec2::<f32>()?))
+            self.model.decode(&tokens, &mut kvs)
         };
         Metrics::add(
             &self.metrics.decode_us,
@@ -482,7 +545,7 @@ impl Engine {
     /// Record a sampled token, stream its text, and decide whether the sequence is done.
     fn accept_token(
         &mut self,
-        seq: &mut Seq,
+        seq: &mut Seq<M::Kv>,
         token: u32,
     ) -> Option<(FinishReason, Option<ApiError>)> {
         if self.tok.stop_ids.contains(&token) {
@@ -518,7 +581,7 @@ impl Engine {
         None
     }
 
-    fn flush_text(&self, seq: &mut Seq, end: Option<usize>) {
+    fn flush_text(&self, seq: &mut Seq<M::Kv>, end: Option<usize>) {
         let end = end.unwrap_or(seq.detok.text.len());
         if end > seq.emitted {
             let chunk = seq
@@ -532,7 +595,7 @@ impl Engine {
         }
     }
 
-    fn kv_oom(&mut self, seq: Seq) {
+    fn kv_oom(&mut self, seq: Seq<M::Kv>) {
         Metrics::add(&self.metrics.kv_oom, 1);
         let used = seq.used_tokens();
         let err = ApiError::new(
@@ -548,7 +611,7 @@ impl Engine {
         self.finish(seq, FinishReason::Error, Some(err));
     }
 
-    fn internal_failure(&mut self, seq: Seq, e: &anyhow::Error) {
+    fn internal_failure(&mut self, seq: Seq<M::Kv>, e: &anyhow::Error) {
         eprintln!("kvgate-backend: sequence {} failed: {e:#}", seq.id);
         let err = ApiError::new(
             ErrorKind::Internal,
@@ -558,7 +621,7 @@ impl Engine {
     }
 
     /// End a sequence: report it, record it for the filter, and free its KV (drop).
-    fn finish(&mut self, seq: Seq, reason: FinishReason, error: Option<ApiError>) {
+    fn finish(&mut self, seq: Seq<M::Kv>, reason: FinishReason, error: Option<ApiError>) {
         // Text was flushed by `accept_token` on a normal end; an abnormal end emits no more.
         let prompt_tokens = seq.prompt.len() as u64;
         let completion_tokens = seq.generated.len() as u64;
@@ -586,7 +649,7 @@ impl Engine {
 
     fn publish(&self) {
         let per_token = self.pool.block_bytes / u64::from(self.pool.block_tokens.max(1));
-        let view = |s: &Seq, state: &'static str| LeaseView {
+        let view = |s: &Seq<M::Kv>, state: &'static str| LeaseView {
             id: s.id.clone(),
             state,
             prompt_tokens: s.prompt.len() as u64,
@@ -622,4 +685,270 @@ fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
         .filter(|s| !s.is_empty())
         .filter_map(|s| text.find(s.as_str()))
         .min()
+}
+
+#[cfg(test)]
+mod tests {
+    //! The scheduler's state transitions without a model: a stand-in `Forward` whose "model"
+    //! emits token `a` until it is told to stop, so admission, KV growth, OOM, cancel, abandon
+    //! and batching are tested exactly and fast.
+    use super::*;
+    use kvgate_core::tokenize::{CustomBpe, GPT2_STYLE_PATTERN};
+    use kvgate_core::{TokenCounter, TokenizerSpec};
+    use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+    struct Fake {
+        /// Emit EOS after this many generated tokens (usize::MAX: never).
+        stop_after: usize,
+    }
+    struct FakeKv {
+        len: usize,
+        cap: usize,
+        generated: usize,
+    }
+    impl KvState for FakeKv {
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn capacity(&self) -> usize {
+            self.cap
+        }
+    }
+    const VOCAB: usize = 3; // 0 = EOS, 1 = "a", 2 = "b"
+    fn one_hot(id: usize) -> Vec<f32> {
+        (0..VOCAB)
+            .map(|i| if i == id { 1.0 } else { 0.0 })
+            .collect()
+    }
+    impl Forward for Fake {
+        type Kv = FakeKv;
+        fn new_kv(&self, capacity: usize) -> anyhow::Result<FakeKv> {
+            Ok(FakeKv {
+                len: 0,
+                cap: capacity,
+                generated: 0,
+            })
+        }
+        fn grow_kv(&self, kv: &mut FakeKv, capacity: usize) -> anyhow::Result<()> {
+            kv.cap = kv.cap.max(capacity);
+            Ok(())
+        }
+        fn prefill(&self, tokens: &[u32], kv: &mut FakeKv) -> anyhow::Result<Vec<f32>> {
+            anyhow::ensure!(tokens.len() <= kv.cap, "prefill past capacity");
+            kv.len = tokens.len();
+            Ok(one_hot(1))
+        }
+        fn decode(&self, tokens: &[u32], kvs: &mut [&mut FakeKv]) -> anyhow::Result<Vec<Vec<f32>>> {
+            anyhow::ensure!(tokens.len() == kvs.len(), "batch mismatch");
+            kvs.iter_mut()
+                .map(|kv| {
+                    anyhow::ensure!(kv.len < kv.cap, "decode past capacity");
+                    kv.len += 1;
+                    kv.generated += 1;
+                    Ok(one_hot(if kv.generated >= self.stop_after {
+                        0
+                    } else {
+                        1
+                    }))
+                })
+                .collect()
+        }
+    }
+
+    fn tokenizer() -> Tokenizer {
+        let tokens: Vec<String> = ["<|endoftext|>", "a", "b"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let bpe = CustomBpe::from_gpt2_vocab(&tokens, &[3, 1, 1], GPT2_STYLE_PATTERN).unwrap();
+        let counter = TokenCounter::new(&TokenizerSpec::Custom(bpe.clone())).unwrap();
+        Tokenizer {
+            counter,
+            bpe,
+            stop_ids: vec![0],
+            vocab: 3,
+        }
+    }
+
+    /// An engine over `blocks` KV blocks of 16 tokens (1 byte per token).
+    fn engine(
+        blocks: u64,
+        admission: Admission,
+        stop_after: usize,
+        max_batch: usize,
+    ) -> Engine<Fake> {
+        Engine::new(
+            Fake { stop_after },
+            tokenizer(),
+            BlockPool::new(blocks * 16, 16, 1),
+            EngineConfig {
+                admission,
+                max_batch,
+                prefill_token_budget: 64,
+            },
+            Arc::new(Metrics::default()),
+            Arc::new(Mutex::new(Published::default())),
+        )
+    }
+
+    fn submit(
+        e: &mut Engine<Fake>,
+        id: &str,
+        prompt: usize,
+        max_tokens: u64,
+    ) -> UnboundedReceiver<Event> {
+        let (tx, rx) = unbounded_channel();
+        e.admit(Submit {
+            lease: Some(id.into()),
+            prompt: vec![1; prompt],
+            params: GenParams {
+                max_tokens,
+                temperature: 0.0,
+                top_p: 1.0,
+                seed: 0,
+                stop: vec![],
+            },
+            events: tx,
+        });
+        rx
+    }
+
+    fn events(rx: &mut UnboundedReceiver<Event>) -> Vec<Event> {
+        std::iter::from_fn(|| rx.try_recv().ok()).collect()
+    }
+
+    fn finished(evs: &[Event]) -> Option<(FinishReason, u64, bool)> {
+        evs.iter().find_map(|e| match e {
+            Event::Finished {
+                reason,
+                completion_tokens,
+                error,
+                ..
+            } => Some((*reason, *completion_tokens, error.is_some())),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn reserve_holds_the_worst_case_and_rejects_what_does_not_fit() {
+        let mut e = engine(4, Admission::Reserve, usize::MAX, 8);
+        let mut a = submit(&mut e, "a", 10, 40); // 50 tokens: 4 blocks
+        assert!(matches!(events(&mut a).first(), Some(Event::Admitted { id }) if id == "a"));
+        assert_eq!(
+            e.pool.stats().blocks_free,
+            0,
+            "the whole worst case is reserved up front"
+        );
+        let mut b = submit(&mut e, "b", 1, 1);
+        assert!(matches!(events(&mut b).first(), Some(Event::Rejected(err)) if err.status == 429));
+        for _ in 0..60 {
+            e.step();
+        }
+        let evs = events(&mut a);
+        assert_eq!(finished(&evs), Some((FinishReason::Length, 40, false)));
+        let text: String = evs
+            .iter()
+            .filter_map(|ev| match ev {
+                Event::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(text, "a".repeat(40));
+        assert_eq!(
+            e.pool.stats().blocks_free,
+            4,
+            "finished: every block is back"
+        );
+        assert_eq!(
+            e.metrics.kv_oom.load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
+    }
+
+    #[test]
+    fn admission_none_grows_by_blocks_and_fails_mid_decode_when_none_are_left() {
+        let mut e = engine(2, Admission::None, usize::MAX, 8);
+        let mut a = submit(&mut e, "a", 10, 40);
+        assert_eq!(e.pool.stats().blocks_free, 2, "nothing taken at arrival");
+        e.step();
+        assert_eq!(
+            e.pool.stats().blocks_free,
+            1,
+            "the prompt's block on prefill"
+        );
+        for _ in 0..40 {
+            e.step();
+        }
+        let evs = events(&mut a);
+        // 32 tokens fit in 2 blocks: 10 prompt + 22 fed back; the next token finds no block.
+        assert_eq!(finished(&evs), Some((FinishReason::Error, 23, true)));
+        assert_eq!(
+            e.metrics.kv_oom.load(std::sync::atomic::Ordering::Relaxed),
+            1
+        );
+        assert_eq!(e.pool.stats().blocks_free, 2);
+    }
+
+    #[test]
+    fn eos_stops_and_cancel_preempts_and_a_gone_client_frees_at_once() {
+        let mut e = engine(24, Admission::Reserve, 5, 8); // 7 blocks each
+        let mut a = submit(&mut e, "a", 4, 100);
+        let mut b = submit(&mut e, "b", 4, 100);
+        let c = submit(&mut e, "c", 4, 100);
+        e.step();
+        assert!(e.preempt("b"));
+        assert!(!e.preempt("b"), "unknown now");
+        drop(c); // the client went away
+        for _ in 0..10 {
+            e.step();
+        }
+        assert_eq!(
+            finished(&events(&mut a)),
+            Some((FinishReason::Stop, 5, false))
+        );
+        assert_eq!(
+            finished(&events(&mut b)).map(|f| (f.0, f.2)),
+            Some((FinishReason::Preempted, true))
+        );
+        assert_eq!(e.pool.stats().blocks_free, 24);
+        let p = e.published.lock().unwrap();
+        let reasons: Vec<_> = p
+            .finished
+            .iter()
+            .map(|f| (f.id.as_str(), f.reason))
+            .collect();
+        assert!(
+            reasons.contains(&("c", FinishReason::Cancelled)),
+            "{reasons:?}"
+        );
+        assert_eq!(p.cursor, 3);
+    }
+
+    #[test]
+    fn batching_respects_max_batch_and_decodes_all_running_together() {
+        let mut e = engine(64, Admission::Reserve, usize::MAX, 2);
+        let mut rxs: Vec<_> = (0..3)
+            .map(|i| submit(&mut e, &format!("s{i}"), 4, 10))
+            .collect();
+        e.step();
+        assert_eq!((e.running.len(), e.waiting.len()), (2, 1));
+        let ls = e.published.lock().unwrap().leases.clone();
+        assert_eq!(ls.iter().filter(|l| l.state == "running").count(), 2);
+        for _ in 0..30 {
+            e.step();
+        }
+        for rx in rxs.iter_mut() {
+            assert_eq!(
+                finished(&events(rx)),
+                Some((FinishReason::Length, 10, false))
+            );
+        }
+        assert_eq!(
+            e.metrics
+                .decode_steps
+                .load(std::sync::atomic::Ordering::Relaxed),
+            18,
+            "9 steps for each pair"
+        );
+    }
 }
