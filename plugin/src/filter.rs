@@ -89,7 +89,7 @@ impl Filter {
             }
         };
         let mut doc = status_json(&ledger, &rt.cfg, rt.counter.name());
-        let b = self.worker.backend.get();
+        let b = self.worker.backend();
         if let Some(o) = doc.as_object_mut() {
             o.insert(
                 "level".into(),

@@ -220,7 +220,7 @@ impl Root {
     fn poll_failed(&self, rt: &Runtime, why: &str) {
         let Some(b) = &rt.cfg.backend else { return };
         self.worker.metrics.backend_poll_failures.inc();
-        let mut h = self.worker.backend.get();
+        let mut h = self.worker.backend();
         h.polled = true;
         h.failures += 1;
         if h.failures >= b.down_after_failures && h.up {
@@ -233,7 +233,7 @@ impl Root {
             h.up = false;
             self.worker.metrics.backend_up.set(0);
         }
-        self.worker.backend.set(h);
+        self.worker.set_backend(&h);
     }
 
     fn poll_answered(&mut self, rt: &Runtime, body_size: usize) {
@@ -279,7 +279,7 @@ impl Root {
         self.worker.metrics.lost.add(rec.lost.len() as u64);
         let d = drift(&ledger, &report);
         let was_over =
-            self.worker.backend.get().drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);
+            self.worker.backend().drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);
         // Edge-triggered: one line when the gap crosses the threshold, not one per poll.
         if d.unsigned_abs() > u128::from(b.drift_warn_bytes) && !was_over {
             host::warn(&format!(
@@ -289,11 +289,11 @@ impl Root {
                 b.drift_warn_bytes
             ));
         }
-        let mut h = self.worker.backend.get();
-        if !h.up && h.polled {
+        let before = self.worker.backend();
+        if !before.up && before.polled {
             host::info(&format!("kvgate: backend {} is up again", b.cluster));
         }
-        h = crate::worker::BackendHealth {
+        let h = crate::worker::BackendHealth {
             polled: true,
             up: true,
             failures: 0,
@@ -302,7 +302,7 @@ impl Root {
             drift_bytes: d,
             last_ok_ms: now,
         };
-        self.worker.backend.set(h);
+        self.worker.set_backend(&h);
         let m = &self.worker.metrics;
         m.backend_up.set(1);
         m.backend_used_bytes.set(report.used_bytes);

@@ -31,11 +31,39 @@ pub struct BackendHealth {
     pub last_ok_ms: u64,
 }
 
+const HEALTH_KEY: &str = "kvgate.backend.v1";
+
+impl BackendHealth {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(46);
+        v.push(u8::from(self.polled));
+        v.push(u8::from(self.up));
+        v.extend_from_slice(&self.failures.to_le_bytes());
+        v.extend_from_slice(&self.used_bytes.to_le_bytes());
+        v.extend_from_slice(&self.capacity_bytes.to_le_bytes());
+        v.extend_from_slice(&self.drift_bytes.to_le_bytes());
+        v.extend_from_slice(&self.last_ok_ms.to_le_bytes());
+        v
+    }
+
+    fn decode(b: &[u8]) -> Option<BackendHealth> {
+        let u64_at = |i: usize| Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?));
+        Some(BackendHealth {
+            polled: *b.first()? != 0,
+            up: *b.get(1)? != 0,
+            failures: u32::from_le_bytes(b.get(2..6)?.try_into().ok()?),
+            used_bytes: u64_at(6)?,
+            capacity_bytes: u64_at(14)?,
+            drift_bytes: i128::from_le_bytes(b.get(22..38)?.try_into().ok()?),
+            last_ok_ms: u64_at(38)?,
+        })
+    }
+}
+
 pub struct Worker {
     pub runtime: RefCell<Option<Rc<Runtime>>>,
     pub metrics: Metrics,
     pub queue: RefCell<AdmissionQueue<Rc<Ticket>>>,
-    pub backend: Cell<BackendHealth>,
     lease_seed: u64,
     lease_counter: Cell<u64>,
 }
@@ -50,7 +78,6 @@ impl Worker {
             runtime: RefCell::new(None),
             metrics: Metrics::define(),
             queue: RefCell::new(AdmissionQueue::default()),
-            backend: Cell::new(BackendHealth::default()),
             lease_seed: h.finish(),
             lease_counter: Cell::new(0),
         }
@@ -69,9 +96,25 @@ impl Worker {
         (splitmix64(self.lease_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 11).max(1)
     }
 
+    /// The backend's health as the last poll of any worker saw it (Envoy shared data, so every
+    /// worker reports the same level).
+    pub fn backend(&self) -> BackendHealth {
+        match proxy_wasm::hostcalls::get_shared_data(HEALTH_KEY) {
+            Ok((Some(bytes), _)) => BackendHealth::decode(&bytes).unwrap_or_default(),
+            _ => BackendHealth::default(),
+        }
+    }
+
+    pub fn set_backend(&self, h: &BackendHealth) {
+        if let Err(s) = proxy_wasm::hostcalls::set_shared_data(HEALTH_KEY, Some(&h.encode()), None)
+        {
+            host::warn(&format!("kvgate: cannot record backend health: {s:?}"));
+        }
+    }
+
     /// The level callers see: the ledger's, or red while the backend is down.
     pub fn level(&self, ledger: &Ledger, cfg: &Config) -> Level {
-        let b = self.backend.get();
+        let b = self.backend();
         if cfg.backend.is_some() && b.polled && !b.up {
             Level::Red
         } else {
