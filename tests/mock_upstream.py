@@ -102,9 +102,14 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+class Server(ThreadingHTTPServer):
+    # Bursts of 200 concurrent requests: a listen backlog of 5 (the default) drops connections.
+    request_queue_size = 512
+
+
 class MockUpstream:
     def __init__(self, port=0):
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server = Server(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.server.recorded = []
         self.server.lock = threading.Lock()
