@@ -243,11 +243,9 @@ impl Ledger {
 
     /// Release a lease by id. Idempotent: an unknown id changes nothing and says so.
     pub fn release(&mut self, id: u64, now_ms: u64) -> ReleaseOutcome {
-        let Some(pos) = self.leases.iter().position(|l| l.id == id) else {
+        let Some(lease) = self.take(id) else {
             return ReleaseOutcome::Unknown;
         };
-        let lease = self.leases.swap_remove(pos);
-        self.committed = self.committed.saturating_sub(lease.bytes);
         self.counters.released = self.counters.released.saturating_add(1);
         self.observe_lifetime(now_ms.saturating_sub(lease.created_ms));
         ReleaseOutcome::Released(lease)
@@ -273,19 +271,23 @@ impl Ledger {
     /// Remove a lease to make room for a higher class (preemption). Not a natural end, so the
     /// lifetime mean is left alone.
     pub fn evict(&mut self, id: u64) -> Option<Lease> {
-        let pos = self.leases.iter().position(|l| l.id == id)?;
-        let lease = self.leases.swap_remove(pos);
-        self.committed = self.committed.saturating_sub(lease.bytes);
+        let lease = self.take(id)?;
         self.counters.released = self.counters.released.saturating_add(1);
         Some(lease)
     }
 
     /// Remove a lease the backend does not know (reconciliation); counted as reaped.
     pub fn remove_lost(&mut self, id: u64) -> Option<Lease> {
+        let lease = self.take(id)?;
+        self.counters.reaped = self.counters.reaped.saturating_add(1);
+        Some(lease)
+    }
+
+    /// Remove a lease and give its bytes back (the one place `committed` goes down).
+    fn take(&mut self, id: u64) -> Option<Lease> {
         let pos = self.leases.iter().position(|l| l.id == id)?;
         let lease = self.leases.swap_remove(pos);
         self.committed = self.committed.saturating_sub(lease.bytes);
-        self.counters.reaped = self.counters.reaped.saturating_add(1);
         Some(lease)
     }
 
