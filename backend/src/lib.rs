@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod engine;
+pub mod forward;
 pub mod metrics;
 pub mod model;
 pub mod pool;

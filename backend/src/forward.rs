@@ -1,0 +1,52 @@
+//! The engine's view of a model: per-sequence KV state, a prefill, and one batched decode step.
+//! `Llama` is the real implementation; the scheduler's tests use a tiny stand-in.
+
+use candle_core::Tensor;
+
+use crate::model::{Llama, SeqKv};
+
+pub trait Forward {
+    type Kv: KvState + Send;
+    fn new_kv(&self, capacity: usize) -> anyhow::Result<Self::Kv>;
+    fn grow_kv(&self, kv: &mut Self::Kv, capacity: usize) -> anyhow::Result<()>;
+    /// Logits of the last prompt position.
+    fn prefill(&self, tokens: &[u32], kv: &mut Self::Kv) -> anyhow::Result<Vec<f32>>;
+    /// Logits, one row per sequence.
+    fn decode(&self, tokens: &[u32], kvs: &mut [&mut Self::Kv]) -> anyhow::Result<Vec<Vec<f32>>>;
+}
+
+pub trait KvState {
+    /// Tokens cached.
+    fn len(&self) -> usize;
+    /// Tokens the cache may hold (what the sequence's KV blocks pay for).
+    fn capacity(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl KvState for SeqKv {
+    fn len(&self) -> usize {
+        SeqKv::len(self)
+    }
+    fn capacity(&self) -> usize {
+        SeqKv::capacity(self)
+    }
+}
+
+impl Forward for Llama {
+    type Kv = SeqKv;
+    fn new_kv(&self, capacity: usize) -> anyhow::Result<SeqKv> {
+        Llama::new_kv(self, capacity)
+    }
+    fn grow_kv(&self, kv: &mut SeqKv, capacity: usize) -> anyhow::Result<()> {
+        Llama::grow_kv(self, kv, capacity)
+    }
+    fn prefill(&self, tokens: &[u32], kv: &mut SeqKv) -> anyhow::Result<Vec<f32>> {
+        Ok(Llama::prefill(self, tokens, kv)?.to_vec1::<f32>()?)
+    }
+    fn decode(&self, tokens: &[u32], kvs: &mut [&mut SeqKv]) -> anyhow::Result<Vec<Vec<f32>>> {
+        let logits: Tensor = Llama::decode(self, tokens, kvs)?;
+        Ok(logits.to_vec2::<f32>()?)
+    }
+}
