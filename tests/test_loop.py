@@ -71,7 +71,10 @@ def test_status_tracks_the_backend_while_a_stream_runs(stack):
     # The ledger prices exact tokens plus one block of margin; the backend holds whole blocks.
     assert abs(s["backend"]["drift_bytes"]) <= BLOCK_BYTES
     (lease,) = b.leases()["leases"]
-    assert lease["id"] == res.get("headers", {}).get("x-kvgate-lease", lease["id"])
+    deadline = time.time() + 10
+    while "headers" not in res and time.time() < deadline:
+        time.sleep(0.05)
+    assert lease["id"] == res["headers"]["x-kvgate-lease"], "the backend tracks the filter's lease id"
     t.join()
     assert res["status"] == 200
     assert res["events"][-1]["choices"][0]["finish_reason"] == "length"

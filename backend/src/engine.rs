@@ -182,7 +182,7 @@ impl<K: KvState> Seq<K> {
 
 pub fn spawn<M: Forward + Send + 'static>(
     model: M,
-    tok: Tokenizer,
+    tok: Arc<Tokenizer>,
     pool: BlockPool,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
@@ -208,7 +208,7 @@ pub fn spawn<M: Forward + Send + 'static>(
 
 struct Engine<M: Forward> {
     model: M,
-    tok: Tokenizer,
+    tok: Arc<Tokenizer>,
     pool: BlockPool,
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
@@ -221,7 +221,7 @@ struct Engine<M: Forward> {
 impl<M: Forward> Engine<M> {
     fn new(
         model: M,
-        tok: Tokenizer,
+        tok: Arc<Tokenizer>,
         pool: BlockPool,
         cfg: EngineConfig,
         metrics: Arc<Metrics>,
@@ -730,7 +730,7 @@ mod tests {
     ) -> Engine<Fake> {
         Engine::new(
             Fake { stop_after },
-            tokenizer(),
+            Arc::new(tokenizer()),
             BlockPool::new(blocks * 16, 16, 1),
             EngineConfig {
                 admission,

@@ -82,7 +82,7 @@ async fn main() -> Result<()> {
     let ct = gguf_file::Content::read(&mut file)
         .with_context(|| format!("reading GGUF {}", args.model.display()))?;
     let cfg = model::Config::from_gguf(&ct, args.max_context)?;
-    let tok = tokenizer::Tokenizer::from_gguf(&ct)?;
+    let tok = Arc::new(tokenizer::Tokenizer::from_gguf(&ct)?);
     let llama = model::Llama::from_gguf(&ct, &mut file, cfg.clone(), &dev)?;
     let spec = cfg.kv_spec();
     spec.validate()?;
@@ -99,10 +99,9 @@ async fn main() -> Result<()> {
         );
     }
     let metrics = Arc::new(metrics::Metrics::default());
-    let tok = Arc::new(tok);
     let engine = engine::spawn(
         llama,
-        tokenizer::Tokenizer::from_gguf(&ct)?,
+        Arc::clone(&tok),
         pool,
         EngineConfig {
             admission: args.admission,

@@ -10,8 +10,6 @@
 //! Forward passes are CPU/GPU bound and must never run on the async executor: the engine thread
 //! owns the model.
 
-use std::path::Path;
-
 use anyhow::{bail, Context as _, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, IndexOp, Tensor};
@@ -145,15 +143,6 @@ impl SeqKv {
 }
 
 impl Llama {
-    pub fn load(path: &Path, device: &Device, max_context: usize) -> Result<Llama> {
-        let mut file = std::fs::File::open(path)
-            .with_context(|| format!("opening model {}", path.display()))?;
-        let ct = gguf_file::Content::read(&mut file)
-            .with_context(|| format!("reading GGUF {}", path.display()))?;
-        let cfg = Config::from_gguf(&ct, max_context)?;
-        Self::from_gguf(&ct, &mut file, cfg, device)
-    }
-
     pub fn from_gguf<R: std::io::Read + std::io::Seek>(
         ct: &gguf_file::Content,
         r: &mut R,

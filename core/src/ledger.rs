@@ -310,11 +310,6 @@ impl Ledger {
         }
     }
 
-    /// Count rejections decided outside `try_admit` (e.g. a request that never fits the context).
-    pub fn count_rejection(&mut self) {
-        self.counters.rejected = self.counters.rejected.saturating_add(1);
-    }
-
     /// Undo one rejection count (a degrade retry that replaces the first attempt).
     pub fn uncount_rejection(&mut self) {
         self.counters.rejected = self.counters.rejected.saturating_sub(1);

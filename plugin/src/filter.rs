@@ -64,13 +64,12 @@ impl Filter {
         }
     }
 
+    /// The level from this request's own admission when there was one (no second ledger
+    /// read on the hot path), else read now.
     fn current_level(&self, rt: &Runtime) -> Level {
-        match self.level {
-            Some(l) => l,
-            None => store::read(&EnvoyStore, LEDGER_KEY)
-                .map(|l| self.worker.level(&l, &rt.cfg))
-                .unwrap_or(Level::Red),
-        }
+        self.level
+            .or_else(|| self.ticket.as_ref().and_then(|t| t.level.get()))
+            .unwrap_or_else(|| level_now(&self.worker, rt))
     }
 
     /// Answer locally with an error and count it. Nothing is reserved on this path.
@@ -163,6 +162,7 @@ impl Filter {
             body: RefCell::new(obj),
             body_size: p.body_size,
             granted: Cell::new(None),
+            level: Cell::new(None),
             pending_cancels: Cell::new(0),
         });
         self.ticket = Some(Rc::clone(&ticket));
@@ -390,7 +390,7 @@ impl HttpContext for Filter {
     }
 }
 
-/// Decisions made outside the request's own callbacks (the queue) need the request's level.
+/// The level callers see, read from the ledger now.
 pub fn level_now(worker: &Worker, rt: &Runtime) -> Level {
     store::read(&EnvoyStore, LEDGER_KEY)
         .map(|l| worker.level(&l, &rt.cfg))

@@ -32,6 +32,8 @@ pub struct Ticket {
     pub body: RefCell<Map<String, Value>>,
     pub body_size: usize,
     pub granted: Cell<Option<Granted>>,
+    /// The level after this ticket's last admission attempt (answers its response headers).
+    pub level: Cell<Option<kvgate_core::Level>>,
     /// Preemption cancels still in flight; the request goes on when they are answered.
     pub pending_cancels: Cell<u32>,
 }
@@ -76,9 +78,9 @@ impl Ticket {
                 return Attempt::Rejected(err);
             }
         };
-        worker
-            .metrics
-            .observe(&ledger, worker.level(&ledger, &rt.cfg));
+        let level = worker.level(&ledger, &rt.cfg);
+        self.level.set(Some(level));
+        worker.metrics.observe(&ledger, level);
         match decision {
             Decision::Rejected(err) => {
                 host::info(&format!(
