@@ -51,6 +51,9 @@ pub struct RawConfig {
     pub context_error_status: u32,
     #[serde(default = "d_tick")]
     pub tick_ms: u64,
+    /// A worker whose heartbeat is older than this is gone; only then are its leases reclaimed.
+    #[serde(default = "d_owner_timeout")]
+    pub owner_timeout_ms: u64,
     /// Poll the backend's admission API (leases, releases, real KV use). Absent: no callout.
     #[serde(default)]
     pub backend: Option<RawBackend>,
@@ -69,7 +72,8 @@ pub struct RawBackend {
     pub cancel_path: String,
     pub poll_ms: u64,
     pub timeout_ms: u64,
-    /// A ledger lease the backend does not know is reclaimed after this long.
+    /// A ledger lease the backend does not know after this long is drift: counted, logged and
+    /// shown in the level; never removed (it ends with its request).
     pub lost_grace_ms: u64,
     /// Log a warning when |ledger committed − backend used| exceeds this.
     pub drift_warn_bytes: u64,
@@ -115,6 +119,9 @@ fn d_context_status() -> u32 {
 }
 fn d_tick() -> u64 {
     1000
+}
+fn d_owner_timeout() -> u64 {
+    30_000
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -216,6 +223,7 @@ pub struct Config {
     pub status_path: String,
     pub context_error_status: u32,
     pub tick_ms: u64,
+    pub owner_timeout_ms: u64,
     pub backend: Option<BackendCallout>,
 }
 
@@ -377,6 +385,13 @@ impl TryFrom<RawConfig> for Config {
                 "must be in 50..=60000",
             ));
         }
+        if !(1_000..=3_600_000).contains(&raw.owner_timeout_ms) {
+            return Err(ConfigError::new(
+                "owner_timeout_ms",
+                raw.owner_timeout_ms,
+                "must be in 1000..=3600000",
+            ));
+        }
         if let Some(b) = &raw.backend {
             if b.cluster.is_empty() {
                 return Err(ConfigError::new(
@@ -406,7 +421,7 @@ impl TryFrom<RawConfig> for Config {
                 return Err(ConfigError::new(
                     "backend.lost_grace_ms",
                     b.lost_grace_ms,
-                    "must be at least twice poll_ms, or live requests would be reclaimed",
+                    "must be at least twice poll_ms, or requests still on their way count as drift",
                 ));
             }
         }
@@ -436,6 +451,7 @@ impl TryFrom<RawConfig> for Config {
             status_path: raw.status_path,
             context_error_status: raw.context_error_status,
             tick_ms: raw.tick_ms,
+            owner_timeout_ms: raw.owner_timeout_ms,
             backend: raw.backend,
         })
     }
@@ -536,6 +552,7 @@ mod tests {
             (r#""max_body_bytes":0"#, "max_body_bytes"),
             (r#""context_error_status":500"#, "context_error_status"),
             (r#""tick_ms":1"#, "tick_ms"),
+            (r#""owner_timeout_ms":10"#, "owner_timeout_ms"),
             (r#""tokenizer":{"encoding":"p99k"}"#, "tokenizer.encoding"),
             (r#""tokenizer":{"ranks":"YQ== 0"}"#, "tokenizer.pattern"),
             (

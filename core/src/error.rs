@@ -59,7 +59,10 @@ pub enum ErrorKind {
     Preempted,
     /// The requested model is not served here.
     ModelNotFound,
-    /// An internal failure (host call failed, ledger unreadable). Nothing was reserved.
+    /// The admission ledger cannot be read (corrupt, or written by an unknown version). Admission
+    /// stops rather than forget live leases. Nothing was reserved.
+    LedgerUnavailable,
+    /// An internal failure (a host call failed). Nothing was reserved.
     Internal,
 }
 
@@ -75,6 +78,7 @@ impl ErrorKind {
             ErrorKind::QueueFull => "kv_queue_full",
             ErrorKind::Preempted => "kv_preempted",
             ErrorKind::ModelNotFound => "model_not_found",
+            ErrorKind::LedgerUnavailable => "kvgate_ledger_unavailable",
             ErrorKind::Internal => "kvgate_internal_error",
         }
     }
@@ -90,8 +94,9 @@ impl ErrorKind {
             ErrorKind::KvCapacityExceeded | ErrorKind::QueueTimeout | ErrorKind::QueueFull => {
                 "rate_limit_error"
             }
-            ErrorKind::Preempted => "server_error",
-            ErrorKind::Internal => "server_error",
+            ErrorKind::Preempted | ErrorKind::LedgerUnavailable | ErrorKind::Internal => {
+                "server_error"
+            }
         }
     }
 
@@ -102,7 +107,7 @@ impl ErrorKind {
             | ErrorKind::ContextLengthExceeded
             | ErrorKind::KvRequestTooLarge => 413,
             ErrorKind::KvCapacityExceeded | ErrorKind::QueueTimeout | ErrorKind::QueueFull => 429,
-            ErrorKind::Preempted => 503,
+            ErrorKind::Preempted | ErrorKind::LedgerUnavailable => 503,
             ErrorKind::ModelNotFound => 404,
             ErrorKind::Internal => 500,
         }

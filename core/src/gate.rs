@@ -70,26 +70,35 @@ pub enum Decision {
     Rejected(ApiError),
 }
 
+/// Who will hold the lease: its id (`None`: the ledger assigns one) and the worker that owns
+/// its request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holder {
+    pub lease_id: Option<u64>,
+    pub owner: u64,
+}
+
 /// Decide and reserve. Pure over the ledger: safe to re-run on a CAS retry.
 pub fn decide(
     ledger: &mut Ledger,
     cfg: &Config,
     class: &ClassPolicy,
     priced: &Priced,
-    lease_id: Option<u64>,
+    holder: Holder,
     now_ms: u64,
     jitter_seed: u64,
 ) -> Decision {
     let fingerprint = cfg.pricing.spec.fingerprint();
     let cap = priced.price.cap.cap;
     let request = |bytes: u64, cap: u64| AdmitRequest {
-        id: lease_id,
+        id: holder.lease_id,
         bytes,
         class: &class.name,
         priority: class.priority,
         fingerprint,
         now_ms,
         ttl_ms: cfg.lease_ttl.for_cap(cap),
+        owner: holder.owner,
     };
     let outcome = ledger.try_admit(
         &request(priced.price.bytes, cap),
@@ -235,6 +244,11 @@ fn rejection(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const ANY: Holder = Holder {
+        lease_id: None,
+        owner: 1,
+    };
     use crate::request::{parse_request, Endpoint};
     use crate::tokenize::{Encoding, TokenizerSpec};
 
@@ -268,12 +282,12 @@ mod tests {
             &format!(r#"{{"prompt":{:?},"max_tokens":4000}}"#, vec![1; 200]),
         );
         assert_eq!(p.price.reserved_tokens, 4200);
-        let Decision::Admitted { cap, .. } = decide(&mut l, &c, &class, &p, None, 0, 1) else {
+        let Decision::Admitted { cap, .. } = decide(&mut l, &c, &class, &p, ANY, 0, 1) else {
             panic!()
         };
         assert_eq!(cap, 4000);
         assert_eq!(l.committed(), 4200 * 46_080);
-        match decide(&mut l, &c, &class, &p, None, 1, 1) {
+        match decide(&mut l, &c, &class, &p, ANY, 1, 1) {
             Decision::Rejected(e) => {
                 assert_eq!(e.status, 429);
                 assert_eq!(e.kind.code(), "kv_capacity_exceeded");
@@ -300,14 +314,14 @@ mod tests {
             &format!(r#"{{"prompt":{:?},"max_tokens":4000}}"#, vec![1; 200]),
         );
         assert!(matches!(
-            decide(&mut l, &c, &class, &p, None, 0, 1),
+            decide(&mut l, &c, &class, &p, ANY, 0, 1),
             Decision::Admitted {
                 degraded_from: None,
                 ..
             }
         ));
         // 800 tokens free: 200 prompt + 600 output.
-        match decide(&mut l, &c, &class, &p, None, 0, 1) {
+        match decide(&mut l, &c, &class, &p, ANY, 0, 1) {
             Decision::Admitted {
                 cap,
                 degraded_from,
@@ -323,7 +337,7 @@ mod tests {
         assert_eq!(l.counters().rejected, 0);
         // Nothing left: below min_output_tokens → 429.
         assert!(
-            matches!(decide(&mut l, &c, &class, &p, None, 0, 1), Decision::Rejected(e) if e.status == 429)
+            matches!(decide(&mut l, &c, &class, &p, ANY, 0, 1), Decision::Rejected(e) if e.status == 429)
         );
     }
 
@@ -344,12 +358,12 @@ mod tests {
         // t=0 default 3k, t=1 batch 3k, t=2 batch 3k: 9k of 10k.
         for (t, class) in [(0, &def), (1, &batch), (2, &batch)] {
             assert!(matches!(
-                decide(&mut l, &c, class, &p3k, None, t, 1),
+                decide(&mut l, &c, class, &p3k, ANY, t, 1),
                 Decision::Admitted { .. }
             ));
         }
         // vip needs 3k with 1k free: evicts one batch lease, the youngest (t=2).
-        match decide(&mut l, &c, &vip, &p3k, None, 3, 1) {
+        match decide(&mut l, &c, &vip, &p3k, ANY, 3, 1) {
             Decision::Admitted { preempted, .. } => {
                 assert_eq!(preempted.len(), 1);
                 assert_eq!(preempted[0].created_ms, 2);
@@ -360,14 +374,14 @@ mod tests {
         assert_eq!(l.committed(), 9_000 * 46_080);
         // Another vip: evicts the last batch lease; the default lease is not preemptible.
         assert!(
-            matches!(decide(&mut l, &c, &vip, &p3k, None, 4, 1), Decision::Admitted { preempted, .. } if preempted.len() == 1)
+            matches!(decide(&mut l, &c, &vip, &p3k, ANY, 4, 1), Decision::Admitted { preempted, .. } if preempted.len() == 1)
         );
         assert!(
-            matches!(decide(&mut l, &c, &vip, &p3k, None, 5, 1), Decision::Rejected(e) if e.status == 429)
+            matches!(decide(&mut l, &c, &vip, &p3k, ANY, 5, 1), Decision::Rejected(e) if e.status == 429)
         );
         // batch cannot preempt anything.
         assert!(matches!(
-            decide(&mut l, &c, &batch, &p3k, None, 6, 1),
+            decide(&mut l, &c, &batch, &p3k, ANY, 6, 1),
             Decision::Rejected(_)
         ));
         l.check().unwrap();
@@ -379,7 +393,7 @@ mod tests {
         let class = c.policy.default_class().clone();
         let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
         let p = priced(&c, r#"{"prompt":"hi"}"#); // unset cap → whole context
-        match decide(&mut l, &c, &class, &p, None, 0, 1) {
+        match decide(&mut l, &c, &class, &p, ANY, 0, 1) {
             Decision::Rejected(e) => {
                 assert_eq!(e.status, 413);
                 assert_eq!(e.kind.code(), "kv_request_too_large");

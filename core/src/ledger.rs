@@ -22,7 +22,13 @@ pub struct Lease {
     /// Fingerprint of the model spec and estimator version that priced it.
     pub fingerprint: u64,
     pub created_ms: u64,
+    /// Only for leases without an owner (0: migrated from a ledger that had no owners): the
+    /// time after which the reaper may reclaim it. Owned leases end with their request or when
+    /// their owner is gone, never at a deadline.
     pub deadline_ms: u64,
+    /// The filter worker (wasm VM instance) whose request holds this lease; its heartbeat says
+    /// whether the request can still end by itself.
+    pub owner: u64,
 }
 
 /// Running counters kept with the ledger, so every worker reports the same totals.
@@ -42,6 +48,9 @@ pub struct Ledger {
     /// Exponentially weighted mean of lease lifetimes (ms); 0 until the first release.
     pub(crate) mean_lease_ms: u64,
     pub(crate) counters: Counters,
+    /// Bytes the backend really uses beyond what this ledger has committed (negative drift, from
+    /// the last reconciliation): held back from admission until it clears.
+    pub(crate) held_back: u64,
     pub(crate) leases: Vec<Lease>,
 }
 
@@ -57,6 +66,8 @@ pub struct AdmitRequest<'a> {
     pub fingerprint: u64,
     pub now_ms: u64,
     pub ttl_ms: u64,
+    /// The worker that will release it (0: none; the lease then ends at `now_ms + ttl_ms`).
+    pub owner: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,6 +161,7 @@ impl Ledger {
             next_id: first_id.max(1),
             mean_lease_ms: 0,
             counters: Counters::default(),
+            held_back: 0,
             leases: Vec::new(),
         }
     }
@@ -160,8 +172,29 @@ impl Ledger {
     pub fn committed(&self) -> u64 {
         self.committed
     }
+    /// What admission may still reserve: capacity less committed and less the bytes held back
+    /// for negative drift.
     pub fn free(&self) -> u64 {
-        self.capacity.saturating_sub(self.committed)
+        self.capacity
+            .saturating_sub(self.committed)
+            .saturating_sub(self.held_back)
+    }
+    pub fn held_back(&self) -> u64 {
+        self.held_back
+    }
+    /// Hold back `bytes` from admission (the backend uses that much more than the ledger knows).
+    pub fn set_held_back(&mut self, bytes: u64) {
+        self.held_back = bytes;
+    }
+    /// The distinct owners of live leases (0 excluded), in first-seen order.
+    pub fn owners(&self) -> Vec<u64> {
+        let mut out: Vec<u64> = Vec::new();
+        for l in &self.leases {
+            if l.owner != 0 && !out.contains(&l.owner) {
+                out.push(l.owner);
+            }
+        }
+        out
     }
     pub fn leases(&self) -> &[Lease] {
         &self.leases
@@ -233,6 +266,7 @@ impl Ledger {
             fingerprint: req.fingerprint,
             created_ms: req.now_ms,
             deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
+            owner: req.owner,
         };
         // bytes ≤ free = capacity − committed, so this cannot overflow.
         self.committed += req.bytes;
@@ -251,12 +285,21 @@ impl Ledger {
         ReleaseOutcome::Released(lease)
     }
 
-    /// Remove every lease whose deadline has passed and return them.
-    pub fn reap(&mut self, now_ms: u64) -> Vec<Lease> {
+    /// Reclaim the leases whose request can no longer end by itself: those whose owner is gone
+    /// (`owner_alive` says no), and ownerless leases past their deadline. A live owner's lease is
+    /// never reclaimed, however old: it ends when its request ends.
+    pub fn reap(&mut self, now_ms: u64, owner_alive: impl Fn(u64) -> bool) -> Vec<Lease> {
         let mut reaped = Vec::new();
         let mut i = 0;
         while i < self.leases.len() {
-            if self.leases.get(i).is_some_and(|l| l.deadline_ms <= now_ms) {
+            let orphaned = self.leases.get(i).is_some_and(|l| {
+                if l.owner == 0 {
+                    l.deadline_ms <= now_ms
+                } else {
+                    !owner_alive(l.owner)
+                }
+            });
+            if orphaned {
                 let lease = self.leases.swap_remove(i);
                 self.committed = self.committed.saturating_sub(lease.bytes);
                 reaped.push(lease);
@@ -276,13 +319,6 @@ impl Ledger {
         Some(lease)
     }
 
-    /// Remove a lease the backend does not know (reconciliation); counted as reaped.
-    pub fn remove_lost(&mut self, id: u64) -> Option<Lease> {
-        let lease = self.take(id)?;
-        self.counters.reaped = self.counters.reaped.saturating_add(1);
-        Some(lease)
-    }
-
     /// Remove a lease and give its bytes back (the one place `committed` goes down).
     fn take(&mut self, id: u64) -> Option<Lease> {
         let pos = self.leases.iter().position(|l| l.id == id)?;
@@ -291,16 +327,20 @@ impl Ledger {
         Some(lease)
     }
 
-    /// The earliest lease deadline, if any (lets a caller skip a reap that would do nothing).
+    /// The earliest deadline of an ownerless lease, if any.
     pub fn next_deadline(&self) -> Option<u64> {
-        self.leases.iter().map(|l| l.deadline_ms).min()
+        self.leases
+            .iter()
+            .filter(|l| l.owner == 0)
+            .map(|l| l.deadline_ms)
+            .min()
     }
 
     pub fn level(&self, t: &LevelThresholds) -> Level {
         if self.capacity == 0 {
             return Level::Red;
         }
-        let used = self.committed as f64 / self.capacity as f64;
+        let used = self.committed.saturating_add(self.held_back) as f64 / self.capacity as f64;
         if used >= t.red {
             Level::Red
         } else if used >= t.amber {
@@ -367,6 +407,7 @@ mod tests {
             fingerprint: 7,
             now_ms,
             ttl_ms: 1000,
+            owner: 0,
         }
     }
 
@@ -443,12 +484,61 @@ mod tests {
         let mut l = Ledger::new(1000, 1);
         l.try_admit(&req(10, 0), &retry(), 1); // deadline 1000
         l.try_admit(&req(20, 500), &retry(), 1); // deadline 1500
-        let reaped = l.reap(1200);
+        let reaped = l.reap(1200, |_| true);
         assert_eq!(reaped.len(), 1);
         assert_eq!(reaped.first().map(|r| r.bytes), Some(10));
         assert_eq!(l.committed(), 20);
         assert_eq!(l.counters().reaped, 1);
         assert_eq!(l.next_deadline(), Some(1500));
+    }
+
+    #[test]
+    fn a_live_owners_lease_is_never_reaped_however_old_and_an_orphan_is() {
+        let mut l = Ledger::new(1000, 1);
+        let owned = |owner, now| AdmitRequest {
+            owner,
+            ..req(100, now)
+        };
+        l.try_admit(&owned(7, 0), &retry(), 1);
+        l.try_admit(&owned(8, 0), &retry(), 1);
+        l.try_admit(&req(50, 0), &retry(), 1); // ownerless: deadline 1000
+        assert_eq!(l.owners(), vec![7, 8]);
+        // Far past every deadline: only the ownerless lease goes while both owners live.
+        let r = l.reap(1_000_000, |_| true);
+        assert_eq!(r.iter().map(|x| x.bytes).collect::<Vec<_>>(), vec![50]);
+        assert_eq!(l.committed(), 200);
+        // Owner 8 is gone: its lease is reclaimed, owner 7's stays.
+        let r = l.reap(1_000_001, |o| o == 7);
+        assert_eq!(r.iter().map(|x| x.owner).collect::<Vec<_>>(), vec![8]);
+        assert_eq!(l.committed(), 100);
+        assert_eq!(l.counters().reaped, 2);
+        assert_eq!(
+            l.next_deadline(),
+            None,
+            "owned leases have no deadline to wait for"
+        );
+    }
+
+    #[test]
+    fn held_back_bytes_are_not_admitted_and_count_in_the_level() {
+        let mut l = Ledger::new(100, 1);
+        l.set_held_back(70);
+        assert_eq!(l.free(), 30);
+        assert_eq!(l.level(&LevelThresholds::default()), Level::Amber);
+        assert!(matches!(
+            l.try_admit(&req(31, 0), &retry(), 1),
+            AdmitOutcome::Rejected {
+                reason: RejectReason::InsufficientCapacity,
+                free: 30,
+                ..
+            }
+        ));
+        assert!(matches!(
+            l.try_admit(&req(30, 0), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        l.set_held_back(0);
+        assert_eq!(l.free(), 70);
     }
 
     #[test]
@@ -542,7 +632,7 @@ mod tests {
                         prop_assert_eq!(&l, &before);
                     }
                     Op::Reap(ahead) => {
-                        for r in l.reap(now + ahead) {
+                        for r in l.reap(now + ahead, |_| true) {
                             prop_assert!(r.deadline_ms <= now + ahead);
                         }
                         prop_assert!(l.leases().iter().all(|x| x.deadline_ms > now + ahead));

@@ -1,11 +1,16 @@
 //! Reconciliation of the ledger with the backend's own account of its leases.
 //!
-//! The backend (`GET /v1/admission/leases`) reports its KV pool, the leases it holds, and the
-//! leases that finished since a cursor. One pure transition applies a report: leases the backend
-//! says finished are released (the backend's release report is authoritative, even if the
-//! filter has not seen the end of the stream yet); leases the backend does not know, past a grace
-//! period that covers requests still on their way, are lost and reclaimed. Drift is what the
-//! ledger holds against what the backend really holds.
+//! The backend (`GET /v1/admission/leases`) reports its KV pool, the leases it holds (arrived at
+//! its HTTP layer, waiting or running), and the leases that finished since a cursor. One pure
+//! transition applies a report. The report informs; it never deletes a live request's lease:
+//! - a lease the backend says finished is released early (idempotent with the release at the
+//!   end of the stream);
+//! - a lease the backend does not know, past a grace period, is *unseen*: drift, reported and
+//!   alerted on, never removed (its request may still be on its way, or the backend may be
+//!   wrong; only the end of the request or the loss of its owner ends a lease);
+//! - bytes the backend uses beyond what the ledger has committed (negative drift: requests that
+//!   bypassed this gateway, block rounding, a release the backend has not caught up with) are
+//!   held back from admission until the next report says otherwise.
 
 use std::collections::HashSet;
 
@@ -18,7 +23,7 @@ use crate::ledger::{Lease, Ledger};
 pub struct BackendReport {
     pub capacity_bytes: u64,
     pub used_bytes: u64,
-    /// Ids the backend holds now (waiting or running).
+    /// Ids the backend holds now (arrived, waiting or running).
     pub live: Vec<u64>,
     /// Ids that finished since the cursor we sent.
     pub finished: Vec<u64>,
@@ -63,11 +68,23 @@ impl BackendReport {
 pub struct Reconciled {
     /// Released because the backend reported them finished.
     pub released: Vec<Lease>,
-    /// Reclaimed because the backend does not know them (past the grace period).
-    pub lost: Vec<Lease>,
+    /// Kept, but unknown to the backend past the grace period: drift to alert on.
+    pub unseen: Vec<Lease>,
+    /// Bytes now held back from admission (backend use beyond the ledger's committed bytes).
+    pub held_back: u64,
 }
 
-/// Apply a backend report to the ledger. Pure: safe to re-run on a CAS retry.
+impl Reconciled {
+    pub fn unseen_bytes(&self) -> u64 {
+        self.unseen
+            .iter()
+            .map(|l| l.bytes)
+            .fold(0, u64::saturating_add)
+    }
+}
+
+/// Apply a backend report to the ledger. Pure: safe to re-run on a CAS retry. Never removes a
+/// lease the backend did not report finished.
 pub fn reconcile(
     ledger: &mut Ledger,
     report: &BackendReport,
@@ -81,17 +98,14 @@ pub fn reconcile(
         }
     }
     let live: HashSet<u64> = report.live.iter().copied().collect();
-    let lost: Vec<u64> = ledger
+    out.unseen = ledger
         .leases()
         .iter()
         .filter(|l| !live.contains(&l.id) && l.created_ms.saturating_add(grace_ms) <= now_ms)
-        .map(|l| l.id)
+        .cloned()
         .collect();
-    for id in lost {
-        if let Some(l) = ledger.remove_lost(id) {
-            out.lost.push(l);
-        }
-    }
+    out.held_back = report.used_bytes.saturating_sub(ledger.committed());
+    ledger.set_held_back(out.held_back);
     out
 }
 
@@ -115,6 +129,7 @@ mod tests {
             fingerprint: 0,
             now_ms: now,
             ttl_ms: 1_000_000,
+            owner: 1,
         };
         assert!(matches!(
             l.try_admit(&r, &RetryAfterConfig::default(), 0),
@@ -137,12 +152,12 @@ mod tests {
     }
 
     #[test]
-    fn finished_are_released_and_unknown_old_leases_are_lost() {
+    fn finished_are_released_and_unknown_leases_are_kept_as_drift() {
         let mut l = Ledger::new(10_000, 1);
         admit(&mut l, 1, 100, 0); // backend reports it finished
         admit(&mut l, 2, 200, 0); // backend holds it
-        admit(&mut l, 3, 300, 0); // backend never heard of it: lost
-        admit(&mut l, 4, 400, 9_500); // too young to call lost
+        admit(&mut l, 3, 300, 0); // backend never heard of it: unseen, kept
+        admit(&mut l, 4, 400, 9_500); // too young to call unseen
         let report = BackendReport {
             live: vec![2],
             finished: vec![1, 99],
@@ -151,14 +166,41 @@ mod tests {
         };
         let r = reconcile(&mut l, &report, 10_000, 5_000);
         assert_eq!(r.released.iter().map(|x| x.id).collect::<Vec<_>>(), vec![1]);
-        assert_eq!(r.lost.iter().map(|x| x.id).collect::<Vec<_>>(), vec![3]);
-        assert_eq!(l.committed(), 600);
-        assert_eq!(drift(&l, &report), 392);
+        assert_eq!(r.unseen.iter().map(|x| x.id).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(r.unseen_bytes(), 300);
+        assert_eq!(l.committed(), 900, "an unseen lease keeps its bytes");
+        assert_eq!(r.held_back, 0);
+        assert_eq!(drift(&l, &report), 692);
         l.check().unwrap();
-        // Idempotent: the same report again changes nothing.
+        // Idempotent: the same report again releases nothing more and removes nothing.
         let again = reconcile(&mut l, &report, 10_000, 5_000);
-        assert_eq!(again, Reconciled::default());
-        assert_eq!(l.counters().reaped, 1);
+        assert!(again.released.is_empty());
+        assert_eq!(again.unseen.len(), 1);
+        assert_eq!(l.committed(), 900);
+        assert_eq!(l.counters().reaped, 0);
+    }
+
+    #[test]
+    fn negative_drift_is_held_back_until_it_clears() {
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 1_000, 0);
+        // The backend uses 4,000 B: 3,000 more than the ledger knows of.
+        let hot = BackendReport {
+            live: vec![1],
+            used_bytes: 4_000,
+            ..Default::default()
+        };
+        let r = reconcile(&mut l, &hot, 10, 5_000);
+        assert_eq!(r.held_back, 3_000);
+        assert_eq!(l.free(), 6_000);
+        let cool = BackendReport {
+            live: vec![1],
+            used_bytes: 500,
+            ..Default::default()
+        };
+        reconcile(&mut l, &cool, 20, 5_000);
+        assert_eq!(l.held_back(), 0);
+        assert_eq!(l.free(), 9_000);
     }
 }
 

@@ -29,6 +29,7 @@ pub fn status_json(ledger: &Ledger, cfg: &Config, tokenizer: &str) -> Value {
         "capacity_bytes": ledger.capacity(),
         "committed_bytes": ledger.committed(),
         "free_bytes": ledger.free(),
+        "held_back_bytes": ledger.held_back(),
         "leases": ledger.leases().len(),
         "classes": classes,
         "counters": {
@@ -68,6 +69,7 @@ mod tests {
                     fingerprint: 0,
                     now_ms: 0,
                     ttl_ms: 9,
+                    owner: 0,
                 },
                 &RetryAfterConfig::default(),
                 0,

@@ -120,6 +120,7 @@ mod tests {
             fingerprint: 0,
             now_ms: now,
             ttl_ms: ttl,
+            owner: 0,
         };
         assert!(matches!(
             l.try_admit(&r, &RetryAfterConfig::default(), 0),

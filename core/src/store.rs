@@ -58,21 +58,20 @@ pub fn read<S: SharedStore + ?Sized>(store: &S, key: &str) -> Result<Ledger, Sto
     Ledger::decode(&bytes).map_err(StoreError::Corrupt)
 }
 
-/// Create the ledger if the key is missing or unreadable. Returns true when it wrote one.
+/// Create the ledger if the key is missing. Returns true when it wrote one.
 ///
-/// An unreadable ledger (e.g. written by an incompatible version under the same `vm_id`) is
-/// replaced: its leases cannot be trusted, and refusing all traffic forever would be worse.
+/// An unreadable ledger is never replaced: it may hold live leases, and forgetting them would
+/// over-admit. It is an error (`Corrupt`); every transaction on it fails the same way, so
+/// admission stops loudly until an operator acts (a new `vm_id` starts a new ledger).
 pub fn seed<S: SharedStore + ?Sized>(
     store: &S,
     key: &str,
     fresh: impl FnOnce() -> Ledger,
 ) -> Result<bool, StoreError> {
     match store.get(key)? {
-        Some((bytes, _)) if Ledger::decode(&bytes).is_ok() => Ok(false),
-        Some((_, cas)) => {
-            store.set(key, &fresh().encode(), Some(cas))?;
-            Ok(true)
-        }
+        Some((bytes, _)) => Ledger::decode(&bytes)
+            .map(|_| false)
+            .map_err(StoreError::Corrupt),
         None => {
             store.set(key, &fresh().encode(), None)?;
             Ok(true)
@@ -81,7 +80,8 @@ pub fn seed<S: SharedStore + ?Sized>(
 }
 
 /// Run `f` on the ledger as one atomic transition. `f` may run more than once (on CAS races), so
-/// it must be a pure function of the ledger it is given.
+/// it must be a pure function of the ledger it is given. A transition that changes nothing
+/// writes nothing (no CAS bump that would make other workers retry).
 pub fn transact<S: SharedStore + ?Sized, T>(
     store: &S,
     key: &str,
@@ -92,7 +92,11 @@ pub fn transact<S: SharedStore + ?Sized, T>(
         let (bytes, cas) = store.get(key)?.ok_or(StoreError::Missing)?;
         let mut ledger = Ledger::decode(&bytes).map_err(StoreError::Corrupt)?;
         let out = f(&mut ledger);
-        match store.set(key, &ledger.encode(), Some(cas))? {
+        let encoded = ledger.encode();
+        if encoded == bytes {
+            return Ok((out, ledger));
+        }
+        match store.set(key, &encoded, Some(cas))? {
             SetOutcome::Stored => return Ok((out, ledger)),
             SetOutcome::CasMismatch => continue,
         }
@@ -170,6 +174,7 @@ mod tests {
                 fingerprint: 0,
                 now_ms: 0,
                 ttl_ms: 1000,
+                owner: 0,
             },
             &RetryAfterConfig::default(),
             0,
@@ -186,11 +191,35 @@ mod tests {
         assert!(seed(&s, "k", || Ledger::new(10, 1)).unwrap());
         assert!(!seed(&s, "k", || Ledger::new(99, 1)).unwrap());
         assert_eq!(read(&s, "k").unwrap().capacity(), 10);
-        // Garbage is replaced.
+        // Garbage is never replaced (it may hold live leases): seeding and every transaction
+        // fail loudly, and the stored bytes stay as they were.
         s.set("k", b"garbage", None).unwrap();
         assert!(matches!(read(&s, "k"), Err(StoreError::Corrupt(_))));
-        assert!(seed(&s, "k", || Ledger::new(7, 1)).unwrap());
-        assert_eq!(read(&s, "k").unwrap().capacity(), 7);
+        assert!(matches!(
+            seed(&s, "k", || Ledger::new(7, 1)),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert!(matches!(
+            transact(&s, "k", 3, |l| admit(l, 1)),
+            Err(StoreError::Corrupt(_))
+        ));
+        assert_eq!(s.get("k").unwrap().map(|v| v.0), Some(b"garbage".to_vec()));
+    }
+
+    #[test]
+    fn a_transition_that_changes_nothing_writes_nothing() {
+        let s = MemoryStore::default();
+        seed(&s, "k", || Ledger::new(100, 1)).unwrap();
+        let cas = s.get("k").unwrap().map(|v| v.1);
+        transact(&s, "k", 3, |l| l.release(12345, 0)).unwrap();
+        transact(&s, "k", 3, |l| l.reap(10, |_| true)).unwrap();
+        assert_eq!(
+            s.get("k").unwrap().map(|v| v.1),
+            cas,
+            "no write, no CAS bump"
+        );
+        transact(&s, "k", 3, |l| admit(l, 1)).unwrap();
+        assert_ne!(s.get("k").unwrap().map(|v| v.1), cas);
     }
 
     #[test]
@@ -233,15 +262,17 @@ mod tests {
                     let mut admitted = Vec::new();
                     for i in 0..300u64 {
                         let bytes = 1 + (i * 7 + t) % 97;
-                        if let Ok((AdmitOutcome::Admitted { lease }, l)) =
+                        if let Ok((AdmitOutcome::Admitted { lease }, _)) =
                             transact(&*s, "k", 1000, |l| admit(l, bytes))
                         {
-                            assert!(l.committed() <= l.capacity());
-                            admitted.push(lease.id);
+                            admitted.push((lease.id, lease.bytes));
                         }
                         if i % 3 == 0 {
-                            if let Some(id) = admitted.pop() {
-                                transact(&*s, "k", 1000, |l| l.release(id, 1)).unwrap();
+                            if let Some((id, _)) = admitted.pop() {
+                                let (r, _) =
+                                    transact(&*s, "k", 1000, |l| l.release(id, 1)).unwrap();
+                                // A lost update would make this lease unknown here.
+                                assert!(matches!(r, crate::ledger::ReleaseOutcome::Released(_)));
                             }
                         }
                     }
@@ -255,8 +286,15 @@ mod tests {
         }
         let l = read(&*s, "k").unwrap();
         l.check().unwrap();
-        assert_eq!(l.leases().len(), live.len());
-        for id in live {
+        // Every admission a thread was told about is in the ledger, byte for byte: a lost CAS
+        // update (two workers reserving on the same snapshot) would break this.
+        let mut want: Vec<u64> = live.iter().map(|x| x.0).collect();
+        let mut have: Vec<u64> = l.leases().iter().map(|x| x.id).collect();
+        want.sort_unstable();
+        have.sort_unstable();
+        assert_eq!(have, want);
+        assert_eq!(l.committed(), live.iter().map(|x| x.1).sum::<u64>());
+        for (id, _) in live {
             transact(&*s, "k", 1000, |l| l.release(id, 2)).unwrap();
         }
         assert_eq!(read(&*s, "k").unwrap().committed(), 0);

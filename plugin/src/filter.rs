@@ -83,7 +83,7 @@ impl Filter {
         let ledger = match store::read(&EnvoyStore, LEDGER_KEY) {
             Ok(l) => l,
             Err(e) => {
-                let err = ApiError::new(ErrorKind::Internal, format!("kvgate: {e}"));
+                let err = crate::ticket::ledger_error(&e, rt);
                 return self.reject(rt, &err);
             }
         };
@@ -102,6 +102,7 @@ impl Filter {
                         "polled": b.polled, "up": b.up, "consecutive_failures": b.failures,
                         "used_bytes": b.used_bytes, "capacity_bytes": b.capacity_bytes,
                         "drift_bytes": i64::try_from(b.drift_bytes).unwrap_or(i64::MAX),
+                        "unseen_bytes": b.unseen_bytes,
                         "last_ok_ms": b.last_ok_ms,
                     }),
                 );
@@ -221,7 +222,7 @@ impl Filter {
             // Cut short (client gone, reset) while the backend may still be decoding: tell it to
             // stop now, or it would hold KV the ledger no longer counts.
             if let (Some(g), Some(rt), false) = (t.granted.get(), &self.rt, self.response_done) {
-                crate::ticket::cancel_lease(rt, g.lease);
+                let _ = crate::ticket::cancel_lease(rt, g.lease);
             }
             t.release(&self.worker);
         }
@@ -237,21 +238,14 @@ pub fn reply_error(worker: &Worker, err: &ApiError, level: Level) {
 impl Context for Filter {
     fn on_http_call_response(
         &mut self,
-        _token: u32,
+        token: u32,
         _headers: usize,
         _body: usize,
         _trailers: usize,
     ) {
-        // A preemption cancel answered (or failed: the victim's KV is freed when it ends or is
-        // reaped either way). When the last one is in, the request goes on.
-        let Some(t) = &self.ticket else { return };
-        let left = t.pending_cancels.get().saturating_sub(1);
-        t.pending_cancels.set(left);
-        if left == 0 {
-            if let Err(s) = hostcalls::resume_http_request() {
-                host::warn(&format!("kvgate: resume after preemption failed: {s:?}"));
-            }
-        }
+        // A preemption cancel answered (or failed: the victim's KV is freed when its stream
+        // ends either way). When the last one is in, the request goes on.
+        self.worker.cancel_answered(token);
     }
 
     fn on_done(&mut self) -> bool {

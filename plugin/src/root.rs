@@ -32,6 +32,8 @@ pub struct Root {
     /// `"model": "from_backend"`: the next poll asks for the descriptor.
     want_descriptor: bool,
     descriptor_fingerprint: Option<String>,
+    /// Unseen leases already logged (one warning per lease, not one per poll).
+    unseen_warned: Vec<u64>,
 }
 
 impl Root {
@@ -45,6 +47,7 @@ impl Root {
             configured: None,
             want_descriptor: false,
             descriptor_fingerprint: None,
+            unseen_warned: Vec::new(),
         }
     }
 
@@ -56,16 +59,35 @@ impl Root {
             _ => Rc::new(TokenCounter::new(&cfg.tokenizer).map_err(|e| e.to_string())?),
         };
         let capacity = cfg.pricing.capacity_bytes;
-        // Lease ids are drawn by the filter, so the ledger's own counter is unused.
-        let seeded = store::seed(&EnvoyStore, LEDGER_KEY, || Ledger::new(capacity, 1))
-            .map_err(|e| e.to_string())?;
-        let (_, ledger) = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+        // Alive before any lease can carry this owner.
+        crate::worker::beat(host::now_ms());
+        // Lease ids are drawn by the filter, so the ledger's own counter is unused. An unreadable
+        // ledger is kept as it is (it may hold live leases): the configuration is accepted, and
+        // every admission answers 503 kvgate_ledger_unavailable until an operator acts.
+        let seeded = match store::seed(&EnvoyStore, LEDGER_KEY, || Ledger::new(capacity, 1)) {
+            Ok(s) => s,
+            Err(e @ StoreError::Corrupt(_)) => {
+                self.worker.metrics.ledger_errors.inc();
+                host::log(
+                    LogLevel::Critical,
+                    &format!("kvgate: admission stopped: {e}; it is kept, not replaced, since it may hold live leases; start a new ledger with a new vm_id"),
+                );
+                false
+            }
+            Err(e) => return Err(e.to_string()),
+        };
+        let kept = match store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
             l.set_capacity(capacity)
-        })
-        .map_err(|e| e.to_string())?;
-        self.worker
-            .metrics
-            .observe(&ledger, ledger.level(&cfg.levels));
+        }) {
+            Ok((_, ledger)) => {
+                self.worker
+                    .metrics
+                    .observe(&ledger, ledger.level(&cfg.levels));
+                ledger.leases().len()
+            }
+            Err(StoreError::Corrupt(_)) => 0,
+            Err(e) => return Err(e.to_string()),
+        };
         hostcalls::set_tick_period(TICK).map_err(|s| format!("set_tick_period failed: {s:?}"))?;
         host::info(&format!(
             "kvgate {} ({}) configured: capacity {} B ({} B x {}), {} B/token, context {}, tokenizer {}, model fingerprint {:016x}, backend callout {}, ledger {} with {} live leases",
@@ -80,7 +102,7 @@ impl Root {
             cfg.pricing.spec.fingerprint(),
             cfg.backend.as_ref().map_or("off".to_string(), |b| format!("{} every {} ms", b.cluster, b.poll_ms)),
             if seeded { "created" } else { "kept" },
-            ledger.leases().len(),
+            kept,
         ));
         self.want_descriptor = cfg.from_backend;
         self.next_poll_ms = 0;
@@ -121,24 +143,40 @@ impl Root {
         Ok(())
     }
 
+    /// Reclaim the leases of workers that are gone (heartbeat older than `owner_timeout_ms`):
+    /// their requests can no longer end by themselves. A live worker's lease is never touched.
     fn reap(&self, rt: &Runtime, now: u64) -> Result<(), StoreError> {
         let ledger = store::read(&EnvoyStore, LEDGER_KEY)?;
-        if ledger.next_deadline().is_none_or(|d| d > now) {
+        let timeout = rt.cfg.owner_timeout_ms;
+        let gone: Vec<u64> = ledger
+            .owners()
+            .into_iter()
+            .filter(|o| !crate::worker::owner_alive(*o, now, timeout))
+            .collect();
+        if gone.is_empty() && ledger.next_deadline().is_none_or(|d| d > now) {
             self.worker
                 .metrics
                 .observe(&ledger, self.worker.level(&ledger, &rt.cfg));
             return Ok(());
         }
-        let (reaped, ledger) =
-            store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| l.reap(now))?;
+        let (reaped, ledger) = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+            l.reap(now, |o| !gone.contains(&o))
+        })?;
         for lease in &reaped {
-            host::warn(&format!(
-                "kvgate: reaped lease {} ({} B, class {}) {} ms past its deadline; its stream never ended",
-                lease.id,
-                lease.bytes,
-                lease.class,
-                now.saturating_sub(lease.deadline_ms)
-            ));
+            if lease.owner == 0 {
+                host::warn(&format!(
+                    "kvgate: reaped ownerless lease {} ({} B, class {}) {} ms past its deadline",
+                    lease.id,
+                    lease.bytes,
+                    lease.class,
+                    now.saturating_sub(lease.deadline_ms)
+                ));
+            } else {
+                host::warn(&format!(
+                    "kvgate: reaped lease {} ({} B, class {}): its worker {:016x} has sent no heartbeat for over {timeout} ms",
+                    lease.id, lease.bytes, lease.class, lease.owner
+                ));
+            }
         }
         self.worker.metrics.reaped.add(reaped.len() as u64);
         self.worker
@@ -263,20 +301,31 @@ impl Root {
             }
         };
         self.cursor = report.cursor;
-        for l in &rec.lost {
-            host::warn(&format!(
-                "kvgate: lease {} ({} B, class {}) is unknown to the backend {} ms after admission; reclaimed as lost",
-                l.id,
-                l.bytes,
-                l.class,
-                now.saturating_sub(l.created_ms)
-            ));
+        // One line per lease when it first counts as unseen; it stays in the ledger.
+        let mut warned = std::mem::take(&mut self.unseen_warned);
+        warned.retain(|id| rec.unseen.iter().any(|l| l.id == *id));
+        for l in &rec.unseen {
+            if !warned.contains(&l.id) {
+                warned.push(l.id);
+                host::warn(&format!(
+                    "kvgate: drift: lease {} ({} B, class {}) is unknown to the backend {} ms after admission; kept until its request ends",
+                    l.id,
+                    l.bytes,
+                    l.class,
+                    now.saturating_sub(l.created_ms)
+                ));
+            }
         }
+        self.unseen_warned = warned;
         self.worker
             .metrics
             .released_by_backend
             .add(rec.released.len() as u64);
-        self.worker.metrics.lost.add(rec.lost.len() as u64);
+        self.worker
+            .metrics
+            .unseen_leases
+            .set(rec.unseen.len() as u64);
+        self.worker.metrics.unseen_bytes.set(rec.unseen_bytes());
         let d = drift(&ledger, &report);
         let was_over =
             self.worker.backend().drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);
@@ -301,6 +350,7 @@ impl Root {
             capacity_bytes: report.capacity_bytes,
             drift_bytes: d,
             last_ok_ms: now,
+            unseen_bytes: rec.unseen_bytes(),
         };
         self.worker.set_backend(&h);
         let m = &self.worker.metrics;
@@ -354,6 +404,8 @@ impl Context for Root {
         _trailers: usize,
     ) {
         if self.poll_in_flight != Some(token) {
+            // A preemption cancel sent while the tick admitted from the queue.
+            self.worker.cancel_answered(token);
             return;
         }
         self.poll_in_flight = None;
@@ -390,6 +442,7 @@ impl RootContext for Root {
             return;
         };
         let now = host::now_ms();
+        crate::worker::beat(now);
         if now >= self.next_reap_ms {
             self.next_reap_ms = now + rt.cfg.tick_ms;
             if let Err(e) = self.reap(&rt, now) {

@@ -4,6 +4,7 @@
 //! and to release the lease at the end of the stream.
 
 use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 
 use kvgate_core::gate::{self, Decision, Priced};
 use kvgate_core::retry::splitmix64;
@@ -50,7 +51,7 @@ impl Ticket {
     /// Decide and reserve (one CAS). On admission the body is rewritten with the granted cap and
     /// the preempted leases are cancelled at the backend. The effective context must be this
     /// ticket's stream.
-    pub fn attempt(&self, worker: &Worker, rt: &Runtime) -> Attempt {
+    pub fn attempt(self: &Rc<Self>, worker: &Worker, rt: &Runtime) -> Attempt {
         let now = host::now_ms();
         let seed = splitmix64(host::now_nanos() ^ self.lease_id);
         let decided = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
@@ -59,7 +60,10 @@ impl Ticket {
                 &rt.cfg,
                 &self.class,
                 &self.priced,
-                Some(self.lease_id),
+                gate::Holder {
+                    lease_id: Some(self.lease_id),
+                    owner: crate::worker::owner_id(),
+                },
                 now,
                 seed,
             )
@@ -68,14 +72,7 @@ impl Ticket {
             Ok(v) => v,
             Err(e) => {
                 worker.metrics.ledger_errors.inc();
-                host::warn(&format!("kvgate: ledger: {e}"));
-                let err = ApiError::new(
-                    ErrorKind::Internal,
-                    "kvgate could not update its admission ledger; nothing was reserved. Retry shortly.",
-                )
-                .with_status(503)
-                .with_retry_after_ms(rt.cfg.retry_after.min_ms);
-                return Attempt::Rejected(err);
+                return Attempt::Rejected(ledger_error(&e, rt));
             }
         };
         let level = worker.level(&ledger, &rt.cfg);
@@ -131,7 +128,7 @@ impl Ticket {
 
     /// Ask the backend to stop the preempted sequences now; their streams end with an explicit
     /// error the client can retry. Returns the number of cancels in flight.
-    fn cancel_at_backend(&self, worker: &Worker, rt: &Runtime, victims: &[Lease]) -> u32 {
+    fn cancel_at_backend(self: &Rc<Self>, worker: &Worker, rt: &Runtime, victims: &[Lease]) -> u32 {
         let mut sent = 0;
         for v in victims {
             worker.metrics.preempted.inc();
@@ -139,7 +136,8 @@ impl Ticket {
                 "kvgate: preempting lease {} ({} B, class {}) for class {}",
                 v.id, v.bytes, v.class, self.class.name
             ));
-            if cancel_lease(rt, v.id) {
+            if let Some(token) = cancel_lease(rt, v.id) {
+                worker.cancels.borrow_mut().insert(token, Rc::clone(self));
                 sent += 1;
             }
         }
@@ -175,17 +173,42 @@ impl Ticket {
 }
 
 /// `POST` the backend's cancel endpoint for a lease (when the callout is configured). Returns
-/// whether the call went out.
-pub fn cancel_lease(rt: &Runtime, id: u64) -> bool {
-    let Some(b) = &rt.cfg.backend else {
-        return false;
-    };
+/// the callout's token when the call went out.
+pub fn cancel_lease(rt: &Runtime, id: u64) -> Option<u32> {
+    let b = rt.cfg.backend.as_ref()?;
     let path = b.cancel_path.replace("{id}", &id.to_string());
     match host::call_backend(b, "POST", &path) {
-        Ok(_) => true,
+        Ok(token) => Some(token),
         Err(s) => {
             host::warn(&format!("kvgate: cancel of lease {id} not sent: {s:?}"));
-            false
+            None
+        }
+    }
+}
+
+/// The client's answer when the ledger cannot be changed: nothing was reserved. An unreadable
+/// ledger stops admission loudly (it is never replaced: it may hold live leases).
+pub fn ledger_error(e: &store::StoreError, rt: &Runtime) -> ApiError {
+    match e {
+        store::StoreError::Corrupt(_) => {
+            host::log(
+                proxy_wasm::types::LogLevel::Critical,
+                &format!("kvgate: admission stopped: {e}; start a new ledger with a new vm_id"),
+            );
+            ApiError::new(
+                ErrorKind::LedgerUnavailable,
+                "kvgate cannot read its admission ledger, so it admits nothing rather than forget live reservations. Nothing was reserved.",
+            )
+            .with_retry_after_ms(rt.cfg.retry_after.max_ms)
+        }
+        _ => {
+            host::warn(&format!("kvgate: ledger: {e}"));
+            ApiError::new(
+                ErrorKind::Internal,
+                "kvgate could not update its admission ledger; nothing was reserved. Retry shortly.",
+            )
+            .with_status(503)
+            .with_retry_after_ms(rt.cfg.retry_after.min_ms)
         }
     }
 }

@@ -3,7 +3,9 @@
 //! Never shared across workers: what all workers must agree on lives in the ledger.
 
 use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::OnceLock;
 
 use kvgate_core::config::Config;
 use kvgate_core::queue::AdmissionQueue;
@@ -29,9 +31,11 @@ pub struct BackendHealth {
     pub capacity_bytes: u64,
     pub drift_bytes: i128,
     pub last_ok_ms: u64,
+    /// Bytes of ledger leases the backend did not know past the grace period (drift).
+    pub unseen_bytes: u64,
 }
 
-const HEALTH_KEY: &str = "kvgate.backend.v1";
+const HEALTH_KEY: &str = "kvgate.backend.v2";
 
 impl BackendHealth {
     fn encode(&self) -> Vec<u8> {
@@ -43,6 +47,7 @@ impl BackendHealth {
         v.extend_from_slice(&self.capacity_bytes.to_le_bytes());
         v.extend_from_slice(&self.drift_bytes.to_le_bytes());
         v.extend_from_slice(&self.last_ok_ms.to_le_bytes());
+        v.extend_from_slice(&self.unseen_bytes.to_le_bytes());
         v
     }
 
@@ -56,7 +61,52 @@ impl BackendHealth {
             capacity_bytes: u64_at(14)?,
             drift_bytes: i128::from_le_bytes(b.get(22..38)?.try_into().ok()?),
             last_ok_ms: u64_at(38)?,
+            unseen_bytes: u64_at(46)?,
         })
+    }
+}
+
+/// This worker's identity as a lease owner: one per wasm VM (an Envoy worker thread), shared by
+/// every root context the VM runs, so a reconfiguration that keeps the VM keeps the owner of the
+/// requests still in flight.
+pub fn owner_id() -> u64 {
+    static OWNER: OnceLock<u64> = OnceLock::new();
+    *OWNER.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u64(host::now_nanos());
+        h.finish().max(1)
+    })
+}
+
+/// The shared-data key of an owner's heartbeat (milliseconds since the epoch, little endian).
+fn heartbeat_key(owner: u64) -> String {
+    format!("kvgate.owner.v1.{owner:016x}")
+}
+
+/// Say this worker is alive (every tick; no CAS: only this worker writes its key).
+pub fn beat(now_ms: u64) {
+    let key = heartbeat_key(owner_id());
+    if let Err(s) = proxy_wasm::hostcalls::set_shared_data(&key, Some(&now_ms.to_le_bytes()), None)
+    {
+        host::warn(&format!("kvgate: cannot write heartbeat: {s:?}"));
+    }
+}
+
+/// Is `owner` alive: its heartbeat is no older than `timeout_ms`. A host error counts as alive
+/// (never reclaim on doubt).
+pub fn owner_alive(owner: u64, now_ms: u64, timeout_ms: u64) -> bool {
+    if owner == owner_id() {
+        return true;
+    }
+    match proxy_wasm::hostcalls::get_shared_data(&heartbeat_key(owner)) {
+        Ok((Some(b), _)) => b
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+            .is_some_and(|t| now_ms.saturating_sub(t) <= timeout_ms),
+        Ok((None, _)) => false,
+        Err(_) => true,
     }
 }
 
@@ -64,6 +114,9 @@ pub struct Worker {
     pub runtime: RefCell<Option<Rc<Runtime>>>,
     pub metrics: Metrics,
     pub queue: RefCell<AdmissionQueue<Rc<Ticket>>>,
+    /// Preemption cancels in flight, by callout token: whichever context the host delivers the
+    /// answer to, it reaches the ticket that is waiting for it.
+    pub cancels: RefCell<HashMap<u32, Rc<Ticket>>>,
     lease_seed: u64,
     lease_counter: Cell<u64>,
 }
@@ -78,6 +131,7 @@ impl Worker {
             runtime: RefCell::new(None),
             metrics: Metrics::define(),
             queue: RefCell::new(AdmissionQueue::default()),
+            cancels: RefCell::new(HashMap::new()),
             lease_seed: h.finish(),
             lease_counter: Cell::new(0),
         }
@@ -112,14 +166,40 @@ impl Worker {
         }
     }
 
-    /// The level callers see: the ledger's, or red while the backend is down.
+    /// The level callers see: the ledger's (held-back bytes count), at least amber while the
+    /// ledger and the backend disagree past the warning threshold, red while the backend is down.
     pub fn level(&self, ledger: &Ledger, cfg: &Config) -> Level {
+        let Some(callout) = &cfg.backend else {
+            return ledger.level(&cfg.levels);
+        };
         let b = self.backend();
-        if cfg.backend.is_some() && b.polled && !b.up {
-            Level::Red
-        } else {
-            ledger.level(&cfg.levels)
+        if b.polled && !b.up {
+            return Level::Red;
         }
+        let drifting = b.unseen_bytes > 0
+            || b.drift_bytes.unsigned_abs() > u128::from(callout.drift_warn_bytes);
+        let l = ledger.level(&cfg.levels);
+        if drifting {
+            l.max(Level::Amber)
+        } else {
+            l
+        }
+    }
+
+    /// A preemption cancel was answered (or failed): when the ticket's last one is in, its
+    /// request goes on. Returns false when the token is not a cancel of this worker.
+    pub fn cancel_answered(&self, token: u32) -> bool {
+        let Some(t) = self.cancels.borrow_mut().remove(&token) else {
+            return false;
+        };
+        let left = t.pending_cancels.get().saturating_sub(1);
+        t.pending_cancels.set(left);
+        if left == 0 && proxy_wasm::hostcalls::set_effective_context(t.context_id).is_ok() {
+            if let Err(s) = proxy_wasm::hostcalls::resume_http_request() {
+                host::warn(&format!("kvgate: resume after preemption failed: {s:?}"));
+            }
+        }
+        true
     }
 }
 
@@ -130,7 +210,9 @@ pub struct Metrics {
     pub released: Metric,
     pub released_by_backend: Metric,
     pub reaped: Metric,
-    pub lost: Metric,
+    pub unseen_leases: Metric,
+    pub unseen_bytes: Metric,
+    pub held_back_bytes: Metric,
     pub release_unknown: Metric,
     pub ledger_errors: Metric,
     pub backend_poll_failures: Metric,
@@ -155,6 +237,7 @@ impl Metrics {
             ErrorKind::KvCapacityExceeded,
             ErrorKind::QueueTimeout,
             ErrorKind::QueueFull,
+            ErrorKind::LedgerUnavailable,
             ErrorKind::Internal,
         ]
         .into_iter()
@@ -167,7 +250,9 @@ impl Metrics {
             released: Metric::counter("kvgate.released"),
             released_by_backend: Metric::counter("kvgate.released_by_backend"),
             reaped: Metric::counter("kvgate.reaped"),
-            lost: Metric::counter("kvgate.lost"),
+            unseen_leases: Metric::gauge("kvgate.unseen_leases"),
+            unseen_bytes: Metric::gauge("kvgate.unseen_bytes"),
+            held_back_bytes: Metric::gauge("kvgate.held_back_bytes"),
             release_unknown: Metric::counter("kvgate.release_unknown"),
             ledger_errors: Metric::counter("kvgate.ledger_errors"),
             backend_poll_failures: Metric::counter("kvgate.backend_poll_failures"),
@@ -195,5 +280,6 @@ impl Metrics {
         self.capacity_bytes.set(ledger.capacity());
         self.level.set(level.as_gauge());
         self.live_leases.set(ledger.leases().len() as u64);
+        self.held_back_bytes.set(ledger.held_back());
     }
 }
