@@ -9,7 +9,7 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -65,9 +65,13 @@ wasm: setup-rust
 validate: wasm setup-venv
 	for c in envoy/envoy.yaml envoy/gateway.yaml; do $(ENVOY) --mode validate -c $$c -l error || exit 1; done
 
-# The filter in a real Envoy (tests/test_gateway.py).
+# The filter in a real Envoy (tests/test_gateway.py), and a quick soak with client aborts.
 test-gateway: wasm setup-venv
-	cd tests && ../$(PY) -m pytest -q test_gateway.py
+	cd tests && ../$(PY) -m pytest -q test_gateway.py test_soak.py
+
+# The full soak: 10,000 requests at concurrency 16, ~20 % abandoned by their clients.
+soak: wasm setup-venv
+	cd tests && SOAK_REQUESTS=10000 ../$(PY) -m pytest -q -s test_soak.py
 
 # Build the filter and run envoy/envoy.yaml in the foreground (gateway :10000, admin :9901).
 gateway: wasm setup-venv
@@ -98,7 +102,7 @@ down:
 
 # The closed loop: Envoy + filter + the real backend with the real model.
 test-loop: wasm backend-build model setup-venv
-	cd tests && ../$(PY) -m pytest -q test_loop.py test_openai_client.py
+	cd tests && ../$(PY) -m pytest -q test_loop.py test_openai_client.py test_sustained.py
 
 # Every config that ships: accepted by Envoy with the real filter; compose and Istio files parse.
 test-configs: wasm setup-venv setup-tools
@@ -121,3 +125,23 @@ bench-gateway: wasm setup-venv
 	command -v wrk >/dev/null || apt-get install -y wrk
 	cargo build --release -p kvgate-core --example count
 	$(PY) bench/gateway_bench.py
+
+# The backend with `--features cuda`, compiled on this GPU-less machine: CUDA 13.0 nvcc/headers from
+# PyPI wheels into .cuda/, link stubs for the driver/cuBLAS/cuRAND/NVRTC, sm_90 kernels, into
+# target/cuda (the CPU build in target/ is untouched). ~N min on 2 cores; see tools/build-cuda.sh.
+build-cuda:
+	tools/build-cuda.sh
+
+# What tools/gpu-check.sh runs on a CUDA machine (no Rust, no network there): the CUDA-built
+# binaries, stripped, plus libcudart, in .gpu/ (git-ignored; carry it, < 50 MiB).
+GPU_BUNDLE := .gpu
+gpu-bundle: build-cuda
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)/lib
+	cp target/cuda/release/kvgate-backend target/cuda/release/examples/gpu_check $(GPU_BUNDLE)/
+	strip $(GPU_BUNDLE)/kvgate-backend $(GPU_BUNDLE)/gpu_check
+	cp -L .cuda/nvidia/cu13/lib/libcudart.so.13 $(GPU_BUNDLE)/lib/
+	{ echo "kvgate GPU bundle: git $$(git rev-parse --short HEAD)$$(git diff --quiet HEAD -- backend || echo +dirty), built $$(date -u +%FT%TZ)"; \
+	  echo "CUDA $$(.cuda/nvidia/cu13/bin/nvcc --version | tail -1), sm_$${CUDA_COMPUTE_CAP:-90}"; \
+	  cd $(GPU_BUNDLE) && ls -l kvgate-backend gpu_check lib/*; } > $(GPU_BUNDLE)/MANIFEST
+	@cat $(GPU_BUNDLE)/MANIFEST; du -sh $(GPU_BUNDLE)
+	@test $$(du -sm $(GPU_BUNDLE) | cut -f1) -lt 50 || { echo "bundle over 50 MiB"; exit 1; }

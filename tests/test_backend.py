@@ -182,6 +182,31 @@ def test_leases_report_finished_with_cursor(backend):
     assert len(full["model"]["tokenizer"]["ranks"].splitlines()) > 49_000
 
 
+def test_leases_are_acknowledged_at_arrival_single_use_and_refusals_are_reported(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES, "--step-delay-ms", "100")
+    cursor = b.leases()["cursor"]
+    # A refused request (invalid body) is reported finished at once, so the filter can release.
+    r = requests.post(b.url + "/v1/completions", headers={"x-kvgate-lease": "R1"}, timeout=30,
+                      json={"model": MODEL, "prompt": "Hello", "max_tokens": -1})
+    assert r.status_code == 400
+    finished = b.leases(since=cursor)["finished"]
+    assert [(f["id"], f["reason"]) for f in finished] == [("R1", "refused")]
+    # A live lease id cannot be used twice.
+    r1 = requests.post(b.url + "/v1/completions", headers={"x-kvgate-lease": "D1"}, stream=True, timeout=60,
+                       json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 40, "temperature": 0,
+                             "stream": True})
+    assert r1.status_code == 200
+    assert "D1" in [l["id"] for l in b.leases()["leases"]]
+    r2 = requests.post(b.url + "/v1/completions", headers={"x-kvgate-lease": "D1"}, timeout=30,
+                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert r2.status_code == 409 and r2.json()["error"]["type"] == "invalid_request_error"
+    r1.content
+    # Its end is in the report by the time the client has its last byte.
+    ids = [f["id"] for f in b.leases(since=cursor)["finished"]]
+    assert ids[-1] == "D1"
+    b.wait_pool_empty()
+
+
 def test_bad_requests_get_openai_errors_and_allocate_nothing(backend):
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
     url = b.url + "/v1/completions"

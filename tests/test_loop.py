@@ -165,6 +165,54 @@ def test_queue_waits_for_budget_then_times_out(stack):
     drained(gw2, b2)
 
 
+def shipped_classes():
+    """The policy of the shipped gateway (envoy/kvgate-filter.yaml)."""
+    import yaml
+    from harness import ROOT
+    doc = yaml.safe_load((ROOT / "envoy" / "kvgate-filter.yaml").read_text())
+    value = doc["resources"][0]["typed_config"]["config"]["configuration"]["value"]
+    return json.loads(value)["policy"]
+
+
+def test_queue_then_preempt_with_the_shipped_classes(stack):
+    policy = shipped_classes()
+    assert policy["classes"]["vip"]["action"] == "queue" and "batch" in policy["classes"]["vip"]["preempts"]
+    # The shipped classes as they are, but a wait long enough for this machine's speed.
+    policy["classes"]["vip"]["max_wait_ms"] = 120_000
+    gw, b = stack(64, {"policy": policy})
+    cap_tokens = gw.status()["capacity_bytes"] // 46_080
+    vip, batch = {"x-tenant-class": "vip"}, {"x-tenant-class": "batch"}
+    # A: a short vip stream; B: a long batch stream.
+    ta, ra = long_stream(gw, 50, headers=vip)
+    gw.wait_for(lambda s: s["classes"]["vip"]["leases"] == 1)
+    tb, rb = long_stream(gw, 400, headers=batch)
+    gw.wait_for(lambda s: s["classes"]["batch"]["leases"] == 1)
+    # C: a vip request priced just under the whole budget. Evicting B alone is not enough while
+    # A runs, so C queues; when A ends, evicting B makes room and C is admitted *from the queue*
+    # by preemption (the cancel is sent from the tick, and its answer must resume C).
+    rc = {}
+
+    def send_c():
+        rc["r"] = requests.post(gw.url + "/v1/chat/completions", timeout=180, headers=vip, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0, "max_tokens": cap_tokens - 80})
+    tc = threading.Thread(target=send_c)
+    tc.start()
+    gw.wait_for(lambda s: s["queued"] == 1, what="C to queue")
+    ta.join()
+    assert ra["status"] == 200 and ra["events"][-1]["choices"][0]["finish_reason"] == "length"
+    tc.join()
+    assert rc["r"].status_code == 200, rc["r"].text
+    assert "Paris" in rc["r"].json()["choices"][0]["message"]["content"]
+    tb.join()
+    assert rb["status"] == 200
+    assert rb["events"][-2]["error"]["code"] == "kv_preempted"
+    drained(gw, b)
+    st = gw.stats()
+    assert st["kvgate.preempted"] == 1 and st["kvgate.queued"] == 0
+    assert b.metrics()["kvgate_backend_preempted_total"] == 1
+
+
 def test_degrade_lowers_the_cap_and_says_so(stack):
     policy = {"classes": {"default": {"action": "degrade", "min_output_tokens": 50}}}
     gw, b = stack(64, {"policy": policy})

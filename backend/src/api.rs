@@ -6,7 +6,7 @@
 //! body with the right status, and nothing is allocated for a request that fails validation.
 
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Path, Query, State};
@@ -20,7 +20,9 @@ use kvgate_core::{effective_output_cap, parse_request, ApiError, Endpoint, Error
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::engine::{Admission, EngineHandle, Event, FinishReason, GenParams, Submit};
+use crate::engine::{
+    Admission, EngineHandle, Event, FinishReason, GenParams, LeaseView, Published, Submit,
+};
 use crate::tokenizer::Tokenizer;
 
 pub struct AppState {
@@ -111,7 +113,23 @@ async fn leases(State(st): Shared, Query(q): Query<LeasesQuery>) -> Json<Value> 
             .filter(|f| f.cursor > q.since)
             .cloned()
             .collect();
-        (p.leases.clone(), finished, p.cursor)
+        // Leases acknowledged at arrival that the engine has not taken yet are listed too.
+        let mut leases = p.leases.clone();
+        for id in &p.arrived {
+            if !leases.iter().any(|l| &l.id == id) {
+                leases.push(LeaseView {
+                    id: id.clone(),
+                    state: "arrived",
+                    prompt_tokens: 0,
+                    max_tokens: 0,
+                    reserved_tokens: 0,
+                    reserved_bytes: 0,
+                    used_tokens: 0,
+                    used_bytes: 0,
+                });
+            }
+        }
+        (leases, finished, p.cursor)
     };
     let mut tokenizer = json!({
         "kind": "tiktoken_bpe",
@@ -309,21 +327,69 @@ fn validate(st: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Validated,
     })
 }
 
+/// A lease acknowledged the moment its request arrives: listed in the leases report (state
+/// `arrived` until the engine lists it) for as long as its handler or response stream lives.
+/// A request the engine never took is recorded as finished (`refused`) when it lets go, so the
+/// filter can release at once.
+struct Arrival {
+    published: Arc<Mutex<Published>>,
+    id: String,
+    engine_took_it: bool,
+}
+
+impl Arrival {
+    /// Acknowledge `id`, or refuse a second live request with the same lease id.
+    fn acknowledge(published: &Arc<Mutex<Published>>, id: &str) -> Result<Arrival, ApiError> {
+        let mut p = published.lock().unwrap_or_else(|e| e.into_inner());
+        if p.is_live(id) {
+            return Err(ApiError::new(
+                ErrorKind::InvalidRequest,
+                format!("A request holding lease {id:?} is already in flight; lease ids are single-use."),
+            )
+            .with_status(409));
+        }
+        p.arrived.insert(id.to_string());
+        Ok(Arrival {
+            published: Arc::clone(published),
+            id: id.to_string(),
+            engine_took_it: false,
+        })
+    }
+}
+
+impl Drop for Arrival {
+    fn drop(&mut self) {
+        let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        p.arrived.remove(&self.id);
+        if !self.engine_took_it {
+            p.record_finished(&self.id, FinishReason::Refused, 0, 0);
+        }
+    }
+}
+
 async fn generate(
     st: Arc<AppState>,
     headers: HeaderMap,
     endpoint: Endpoint,
     body: &[u8],
 ) -> Response {
-    let v = match validate(&st, endpoint, body) {
-        Ok(v) => v,
-        Err(e) => return HttpError(e).into_response(),
-    };
     let lease = headers
         .get("x-kvgate-lease")
         .and_then(|h| h.to_str().ok())
         .filter(|s| !s.is_empty() && s.len() <= 64)
         .map(str::to_string);
+    let mut arrival = match lease
+        .as_deref()
+        .map(|id| Arrival::acknowledge(&st.engine.published, id))
+    {
+        Some(Ok(a)) => Some(a),
+        Some(Err(e)) => return HttpError(e).into_response(),
+        None => None,
+    };
+    let v = match validate(&st, endpoint, body) {
+        Ok(v) => v,
+        Err(e) => return HttpError(e).into_response(),
+    };
     let (tx, mut rx) = unbounded_channel();
     let submitted = st.engine.submit(Submit {
         lease,
@@ -332,7 +398,12 @@ async fn generate(
         events: tx,
     });
     let id = match (submitted, rx.recv().await) {
-        (true, Some(Event::Admitted { id })) => id,
+        (true, Some(Event::Admitted { id })) => {
+            if let Some(a) = arrival.as_mut() {
+                a.engine_took_it = true;
+            }
+            id
+        }
         (_, Some(Event::Rejected(e))) => return HttpError(e).into_response(),
         _ => {
             return HttpError(ApiError::new(
@@ -352,7 +423,7 @@ async fn generate(
         model: st.model_name.clone(),
     };
     if v.stream {
-        let mut resp = Sse::new(sse_stream(rx, shape, v.include_usage))
+        let mut resp = Sse::new(sse_stream(rx, shape, v.include_usage, arrival))
             .keep_alive(KeepAlive::default())
             .into_response();
         if let Ok(h) = HeaderValue::from_str(&id) {
@@ -459,11 +530,13 @@ fn sse_stream(
     rx: UnboundedReceiver<Event>,
     shape: Shape,
     include_usage: bool,
+    arrival: Option<Arrival>,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
     let data = |v: &Value| Ok(SseEvent::default().data(v.to_string()));
+    // The stream holds the arrival: the lease stays acknowledged while the response is sent.
     stream::unfold(
-        (rx, shape, true, false),
-        move |(mut rx, shape, mut first, done)| async move {
+        (rx, shape, true, false, arrival),
+        move |(mut rx, shape, mut first, done, arrival)| async move {
             if done {
                 return None;
             }
@@ -494,7 +567,7 @@ fn sse_stream(
                 Some(Event::Admitted { .. } | Event::Rejected(_)) => {}
                 None => return None,
             }
-            Some((stream::iter(out), (rx, shape, first, finished)))
+            Some((stream::iter(out), (rx, shape, first, finished, arrival)))
         },
     )
     .flatten()

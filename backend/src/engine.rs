@@ -11,7 +11,7 @@
 //! takes blocks as a sequence grows, and a sequence that finds none fails mid-decode (a KV OOM)
 //! — what happens to a server that admits on prompt length alone.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -44,6 +44,8 @@ pub enum FinishReason {
     Preempted,
     /// The client went away.
     Cancelled,
+    /// Refused before it reached the engine (invalid, or no room): nothing was allocated.
+    Refused,
 }
 
 impl FinishReason {
@@ -54,6 +56,7 @@ impl FinishReason {
             FinishReason::Error => "error",
             FinishReason::Preempted => "preempted",
             FinishReason::Cancelled => "cancelled",
+            FinishReason::Refused => "refused",
         }
     }
 }
@@ -119,11 +122,45 @@ pub struct FinishedView {
 }
 
 /// What the engine publishes after every step, for handlers to read without waiting on it.
+/// `arrived` is written by the HTTP layer: a lease is acknowledged the moment its request
+/// arrives, before the engine sees it, so the filter never mistakes a request on its way for a
+/// lost one.
 #[derive(Debug, Default)]
 pub struct Published {
     pub leases: Vec<LeaseView>,
     pub finished: VecDeque<FinishedView>,
     pub cursor: u64,
+    pub arrived: HashSet<String>,
+}
+
+impl Published {
+    /// Record that a lease ended (under the lock, so a report never shows it both gone and not
+    /// finished).
+    pub fn record_finished(
+        &mut self,
+        id: &str,
+        reason: FinishReason,
+        prompt: u64,
+        completion: u64,
+    ) {
+        self.cursor += 1;
+        let cursor = self.cursor;
+        self.finished.push_back(FinishedView {
+            cursor,
+            id: id.to_string(),
+            reason,
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+        });
+        while self.finished.len() > FINISHED_KEPT {
+            self.finished.pop_front();
+        }
+    }
+
+    /// Is a request holding this lease id in flight (arrived, waiting or running)?
+    pub fn is_live(&self, id: &str) -> bool {
+        self.arrived.contains(id) || self.leases.iter().any(|l| l.id == id)
+    }
 }
 
 const FINISHED_KEPT: usize = 4096;
@@ -158,6 +195,8 @@ pub struct EngineConfig {
     pub admission: Admission,
     pub max_batch: usize,
     pub prefill_token_budget: usize,
+    /// Test-only: sleep this long in every scheduler step (a slow backend on demand).
+    pub step_delay: Duration,
 }
 
 struct Seq<K> {
@@ -273,6 +312,9 @@ impl<M: Forward> Engine<M> {
     /// budget, one batched decode step.
     fn step(&mut self) {
         self.drop_abandoned();
+        if !self.cfg.step_delay.is_zero() && !(self.waiting.is_empty() && self.running.is_empty()) {
+            std::thread::sleep(self.cfg.step_delay);
+        }
         self.prefill_waiting();
         self.publish();
         self.decode_step();
@@ -576,26 +618,27 @@ impl<M: Forward> Engine<M> {
         // Text was flushed by `accept_token` on a normal end; an abnormal end emits no more.
         let prompt_tokens = seq.prompt.len() as u64;
         let completion_tokens = seq.generated.len() as u64;
-        let _ = seq.events.send(Event::Finished {
+        let Seq {
+            id,
+            events,
+            alloc,
+            kv,
+            ..
+        } = seq;
+        drop(kv);
+        drop(alloc);
+        // The blocks go back to the pool (the Allocation drops with the rest of `seq`) and the
+        // end is in the report *before* the client can see its last byte.
+        self.published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .record_finished(&id, reason, prompt_tokens, completion_tokens);
+        let _ = events.send(Event::Finished {
             reason,
             prompt_tokens,
             completion_tokens,
             error,
         });
-        let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
-        p.cursor += 1;
-        let cursor = p.cursor;
-        p.finished.push_back(FinishedView {
-            cursor,
-            id: seq.id.clone(),
-            reason,
-            prompt_tokens,
-            completion_tokens,
-        });
-        while p.finished.len() > FINISHED_KEPT {
-            p.finished.pop_front();
-        }
-        // `seq` (and its Allocation) drops here: the blocks are back in the pool.
     }
 
     fn publish(&self) {
@@ -736,6 +779,7 @@ mod tests {
                 admission,
                 max_batch,
                 prefill_token_budget: 64,
+                step_delay: Duration::ZERO,
             },
             Arc::new(Metrics::default()),
             Arc::new(Mutex::new(Published::default())),

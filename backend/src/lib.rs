@@ -9,4 +9,5 @@ pub mod metrics;
 pub mod model;
 pub mod pool;
 pub mod sampling;
+pub mod synthetic;
 pub mod tokenizer;

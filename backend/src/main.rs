@@ -1,7 +1,7 @@
 //! kvgate-backend: an OpenAI-compatible LLM server with continuous batching and a KV block pool
 //! under a hard byte budget, reporting its leases to the kvgate filter.
 
-use kvgate_backend::{api, engine, metrics, model, pool, tokenizer};
+use kvgate_backend::{api, engine, metrics, model, pool, synthetic, tokenizer};
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -21,9 +21,18 @@ struct Args {
     /// GGUF model file (Llama family). `make setup` fetches the default SmolLM2-135M-Instruct.
     #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
     model: PathBuf,
-    /// The model name clients send (`model` field) and /v1/models lists.
-    #[arg(long, default_value = "smollm2-135m-instruct")]
-    model_name: String,
+    /// Serve a model of a named shape with random weights instead of `--model`: `smollm2`
+    /// (SmolLM2-135M's shape), `llama8b` (Llama-3-8B's) or `tiny`. No file is read; the tokenizer
+    /// is byte-level (see `synthetic.rs`). For throughput tests and CPU/GPU comparisons.
+    #[arg(long, value_name = "SHAPE", conflicts_with = "model")]
+    synthetic: Option<String>,
+    /// Seed of the synthetic weights (same seed, same weights, on every device).
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The model name clients send (`model` field) and /v1/models lists
+    /// [default: smollm2-135m-instruct, or synthetic-SHAPE].
+    #[arg(long)]
+    model_name: Option<String>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -51,6 +60,10 @@ struct Args {
     /// Cap on the context length (the model's own is used when smaller).
     #[arg(long, default_value_t = 8192)]
     max_context: usize,
+    /// Test only: sleep this many milliseconds in every busy scheduler step (a slow backend on
+    /// demand, for sustained-load tests of the gateway).
+    #[arg(long, default_value_t = 0, hide = true)]
+    step_delay_ms: u64,
 }
 
 fn device(spec: &str) -> Result<Device> {
@@ -73,17 +86,30 @@ async fn main() -> Result<()> {
         bail!("--block-size must be at least 1");
     }
     let started = std::time::Instant::now();
-    let mut file = std::fs::File::open(&args.model).with_context(|| {
-        format!(
-            "opening model {} (run `make setup` to fetch the default model)",
-            args.model.display()
-        )
-    })?;
-    let ct = gguf_file::Content::read(&mut file)
-        .with_context(|| format!("reading GGUF {}", args.model.display()))?;
-    let cfg = model::Config::from_gguf(&ct, args.max_context)?;
-    let tok = Arc::new(tokenizer::Tokenizer::from_gguf(&ct)?);
-    let llama = model::Llama::from_gguf(&ct, &mut file, cfg.clone(), &dev)?;
+    let (cfg, tok, llama, model_name) = match &args.synthetic {
+        Some(shape) => {
+            let cfg = synthetic::config(shape, args.max_context)?;
+            let tok = synthetic::tokenizer(cfg.vocab)?;
+            let llama = model::Llama::synthetic(cfg.clone(), args.seed, &dev)?;
+            (cfg, tok, llama, format!("synthetic-{shape}"))
+        }
+        None => {
+            let mut file = std::fs::File::open(&args.model).with_context(|| {
+                format!(
+                    "opening model {} (run `make setup` to fetch the default model)",
+                    args.model.display()
+                )
+            })?;
+            let ct = gguf_file::Content::read(&mut file)
+                .with_context(|| format!("reading GGUF {}", args.model.display()))?;
+            let cfg = model::Config::from_gguf(&ct, args.max_context)?;
+            let tok = tokenizer::Tokenizer::from_gguf(&ct)?;
+            let llama = model::Llama::from_gguf(&ct, &mut file, cfg.clone(), &dev)?;
+            (cfg, tok, llama, "smollm2-135m-instruct".to_string())
+        }
+    };
+    let model_name = args.model_name.clone().unwrap_or(model_name);
+    let tok = Arc::new(tok);
     let spec = cfg.kv_spec();
     spec.validate()?;
     let per_token = spec
@@ -107,13 +133,14 @@ async fn main() -> Result<()> {
             admission: args.admission,
             max_batch: args.max_batch.max(1),
             prefill_token_budget: args.prefill_token_budget.max(1),
+            step_delay: std::time::Duration::from_millis(args.step_delay_ms),
         },
         metrics,
     );
     let state = Arc::new(api::AppState {
         engine,
         tok,
-        model_name: args.model_name.clone(),
+        model_name: model_name.clone(),
         spec,
         admission: args.admission,
     });
@@ -126,7 +153,7 @@ async fn main() -> Result<()> {
     eprintln!(
         "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; admission {:?}; loaded in {:.1}s)",
         env!("CARGO_PKG_VERSION"),
-        args.model_name,
+        model_name,
         listener.local_addr()?,
         args.device,
         cfg.layers,

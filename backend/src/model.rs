@@ -185,6 +185,48 @@ impl Llama {
                 w_down,
             });
         }
+        Llama::assemble(cfg, embed, layers, norm, lm_head, device)
+    }
+
+    /// A model of `cfg`'s shape with random weights drawn deterministically from `seed` (see
+    /// `crate::synthetic`): the same seed gives bit-identical weights on every device, so CPU and
+    /// GPU outputs can be compared. Projections are uniform with variance 1/fan_in, norms are 1,
+    /// the output head is the tied embedding.
+    pub fn synthetic(cfg: Config, seed: u64, device: &Device) -> Result<Llama> {
+        use crate::synthetic::random_tensor;
+        let (h, f) = (cfg.hidden, cfg.ffn);
+        let (q_out, kv_out) = (cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim);
+        let ones = |n: usize| Tensor::ones(n, DType::F32, device);
+        // Every tensor has its own id, so its values do not depend on the others' shapes.
+        let embed = random_tensor(seed, 0, (cfg.vocab, h), h, device)?;
+        let lm_head = embed.t()?.contiguous()?;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers as u64 {
+            let id = 1 + 8 * i;
+            layers.push(Layer {
+                attn_norm: ones(h)?,
+                ffn_norm: ones(h)?,
+                wq: random_tensor(seed, id, (h, q_out), h, device)?,
+                wk: random_tensor(seed, id + 1, (h, kv_out), h, device)?,
+                wv: random_tensor(seed, id + 2, (h, kv_out), h, device)?,
+                wo: random_tensor(seed, id + 3, (q_out, h), q_out, device)?,
+                w_gate: random_tensor(seed, id + 4, (h, f), h, device)?,
+                w_up: random_tensor(seed, id + 5, (h, f), h, device)?,
+                w_down: random_tensor(seed, id + 6, (f, h), f, device)?,
+            });
+        }
+        let norm = ones(h)?;
+        Llama::assemble(cfg, embed, layers, norm, lm_head, device)
+    }
+
+    fn assemble(
+        cfg: Config,
+        embed: Tensor,
+        layers: Vec<Layer>,
+        norm: Tensor,
+        lm_head: Tensor,
+        device: &Device,
+    ) -> Result<Llama> {
         // RoPE tables, GGML "normal" (interleaved) convention as GGUF Llama weights expect.
         let half = cfg.head_dim / 2;
         let inv: Vec<f32> = (0..half)

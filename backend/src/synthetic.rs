@@ -1,0 +1,283 @@
+//! Synthetic models: a named Llama shape with random weights drawn from a seed at start, so the
+//! backend runs (and can be benchmarked, and compared across devices) with no model file — the GPU
+//! machines can neither download nor carry the real one.
+//!
+//! - Weights: `Llama::synthetic`; every value comes from a counter-based generator keyed by
+//!   (seed, tensor id, chunk), so generation is parallel yet bit-identical on every run and device.
+//! - Tokenizer: byte-level, not a trained BPE (`tokenizer`). Good for throughput and for serving
+//!   requests; the text a random model writes is of course noise.
+
+use anyhow::{bail, Result};
+use candle_core::{Device, Shape, Tensor};
+use kvgate_core::tokenize::{CustomBpe, GPT2_STYLE_PATTERN, IM_END, IM_START};
+use kvgate_core::{TokenCounter, TokenizerSpec};
+
+use crate::model::Config;
+use crate::tokenizer::Tokenizer;
+
+/// The shapes `--synthetic` knows.
+pub const SHAPES: &[&str] = &["smollm2", "llama8b", "tiny"];
+
+/// The hyper-parameters of a named shape; the context is capped at `max_context`.
+/// - `smollm2`: SmolLM2-135M (30 layers, hidden 576, FFN 1536, 9 heads, 3 KV heads, head_dim 64,
+///   vocab 49152, context 8192, rope theta 100000).
+/// - `llama8b`: Llama-3-8B (32 layers, hidden 4096, FFN 14336, 32 heads, 8 KV heads, head_dim
+///   128, vocab 128256, context 8192, rope theta 500000).
+/// - `tiny`: 2 layers, hidden 64, for tests.
+pub fn config(shape: &str, max_context: usize) -> Result<Config> {
+    let cfg = match shape {
+        "smollm2" => Config {
+            vocab: 49152,
+            hidden: 576,
+            ffn: 1536,
+            layers: 30,
+            heads: 9,
+            kv_heads: 3,
+            head_dim: 64,
+            rope_theta: 100_000.0,
+            rms_eps: 1e-5,
+            context: 8192,
+        },
+        "llama8b" => Config {
+            vocab: 128_256,
+            hidden: 4096,
+            ffn: 14336,
+            layers: 32,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            rope_theta: 500_000.0,
+            rms_eps: 1e-5,
+            context: 8192,
+        },
+        "tiny" => Config {
+            vocab: 512,
+            hidden: 64,
+            ffn: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            rope_theta: 10_000.0,
+            rms_eps: 1e-5,
+            context: 1024,
+        },
+        other => bail!(
+            "unknown synthetic shape {other:?}: one of {}",
+            SHAPES.join(", ")
+        ),
+    };
+    Ok(Config {
+        context: cfg.context.min(max_context),
+        ..cfg
+    })
+}
+
+/// Parameter count of a shape (tied embeddings counted once).
+pub fn parameters(c: &Config) -> u64 {
+    let (h, f) = (c.hidden as u64, c.ffn as u64);
+    let (q, kv) = (
+        (c.heads * c.head_dim) as u64,
+        (c.kv_heads * c.head_dim) as u64,
+    );
+    let layer = h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h;
+    c.vocab as u64 * h + c.layers as u64 * layer + h
+}
+
+/// A byte-level tokenizer covering the model's whole vocabulary, ChatML-compatible:
+/// id 0 `<|endoftext|>`, 1 `<|im_start|>`, 2 `<|im_end|>` (specials, as in SmolLM2), ids 3..259
+/// the 256 single bytes, and the rest two- then three-letter ASCII strings (`aa`, `ab`, …), which
+/// act as merges. Every id decodes to bytes, so whatever a random model samples streams as text.
+pub fn tokenizer(vocab: usize) -> Result<Tokenizer> {
+    const SPECIALS: [&str; 3] = ["<|endoftext|>", IM_START, IM_END];
+    if vocab < SPECIALS.len() + 256 {
+        bail!("a synthetic vocabulary needs at least 259 ids, not {vocab}");
+    }
+    let letters: Vec<u8> = (b'a'..=b'z').chain(b'A'..=b'Z').collect();
+    let pairs = letters
+        .iter()
+        .flat_map(|&a| letters.iter().map(move |&b| vec![a, b]));
+    let l = &letters;
+    let triples = l.iter().flat_map(move |&a| {
+        l.iter()
+            .flat_map(move |&b| l.iter().map(move |&c| vec![a, b, c]))
+    });
+    let words: Vec<Vec<u8>> = (0..=255u8)
+        .map(|b| vec![b])
+        .chain(pairs)
+        .chain(triples)
+        .take(vocab - SPECIALS.len())
+        .collect();
+    if words.len() + SPECIALS.len() != vocab {
+        bail!("a synthetic vocabulary of {vocab} ids is too large");
+    }
+    let ranks = words
+        .into_iter()
+        .zip(SPECIALS.len() as u32..)
+        .collect::<Vec<_>>();
+    let special_tokens = SPECIALS
+        .iter()
+        .zip(0u32..)
+        .map(|(s, id)| (s.to_string(), id))
+        .collect();
+    let bpe = CustomBpe {
+        ranks,
+        pattern: GPT2_STYLE_PATTERN.to_string(),
+        special_tokens,
+    };
+    let counter = TokenCounter::new(&TokenizerSpec::Custom(bpe.clone()))?;
+    Ok(Tokenizer {
+        counter,
+        bpe,
+        stop_ids: vec![0, 2],
+        vocab: vocab as u64,
+    })
+}
+
+/// A `[rows, cols]` f32 tensor uniform in ±sqrt(3 / fan_in) (variance 1/fan_in), generated on the
+/// host from (seed, id) in parallel and uploaded once.
+pub fn random_tensor<S: Into<Shape>>(
+    seed: u64,
+    id: u64,
+    shape: S,
+    fan_in: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let shape: Shape = shape.into();
+    let n = shape.elem_count();
+    let scale = (3.0 / fan_in.max(1) as f64).sqrt() as f32;
+    let mut data = vec![0f32; n];
+    fill_uniform(&mut data, seed, id, scale);
+    Ok(Tensor::from_vec(data, shape, device)?)
+}
+
+const CHUNK: usize = 1 << 20;
+
+/// Fill `out` with values uniform in ±`scale`; chunk `c` of tensor `id` uses its own stream, so
+/// the result does not depend on how many threads run.
+pub fn fill_uniform(out: &mut [f32], seed: u64, id: u64, scale: f32) {
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let chunks: Vec<(usize, &mut [f32])> = out.chunks_mut(CHUNK).enumerate().collect();
+    let per = chunks.len().div_ceil(threads).max(1);
+    let mut groups: Vec<Vec<(usize, &mut [f32])>> = Vec::new();
+    let mut it = chunks.into_iter().peekable();
+    while it.peek().is_some() {
+        groups.push(it.by_ref().take(per).collect());
+    }
+    let run = |group: Vec<(usize, &mut [f32])>| {
+        for (c, chunk) in group {
+            let mut state = mix(mix(seed ^ mix(id)) ^ c as u64);
+            for v in chunk.iter_mut() {
+                state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                // 24 random bits → [-1, 1), exactly representable in f32.
+                let u = (mix(state) >> 40) as f32 * (1.0 / (1u64 << 23) as f32) - 1.0;
+                *v = u * scale;
+            }
+        }
+    };
+    if groups.len() <= 1 {
+        groups.into_iter().for_each(run);
+    } else {
+        std::thread::scope(|s| {
+            for g in groups {
+                s.spawn(|| run(g));
+            }
+        });
+    }
+}
+
+/// SplitMix64's finalizer.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Llama;
+
+    #[test]
+    fn shapes_match_their_models() {
+        let s = config("smollm2", 8192).unwrap();
+        assert_eq!(
+            (s.layers, s.hidden, s.ffn, s.heads, s.kv_heads, s.head_dim),
+            (30, 576, 1536, 9, 3, 64)
+        );
+        // SmolLM2-135M: 134.5 M parameters with tied embeddings.
+        assert_eq!(parameters(&s), 134_515_008);
+        let l = config("llama8b", 4096).unwrap();
+        assert_eq!(l.context, 4096);
+        assert_eq!(l.heads * l.head_dim, l.hidden);
+        // Llama-3-8B is 8.03 B with an untied output head (0.53 B): 7.50 B tied.
+        assert_eq!(parameters(&l), 7_504_924_672);
+        assert!(config("nope", 1).is_err());
+    }
+
+    #[test]
+    fn weights_are_deterministic_and_thread_independent() {
+        let mut a = vec![0f32; 3 * CHUNK + 17];
+        let mut b = vec![0f32; 3 * CHUNK + 17];
+        fill_uniform(&mut a, 7, 3, 0.5);
+        fill_uniform(&mut b, 7, 3, 0.5);
+        assert_eq!(a, b);
+        // Chunk by chunk on one thread gives the same values.
+        let mut c = vec![0f32; CHUNK];
+        fill_uniform(&mut c, 7, 3, 0.5);
+        assert_eq!(a.get(..CHUNK), Some(c.as_slice()));
+        assert!(a.iter().all(|v| v.abs() <= 0.5));
+        let mean = a.iter().map(|v| *v as f64).sum::<f64>() / a.len() as f64;
+        assert!(mean.abs() < 1e-2, "{mean}");
+        let mut d = vec![0f32; 16];
+        fill_uniform(&mut d, 8, 3, 0.5);
+        assert_ne!(a.get(..16), Some(d.as_slice()));
+    }
+
+    #[test]
+    fn byte_tokenizer_round_trips_and_covers_the_vocabulary() {
+        let tok = tokenizer(49152).unwrap();
+        let text = "Hello, wörld! 123 <|im_end|>";
+        let ids = tok.counter.encode_text(text);
+        assert!(ids.iter().all(|&i| (i as usize) < 49152));
+        assert_eq!(tok.counter.decode_bytes(&ids).unwrap(), text.as_bytes());
+        assert_eq!(tok.counter.special_id(IM_END), Some(2));
+        for id in [0u32, 3, 258, 259, 3000, 49151] {
+            assert!(tok.counter.decode_bytes(&[id]).is_some(), "id {id}");
+        }
+        assert!(tokenizer(128_256).is_ok());
+        assert!(tokenizer(100).is_err());
+    }
+
+    #[test]
+    fn a_tiny_synthetic_model_decodes_like_its_prefill() {
+        let cfg = config("tiny", 64).unwrap();
+        let dev = Device::Cpu;
+        let m = Llama::synthetic(cfg.clone(), 1, &dev).unwrap();
+        let m2 = Llama::synthetic(cfg, 1, &dev).unwrap();
+        let prompt = [5u32, 9, 77, 300, 4];
+        // Prefill of n+1 tokens == prefill of n then one decode step.
+        let mut kv = m.new_kv(16).unwrap();
+        let full = m
+            .prefill(&prompt, &mut kv)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let mut kv2 = m2.new_kv(16).unwrap();
+        m2.prefill(&prompt[..4], &mut kv2).unwrap();
+        let step = m2
+            .decode(&prompt[4..], &mut [&mut kv2])
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let diff = full
+            .iter()
+            .zip(&step[0])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(diff < 1e-4, "{diff}");
+        assert!(full.iter().all(|v| v.is_finite()));
+    }
+}

@@ -1,0 +1,121 @@
+"""Sustained load through the real stack with a deliberately slow backend.
+
+The backend runs the real model with `--admission none` (a sequence that finds no free KV block
+fails mid-decode: a real OOM if the gateway over-admits) and a per-step delay, so prefills of long
+prompts take seconds. The gateway's lease TTL (1 s) and lost-grace period (400 ms) are far shorter
+than the requests: any lease taken back while its request is alive would let the gateway admit
+more than the pool holds. Eight closed-loop clients that honour Retry-After send many more
+requests than fit for SUSTAINED_SECONDS (default 60).
+"""
+
+import json
+import os
+import random
+import threading
+import time
+
+import requests
+
+from harness import BLOCK_BYTES
+
+MODEL = "smollm2-135m-instruct"
+SPEC = {"layers": 30, "kv_heads": 3, "head_dim": 64, "kv_dtype_bytes": 4, "context_tokens": 8192}
+WORDS = ("the quick brown fox jumps over lazy dog river stone cloud paper light green house "
+         "music table window garden winter summer yellow silver market bridge forest").split()
+
+
+def request_for(rng):
+    """One request of the mix: (path, body, stream, abort_after_events)."""
+    kind = rng.random()
+    if kind < 0.35:  # a long prompt with a small cap
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(250, 600)))
+        return "/v1/completions", {"prompt": prompt, "max_tokens": rng.randint(4, 24)}, False, None
+    if kind < 0.65:  # a short prompt with a big cap that runs to it
+        return "/v1/completions", {"prompt": "1, 2, 3, 4,", "max_tokens": rng.randint(60, 200),
+                                   "stream": True}, True, None
+    if kind < 0.85:  # a big cap that stops early
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                                        "max_tokens": rng.randint(300, 700)}, False, None
+    # a stream its client abandons
+    return "/v1/completions", {"prompt": "1, 2, 3, 4,", "max_tokens": 300, "stream": True}, True, rng.randint(1, 8)
+
+
+def test_sustained_load_with_a_slow_backend_never_ooms_and_never_reclaims_a_live_lease(stack):
+    seconds = float(os.environ.get("SUSTAINED_SECONDS", "60"))
+    blocks = 160  # 2,560 tokens: a few long prompts at once
+    gw, b = stack(blocks, {
+        "model": "from_backend", "fallback_model": SPEC, "fallback_token_multiplier": 1.5,
+        "tick_ms": 100,
+        "lease_ttl": {"base_ms": 1000, "per_output_token_ms": 0, "max_ms": 1000},
+        "backend": {"poll_ms": 200, "timeout_ms": 1000, "lost_grace_ms": 400, "down_after_failures": 5},
+    }, "--admission", "none", "--step-delay-ms", "150", concurrency=2)
+    gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
+    capacity = gw.status()["capacity_bytes"]
+    pool_capacity = b.leases()["pool"]["capacity_bytes"]
+    counts = {}
+    lock = threading.Lock()
+    peak = {"committed": 0, "pool": 0, "over": 0}
+    stop = threading.Event()
+    deadline = time.time() + seconds
+
+    def count(k):
+        with lock:
+            counts[k] = counts.get(k, 0) + 1
+
+    def watch():
+        while not stop.is_set():
+            s, pool = gw.status(), b.leases()["pool"]
+            peak["committed"] = max(peak["committed"], s["committed_bytes"])
+            peak["pool"] = max(peak["pool"], pool["used_bytes"])
+            peak["over"] += s["committed_bytes"] > capacity
+            time.sleep(0.25)
+
+    def client(seed):
+        rng = random.Random(seed)
+        while time.time() < deadline:
+            path, body, stream, abort_after = request_for(rng)
+            body = {"model": MODEL, "temperature": 0, **body}
+            r = requests.post(gw.url + path, json=body, stream=stream, timeout=300)
+            if r.status_code == 429:
+                count("429")
+                time.sleep(min(float(r.headers["retry-after-ms"]) / 1000, 5.0))
+                continue
+            if r.status_code != 200:
+                count(f"{r.status_code} {r.text[:200]}")
+                continue
+            if abort_after is not None:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i >= abort_after:
+                        break
+                r.close()
+                count("aborted")
+                continue
+            if stream:
+                events = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith(b"data: {")]
+                errors = [e for e in events if "error" in e]
+                count("stream error" if errors else "200")
+            else:
+                r.json()
+                count("200")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join()
+    stop.set()
+    watcher.join()
+    print(f"sustained: {counts}, peak committed {peak['committed']} of {capacity} B, "
+          f"peak pool {peak['pool']} of {pool_capacity} B")
+    gw.assert_drained(timeout=120)
+    b.wait_pool_empty(timeout=60)
+    m = b.metrics()
+    assert m["kvgate_backend_kv_oom_total"] == 0, "an admitted request ran the backend out of KV"
+    assert counts.get("200", 0) >= 8 and counts.get("429", 0) > 0, counts
+    assert set(counts) <= {"200", "429", "aborted"}, counts
+    st = gw.stats()
+    assert st["kvgate.reaped"] == 0, "a lease was taken back while its request was alive"
+    assert "reaped lease" not in gw.logs()
+    assert peak["pool"] <= pool_capacity and peak["over"] == 0
