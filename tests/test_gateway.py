@@ -245,6 +245,67 @@ def test_a_stream_that_outlives_its_lease_ttl_keeps_its_reservation_until_it_end
     assert "reaped lease" not in gw.logs()
 
 
+def test_only_the_openai_paths_are_routed_and_errors_are_openai_shaped(gateway, upstream):
+    gw = gateway(budget(20_000))
+    upstream.clear()
+    # The backend's admission API, health and metrics are not reachable through the gateway.
+    for method, path in [("GET", "/v1/admission/leases"), ("POST", "/v1/admission/leases/1/cancel"),
+                         ("GET", "/metrics"), ("GET", "/health"), ("GET", "/anything")]:
+        r = requests.request(method, gw.url + path, timeout=10)
+        assert r.status_code == 404, (path, r.status_code)
+        assert r.headers["content-type"] == "application/json"
+        assert r.json()["error"]["code"] == "not_found"
+    assert upstream.requests() == [], "nothing reached the backend"
+    # Other methods on the guarded paths: 405, OpenAI-shaped.
+    for method in ["GET", "PUT", "DELETE"]:
+        r = requests.request(method, gw.url + "/v1/chat/completions", timeout=10)
+        assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed", r.text
+    # A declared body over the limit is refused at the headers, before any of it is read.
+    s = socket.create_connection(("127.0.0.1", gw.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: 50000000\r\n\r\n{")
+    answer = s.recv(65536)
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
+    assert b"request_body_too_large" in answer
+    gw.assert_drained()
+
+
+def test_a_client_cannot_pick_its_class(gateway, upstream):
+    classes = {"default_class": "std", "classes": {"std": {"action": "reject"},
+                                                   "vip": {"action": "reject", "priority": 9}}}
+    gw = gateway(budget(20_000, policy=classes))
+    t, _ = stream_in_background(gw, {"prompt": tokens(10), "max_tokens": 10}, chunks=10)
+    s = gw.wait_for(lambda s: s["leases"] == 1)
+    assert s["classes"]["std"]["leases"] == 1
+    t.join()
+    keyed = dict(classes, api_keys={
+        "sha256:99b8ea75629d57dae3f1de7663befecff0a039612d12f2cd1e6a1c3c96ba65b9": "vip"})
+    gw2 = gateway(budget(20_000, policy=keyed))
+    t, _ = stream_in_background(gw2, {"prompt": tokens(10), "max_tokens": 10}, chunks=10)
+    gw2.wait_for(lambda s: s["leases"] == 1)
+    t.join()
+    # The API key picks the class; a spoofed class header does nothing.
+    t = threading.Thread(target=lambda: requests.post(
+        gw2.url + "/v1/completions", json={"prompt": tokens(10), "max_tokens": 10}, timeout=30,
+        headers={"authorization": "Bearer kvgate-demo-vip", "x-mock-mode": "stream", "x-mock-chunks": "10",
+                 "x-mock-delay-ms": "100"}))
+    t.start()
+    s = gw2.wait_for(lambda s: s["leases"] == 1)
+    assert s["classes"]["vip"]["leases"] == 1
+    t.join()
+    t = threading.Thread(target=lambda: requests.post(
+        gw2.url + "/v1/completions", json={"prompt": tokens(10), "max_tokens": 10}, timeout=30,
+        headers={"x-tenant-class": "vip", "authorization": "Bearer guess", "x-mock-mode": "stream",
+                 "x-mock-chunks": "10", "x-mock-delay-ms": "100"}))
+    t.start()
+    s = gw2.wait_for(lambda s: s["leases"] == 1)
+    assert s["classes"]["std"]["leases"] == 1 and s["classes"]["vip"]["leases"] == 0
+    t.join()
+    gw.assert_drained()
+    gw2.assert_drained()
+
+
 def test_burst_of_200_never_exceeds_capacity(gateway):
     gw = gateway(budget(10_000), concurrency=4)
     capacity = 10_000 * PER_TOKEN

@@ -90,7 +90,17 @@ def test_backend_down_turns_the_level_red_and_back(stack):
     b.stop()
     s = gw.wait_for(lambda s: s["backend"]["up"] is False, timeout=10, what="the backend to be reported down")
     assert s["level"] == "red"
-    assert requests.get(gw.url + "/v1/models", timeout=10).headers["x-kvgate-level"] == "red"
+    r = requests.get(gw.url + "/v1/models", timeout=10)
+    assert r.headers["x-kvgate-level"] == "red"
+    # Envoy's own reply for the unreachable backend is OpenAI-shaped too.
+    assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable", r.text
+    # A backend known to be down gets nothing new: a fast 503 with Retry-After, nothing reserved.
+    t0 = time.time()
+    r = requests.post(gw.url + "/v1/completions", timeout=10,
+                      json={"model": MODEL, "prompt": "Hi", "max_tokens": 5})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable", r.text
+    assert "retry-after" in r.headers and time.time() - t0 < 2
+    assert gw.status()["committed_bytes"] == 0
     assert gw.stats()["kvgate.backend_up"] == 0
     b.start()
     s = gw.wait_for(lambda s: s["backend"]["up"] is True, timeout=10, what="the backend to come back")
@@ -114,7 +124,7 @@ def test_full_budget_429_then_client_retry_succeeds(stack):
 
 
 def test_preempt_cancels_the_youngest_lower_class_stream(stack):
-    policy = {"default_class": "batch", "class_header": "x-tenant-class", "classes": {
+    policy = {"default_class": "batch", "class_header": "x-tenant-class", "class_header_trusted": True, "classes": {
         "batch": {"action": "reject", "priority": 0},
         "vip": {"action": "reject", "priority": 5, "preempts": ["batch"]}}}
     gw, b = stack(64, {"policy": policy})
@@ -181,7 +191,8 @@ def test_queue_then_preempt_with_the_shipped_classes(stack):
     policy["classes"]["vip"]["max_wait_ms"] = 120_000
     gw, b = stack(64, {"policy": policy})
     cap_tokens = gw.status()["capacity_bytes"] // 46_080
-    vip, batch = {"x-tenant-class": "vip"}, {"x-tenant-class": "batch"}
+    # The shipped gateway picks classes by API key (a client's own class header is ignored).
+    vip, batch = {"authorization": "Bearer kvgate-demo-vip"}, {"authorization": "Bearer kvgate-demo-batch"}
     # A: a short vip stream; B: a long batch stream.
     ta, ra = long_stream(gw, 50, headers=vip)
     gw.wait_for(lambda s: s["classes"]["vip"]["leases"] == 1)

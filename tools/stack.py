@@ -135,7 +135,7 @@ def send(kind, cls, body, stats):
     path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
     body = {"model": MODEL, "temperature": 0, **body}
     try:
-        status, headers, raw = http("POST", GATEWAY + path, body, {"x-tenant-class": cls})
+        status, headers, raw = http("POST", GATEWAY + path, body, {"authorization": f"Bearer kvgate-demo-{cls}"})
     except OSError as e:  # includes timeouts: the client gives up (kvgate cancels it at the backend)
         stats.add(kind, f"client gave up ({type(e).__name__})")
         return 1

@@ -59,6 +59,10 @@ pub enum ErrorKind {
     Preempted,
     /// The requested model is not served here.
     ModelNotFound,
+    /// The model server is known to be down or hung: nothing is sent to it.
+    BackendUnavailable,
+    /// The method is not allowed on this path (the OpenAI paths take POST).
+    MethodNotAllowed,
     /// The admission ledger cannot be read (corrupt, or written by an unknown version). Admission
     /// stops rather than forget live leases. Nothing was reserved.
     LedgerUnavailable,
@@ -79,6 +83,8 @@ impl ErrorKind {
             ErrorKind::Preempted => "kv_preempted",
             ErrorKind::ModelNotFound => "model_not_found",
             ErrorKind::LedgerUnavailable => "kvgate_ledger_unavailable",
+            ErrorKind::BackendUnavailable => "backend_unavailable",
+            ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::Internal => "kvgate_internal_error",
         }
     }
@@ -90,13 +96,15 @@ impl ErrorKind {
             | ErrorKind::BodyTooLarge
             | ErrorKind::ContextLengthExceeded
             | ErrorKind::KvRequestTooLarge
-            | ErrorKind::ModelNotFound => "invalid_request_error",
+            | ErrorKind::ModelNotFound
+            | ErrorKind::MethodNotAllowed => "invalid_request_error",
             ErrorKind::KvCapacityExceeded | ErrorKind::QueueTimeout | ErrorKind::QueueFull => {
                 "rate_limit_error"
             }
-            ErrorKind::Preempted | ErrorKind::LedgerUnavailable | ErrorKind::Internal => {
-                "server_error"
-            }
+            ErrorKind::Preempted
+            | ErrorKind::LedgerUnavailable
+            | ErrorKind::BackendUnavailable
+            | ErrorKind::Internal => "server_error",
         }
     }
 
@@ -107,7 +115,10 @@ impl ErrorKind {
             | ErrorKind::ContextLengthExceeded
             | ErrorKind::KvRequestTooLarge => 413,
             ErrorKind::KvCapacityExceeded | ErrorKind::QueueTimeout | ErrorKind::QueueFull => 429,
-            ErrorKind::Preempted | ErrorKind::LedgerUnavailable => 503,
+            ErrorKind::Preempted | ErrorKind::LedgerUnavailable | ErrorKind::BackendUnavailable => {
+                503
+            }
+            ErrorKind::MethodNotAllowed => 405,
             ErrorKind::ModelNotFound => 404,
             ErrorKind::Internal => 500,
         }

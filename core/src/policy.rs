@@ -34,8 +34,11 @@ pub struct ClassPolicy {
 pub struct PolicyTable {
     classes: Vec<ClassPolicy>,
     default_class: usize,
-    /// A request header trusted to name the class. `None`: every request gets the default class.
+    /// A request header trusted to name the class (only when the operator marked it trusted:
+    /// the edge in front of kvgate sets or strips it). `None`: no header is read.
     pub class_header: Option<String>,
+    /// SHA-256 digests of API keys (sent as `Authorization: Bearer KEY`) → class name.
+    api_keys: Vec<([u8; 32], String)>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -63,6 +66,13 @@ pub struct RawPolicy {
     pub default_class: String,
     #[serde(default)]
     pub class_header: Option<String>,
+    /// Clients can send any header: `class_header` is honoured only when this is true, which
+    /// says the edge in front of kvgate sets or strips it.
+    #[serde(default)]
+    pub class_header_trusted: bool,
+    /// `"sha256:<64 hex digits>"` of an API key → class name. Keys are never stored in clear.
+    #[serde(default)]
+    pub api_keys: BTreeMap<String, String>,
     #[serde(default)]
     pub classes: BTreeMap<String, RawClass>,
 }
@@ -76,6 +86,8 @@ impl Default for RawPolicy {
         RawPolicy {
             default_class: default_class_name(),
             class_header: None,
+            class_header_trusted: false,
+            api_keys: BTreeMap::new(),
             classes: BTreeMap::new(),
         }
     }
@@ -217,10 +229,47 @@ impl TryFrom<RawPolicy> for PolicyTable {
                 ));
             }
         }
+        if raw.class_header.is_some() && !raw.class_header_trusted {
+            return Err(ConfigError::new(
+                "policy.class_header",
+                format!("{:?}", raw.class_header.as_deref().unwrap_or("")),
+                "is sent by clients, who could pick any class: set policy.class_header_trusted to true only if the edge in front of kvgate sets or strips this header, or map API keys to classes with policy.api_keys",
+            ));
+        }
+        let mut api_keys = Vec::new();
+        for (digest, class) in &raw.api_keys {
+            let field = format!("policy.api_keys.{digest}");
+            let hex = digest
+                .strip_prefix("sha256:")
+                .filter(|h| h.len() == 64)
+                .ok_or_else(|| {
+                    ConfigError::new(
+                        &field,
+                        format!("{digest:?}"),
+                        "keys must be \"sha256:\" and 64 hex digits of the API key's SHA-256",
+                    )
+                })?;
+            let mut d = [0u8; 32];
+            for (i, byte) in d.iter_mut().enumerate() {
+                *byte = hex
+                    .get(2 * i..2 * i + 2)
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| ConfigError::new(&field, format!("{digest:?}"), "is not hex"))?;
+            }
+            if !classes.iter().any(|c| &c.name == class) {
+                return Err(ConfigError::new(
+                    &field,
+                    format!("{class:?}"),
+                    "must name a class defined in policy.classes",
+                ));
+            }
+            api_keys.push((d, class.clone()));
+        }
         Ok(PolicyTable {
             classes,
             default_class,
             class_header: raw.class_header,
+            api_keys,
         })
     }
 }
@@ -253,6 +302,37 @@ impl PolicyTable {
             .and_then(|v| self.get(v.trim()))
             .unwrap_or_else(|| self.default_class())
     }
+
+    /// The class of a request from what a client cannot forge: its API key (the `Authorization`
+    /// header's bearer token) when it is mapped, else the trusted class header, else the default.
+    pub fn classify(
+        &self,
+        authorization: Option<&str>,
+        header_value: Option<&str>,
+    ) -> &ClassPolicy {
+        if !self.api_keys.is_empty() {
+            let key = authorization.and_then(|a| {
+                a.strip_prefix("Bearer ")
+                    .or_else(|| a.strip_prefix("bearer "))
+                    .map(str::trim)
+            });
+            if let Some(key) = key {
+                use sha2::{Digest, Sha256};
+                let d: [u8; 32] = Sha256::digest(key.as_bytes()).into();
+                if let Some((_, class)) = self.api_keys.iter().find(|(k, _)| *k == d) {
+                    if let Some(c) = self.get(class) {
+                        return c;
+                    }
+                }
+            }
+        }
+        let header = if self.class_header.is_some() {
+            header_value
+        } else {
+            None
+        };
+        self.resolve(header)
+    }
 }
 
 static FALLBACK: ClassPolicy = ClassPolicy {
@@ -261,6 +341,51 @@ static FALLBACK: ClassPolicy = ClassPolicy {
     priority: 0,
     preempts: Vec::new(),
 };
+
+#[cfg(test)]
+mod api_key_tests {
+    use super::*;
+
+    fn table(json: &str) -> Result<PolicyTable, ConfigError> {
+        PolicyTable::try_from(serde_json::from_str::<RawPolicy>(json).unwrap())
+    }
+
+    #[test]
+    fn api_keys_pick_the_class_and_nothing_else_does() {
+        // sha256("secret-vip-key"), computed independently with Python's hashlib.
+        let t = table(
+            r#"{"default_class":"std","api_keys":{"sha256:1c1dc3f48bd50128ffcd52793409d4ca7b7605ef76f9d12e18f6ab9d4a106d97":"vip"},
+                "classes":{"std":{},"vip":{"priority":9}}}"#,
+        )
+        .unwrap();
+        assert_eq!(t.classify(Some("Bearer secret-vip-key"), None).name, "vip");
+        assert_eq!(t.classify(Some("Bearer wrong"), None).name, "std");
+        assert_eq!(
+            t.classify(None, Some("vip")).name,
+            "std",
+            "no trusted header: ignored"
+        );
+        let e = table(r#"{"api_keys":{"sha256:00":"default"}}"#).unwrap_err();
+        assert_eq!(e.field, "policy.api_keys.sha256:00");
+        let e = table(&format!(
+            r#"{{"api_keys":{{"sha256:{}":"nope"}}}}"#,
+            "0".repeat(64)
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("must name a class"), "{e}");
+    }
+
+    #[test]
+    fn a_trusted_header_picks_the_class() {
+        let t = table(
+            r#"{"default_class":"std","class_header":"x-tenant-class","class_header_trusted":true,
+                "classes":{"std":{},"vip":{}}}"#,
+        )
+        .unwrap();
+        assert_eq!(t.classify(None, Some("vip")).name, "vip");
+        assert_eq!(t.classify(None, Some("nope")).name, "std");
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -282,7 +407,7 @@ mod tests {
     #[test]
     fn full_table() {
         let t = parse(
-            r#"{"default_class":"batch","class_header":"x-tenant-class","classes":{
+            r#"{"default_class":"batch","class_header":"x-tenant-class","class_header_trusted":true,"classes":{
                 "interactive":{"action":"queue","priority":10,"max_wait_ms":2000,"max_depth":8,"preempts":["batch"]},
                 "batch":{"action":"degrade","min_output_tokens":32},
                 "strict":{}}}"#,
@@ -324,8 +449,12 @@ mod tests {
         assert_eq!(e.field, "policy.classes.default.max_depth");
         let e = parse(r#"{"classes":{"default":{"action":"queue","max_wait_ms":0}}}"#).unwrap_err();
         assert_eq!(e.value, "0");
-        let e = parse(r#"{"class_header":"X-Class"}"#).unwrap_err();
+        let e = parse(r#"{"class_header":"X-Class","class_header_trusted":true}"#).unwrap_err();
         assert_eq!(e.field, "policy.class_header");
+        // A header clients send is not trusted unless the operator says so.
+        let e = parse(r#"{"class_header":"x-class"}"#).unwrap_err();
+        assert_eq!(e.field, "policy.class_header");
+        assert!(e.to_string().contains("class_header_trusted"), "{e}");
         assert!(serde_json::from_str::<RawPolicy>(r#"{"clases":{}}"#).is_err());
     }
 }

@@ -265,12 +265,48 @@ impl HttpContext for Filter {
             return self.serve_status(&rt);
         }
         Self::strip_spoofed_headers(&rt);
-        if method != "POST" || !rt.cfg.guards(&path) {
+        if !rt.cfg.guards(&path) {
             return Action::Continue;
         }
         let Some(endpoint) = Endpoint::from_path(&path) else {
             return Action::Continue;
         };
+        if method != "POST" {
+            let e = ApiError::new(
+                ErrorKind::MethodNotAllowed,
+                format!(
+                    "{method} is not allowed on {}; use POST.",
+                    path.split('?').next().unwrap_or("")
+                ),
+            );
+            return self.reject(&rt, &e);
+        }
+        // Refuse an oversized body before reading any of it.
+        let declared =
+            abi::header(REQ, "content-length").and_then(|v| v.trim().parse::<u64>().ok());
+        if declared.is_some_and(|n| n > rt.cfg.max_body_bytes) {
+            let e = ApiError::new(
+                ErrorKind::BodyTooLarge,
+                format!(
+                    "The request body ({} bytes) is larger than the gateway's limit of {} bytes.",
+                    declared.unwrap_or(0),
+                    rt.cfg.max_body_bytes
+                ),
+            );
+            return self.reject(&rt, &e);
+        }
+        // A model server known to be down or hung gets nothing new: answer at once.
+        if rt.cfg.backend.is_some() {
+            let b = self.worker.backend();
+            if b.polled && !b.up {
+                let e = ApiError::new(
+                    ErrorKind::BackendUnavailable,
+                    "The model server is not answering the gateway; nothing was sent to it. Retry after the time in the Retry-After header.",
+                )
+                .with_retry_after_ms(rt.cfg.retry_after.max_ms.min(5_000));
+                return self.reject(&rt, &e);
+            }
+        }
         if end_of_stream {
             let e = ApiError::new(
                 ErrorKind::InvalidRequest,
@@ -278,13 +314,21 @@ impl HttpContext for Filter {
             );
             return self.reject(&rt, &e);
         }
+        // The class comes from what a client cannot forge: a mapped API key, or a header the
+        // operator marked trusted (config refuses an untrusted class header).
         let class_value = rt
             .cfg
             .policy
             .class_header
             .as_deref()
             .and_then(|h| abi::header(REQ, h));
-        let class = rt.cfg.policy.resolve(class_value.as_deref()).name.clone();
+        let authorization = abi::header(REQ, "authorization");
+        let class = rt
+            .cfg
+            .policy
+            .classify(authorization.as_deref(), class_value.as_deref())
+            .name
+            .clone();
         let lease_id = self.worker.next_lease_id();
         // Announce the lease and class; drop content-length (the body will be rewritten; the
         // buffer filter sets the new length once the whole body is known).

@@ -238,6 +238,8 @@ impl Metrics {
             ErrorKind::QueueTimeout,
             ErrorKind::QueueFull,
             ErrorKind::LedgerUnavailable,
+            ErrorKind::BackendUnavailable,
+            ErrorKind::MethodNotAllowed,
             ErrorKind::Internal,
         ]
         .into_iter()
