@@ -9,7 +9,7 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -49,6 +49,11 @@ lint: setup-rust
 
 test-core:
 	cargo test -p kvgate-core --lib --tests
+
+# The filter's glue (headers -> body -> admit/queue -> end, callouts, tick, reaper), natively,
+# driven through the SDK's entry points against an in-memory proxy-wasm host.
+test-plugin:
+	cargo test -p kvgate-plugin
 
 # The same tests, compiled to wasm32-wasip1 and run inside a wasm VM (Node's WASI).
 test-core-wasm: setup-rust
@@ -108,7 +113,7 @@ test-loop: wasm backend-build model setup-venv
 test-configs: wasm setup-venv setup-tools
 	cd tests && ../$(PY) -m pytest -q test_configs.py
 
-test: setup lint test-core test-core-wasm validate test-configs test-gateway test-backend test-loop
+test: setup lint test-core test-plugin test-core-wasm validate test-configs test-gateway test-backend test-loop
 
 bench: bench-core bench-gateway bench-backend
 

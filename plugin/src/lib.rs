@@ -5,18 +5,25 @@
 //! panics on purpose: every host call's `Status` is handled, and a panic hook logs at critical
 //! level should one slip through.
 
-#[cfg(target_arch = "wasm32")]
+// The glue runs in Envoy (wasm32); natively it is compiled only for its tests, which drive it
+// through the SDK's exported entry points against an in-memory host (`testhost`).
+#[cfg(any(target_arch = "wasm32", test))]
 mod abi;
-#[cfg(target_arch = "wasm32")]
+#[cfg(any(target_arch = "wasm32", test))]
 mod filter;
-#[cfg(target_arch = "wasm32")]
+#[cfg(any(target_arch = "wasm32", test))]
 mod host;
-#[cfg(target_arch = "wasm32")]
+#[cfg(any(target_arch = "wasm32", test))]
 mod root;
-#[cfg(target_arch = "wasm32")]
+#[cfg(any(target_arch = "wasm32", test))]
 mod ticket;
-#[cfg(target_arch = "wasm32")]
+#[cfg(any(target_arch = "wasm32", test))]
 mod worker;
+
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod testhost;
+#[cfg(all(test, not(target_arch = "wasm32")))]
+mod tests;
 
 #[cfg(target_arch = "wasm32")]
 proxy_wasm::main! {{
