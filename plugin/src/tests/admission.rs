@@ -1,0 +1,358 @@
+//! One stream at a time: headers → body → admitted or answered locally → end.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use kvgate_core::store::{self, StoreError};
+use proxy_wasm::types::Action;
+use serde_json::{json, Value};
+
+use super::*;
+use crate::host::EnvoyStore;
+use crate::testhost::{self, Vm};
+use crate::worker::owner_id;
+use crate::LEDGER_KEY;
+
+// ---- 1. headers → body → admitted → end ----------------------------------------------------
+
+#[test]
+fn an_admitted_request_is_rewritten_reserved_under_this_worker_and_released_at_its_end() {
+    let mut vm = start(100_000, json!({}));
+    assert_eq!(ledger().committed(), 0, "the ledger is seeded empty");
+    assert_eq!(testhost::with(|h| h.tick_period_ms), 100);
+
+    // No max_tokens: the cap is the rest of the context, and it is written into the body.
+    let (s, action) = vm.post("/v1/completions", &[], &completion(200, None));
+    assert_eq!(action, Action::Continue, "admitted: the body goes on");
+    assert!(Vm::replies(s).is_empty());
+    let cap = CONTEXT - 200;
+    let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
+    assert_eq!(forwarded["max_tokens"], cap);
+    assert_eq!(forwarded["prompt"].as_array().unwrap().len(), 200);
+    assert_eq!(
+        Vm::request_header(s, "content-length"),
+        None,
+        "dropped: the body was rewritten"
+    );
+    assert_eq!(
+        Vm::request_header(s, "x-kvgate-class").as_deref(),
+        Some("default")
+    );
+
+    let id = lease_of(s);
+    let l = ledger();
+    assert_eq!(l.leases().len(), 1);
+    let lease = l.lease(id).expect("reserved under the announced id");
+    assert_eq!(lease.owner, owner_id(), "owned by this worker");
+    assert_eq!(lease.bytes, CONTEXT * PER_TOKEN);
+    assert_eq!(l.committed(), CONTEXT * PER_TOKEN);
+    assert_eq!(Vm::metric("kvgate.admitted"), 1);
+    assert_eq!(
+        Vm::metric("kvgate.committed_bytes"),
+        (CONTEXT * PER_TOKEN) as i64
+    );
+    assert_eq!(Vm::metric("kvgate.live_leases"), 1);
+
+    vm.respond(s);
+    assert_eq!(
+        Vm::response_header(s, "x-kvgate-lease"),
+        Some(id.to_string())
+    );
+    assert_eq!(
+        Vm::response_header(s, "x-kvgate-level").as_deref(),
+        Some("green")
+    );
+    assert_eq!(
+        Vm::response_header(s, "x-kvgate-max-tokens"),
+        Some(cap.to_string())
+    );
+    assert_eq!(
+        ledger().committed(),
+        CONTEXT * PER_TOKEN,
+        "held until the end"
+    );
+
+    vm.finish(s);
+    let l = ledger();
+    assert_eq!(l.committed(), 0);
+    assert!(l.leases().is_empty());
+    assert_eq!(Vm::metric("kvgate.released"), 1);
+    assert_eq!(
+        Vm::metric("kvgate.release_unknown"),
+        0,
+        "on_log and on_done release once"
+    );
+    assert_eq!(Vm::metric("kvgate.committed_bytes"), 0);
+    assert!(
+        calls_to("/cancel").is_empty(),
+        "a completed stream is not cancelled"
+    );
+}
+
+#[test]
+fn a_body_in_chunks_is_held_until_its_end_and_trailers_end_it_too() {
+    let mut vm = start(20_000, json!({}));
+    let body = completion(100, Some(50));
+    let (head, tail) = body.split_at(body.len() / 2);
+
+    let s = vm.open("POST", "/v1/completions", &[], body.as_bytes());
+    assert_eq!(vm.request_headers(s, false), Action::Continue);
+    assert_eq!(vm.request_body(s, head.as_bytes(), false), Action::Pause);
+    assert!(
+        ledger().leases().is_empty(),
+        "nothing decided on half a body"
+    );
+    assert_eq!(vm.request_body(s, tail.as_bytes(), true), Action::Continue);
+    assert_eq!(ledger().committed(), 150 * PER_TOKEN);
+    vm.finish(s);
+
+    // With trailers the body callback never sees end_of_stream: the trailers decide.
+    let t = vm.open("POST", "/v1/completions", &[], body.as_bytes());
+    assert_eq!(vm.request_headers(t, false), Action::Continue);
+    assert_eq!(vm.request_body(t, body.as_bytes(), false), Action::Pause);
+    assert_eq!(vm.request_trailers(t), Action::Continue);
+    assert_eq!(ledger().lease(lease_of(t)).unwrap().bytes, 150 * PER_TOKEN);
+    vm.finish(t);
+    assert_eq!(ledger().committed(), 0);
+}
+
+#[test]
+fn client_sent_kvgate_headers_are_stripped() {
+    let mut vm = start(20_000, json!({}));
+    let (s, action) = vm.post(
+        "/v1/completions",
+        &[("x-kvgate-lease", "1"), ("x-kvgate-anything", "x")],
+        &completion(10, Some(10)),
+    );
+    assert_eq!(action, Action::Continue);
+    assert_ne!(lease_of(s), 1, "the forged lease id is replaced");
+    assert_eq!(Vm::request_header(s, "x-kvgate-anything"), None);
+    vm.finish(s);
+}
+
+#[test]
+fn a_reservation_survives_lost_cas_races() {
+    let mut vm = start(20_000, json!({}));
+    testhost::with(|h| h.inject_cas_mismatches = 3);
+    let (s, action) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(action, Action::Continue);
+    assert_eq!(testhost::with(|h| h.inject_cas_mismatches), 0);
+    assert_eq!(
+        ledger().committed(),
+        200 * PER_TOKEN,
+        "reserved exactly once"
+    );
+    testhost::with(|h| h.inject_cas_mismatches = 2);
+    vm.finish(s);
+    assert_eq!(ledger().committed(), 0, "released exactly once");
+}
+
+#[test]
+fn a_stream_cut_short_is_cancelled_at_the_backend_and_released() {
+    let mut vm = start(20_000, json!({"backend": {"cluster": "kvgate_backend"}}));
+    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    let id = lease_of(s);
+    vm.finish(s); // no response: the client went away
+    let cancels = calls_to(&format!("/v1/admission/leases/{id}/cancel"));
+    assert_eq!(cancels.len(), 1);
+    assert_eq!(cancels[0].header(":method"), Some("POST"));
+    assert_eq!(cancels[0].upstream, "kvgate_backend");
+    assert_eq!(ledger().committed(), 0);
+}
+
+// ---- 2. full: 429 -----------------------------------------------------------------------------
+
+#[test]
+fn a_request_that_does_not_fit_gets_429_with_retry_after_and_reserves_nothing() {
+    let mut vm = start(1_000, json!({}));
+    let (a, action) = vm.post("/v1/completions", &[], &completion(100, Some(500)));
+    assert_eq!(action, Action::Continue);
+    let before = ledger();
+    assert_eq!(before.committed(), 600 * PER_TOKEN);
+
+    let (b, action) = vm.post("/v1/completions", &[], &completion(100, Some(500)));
+    assert_eq!(action, Action::Pause, "answered locally");
+    let replies = Vm::replies(b);
+    assert_eq!(replies.len(), 1);
+    let r = &replies[0];
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    let secs: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!(secs >= 1, "Retry-After {secs}");
+    let ms: u64 = r.header("retry-after-ms").unwrap().parse().unwrap();
+    assert!((500..=10_000).contains(&ms), "Retry-After-Ms {ms}");
+    assert!(r.header("x-kvgate-level").is_some());
+    let err = &r.json()["error"];
+    assert_eq!(err["code"], "kv_capacity_exceeded");
+    assert!(err["type"].is_string());
+    assert!(!err["message"].as_str().unwrap().is_empty());
+
+    let after = ledger();
+    assert_eq!(after.committed(), before.committed(), "nothing reserved");
+    assert_eq!(after.leases(), before.leases());
+    assert!(after.lease(lease_of(b)).is_none());
+    assert_eq!(Vm::metric("kvgate.rejected.kv_capacity_exceeded"), 1);
+    assert_eq!(Vm::metric("kvgate.admitted"), 1);
+
+    vm.finish(b);
+    assert_eq!(
+        ledger().committed(),
+        600 * PER_TOKEN,
+        "a rejected end frees nothing"
+    );
+    assert_eq!(Vm::metric("kvgate.release_unknown"), 0);
+    vm.finish(a);
+    assert_eq!(ledger().committed(), 0);
+}
+
+// ---- other local answers, degrade, reconfiguration --------------------------------------------
+
+/// Exactly one local reply on this stream, with this status and error code; nothing reserved.
+fn assert_rejected(s: testhost::Stream, status: u32, code: &str) {
+    let replies = Vm::replies(s);
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_eq!(replies[0].status, status);
+    assert_eq!(replies[0].json()["error"]["code"], code);
+    assert!(ledger().leases().is_empty(), "nothing reserved");
+    assert_eq!(Vm::metric(&format!("kvgate.rejected.{code}")), 1);
+}
+
+#[test]
+fn an_unreadable_body_gets_400_and_an_oversized_one_413() {
+    let mut vm = start(20_000, json!({"max_body_bytes": 1_000}));
+    let (s, action) = vm.post("/v1/completions", &[], "{not json");
+    assert_eq!(action, Action::Pause);
+    assert_rejected(s, 400, "invalid_request");
+
+    // Refused at the headers (declared length) or at the body, never forwarded.
+    let big = completion(600, Some(10));
+    let t = vm.open("POST", "/v1/completions", &[], big.as_bytes());
+    if vm.request_headers(t, false) == Action::Continue && Vm::replies(t).is_empty() {
+        assert_eq!(vm.request_body(t, big.as_bytes(), true), Action::Pause);
+    }
+    assert_rejected(t, 413, "request_body_too_large");
+    vm.finish(s);
+    vm.finish(t);
+    assert_eq!(Vm::metric("kvgate.admitted"), 0);
+}
+
+#[test]
+fn a_degrade_class_is_admitted_with_the_cap_that_fits() {
+    let mut vm = start(
+        1_000,
+        json!({"policy": {"default_class": "batch", "classes": {
+            "batch": {"action": "degrade", "min_output_tokens": 64, "priority": 0}}}}),
+    );
+    put_lease(41, 600, "batch", 0, owner_id());
+    let (s, action) = vm.post("/v1/completions", &[], &completion(100, Some(500)));
+    assert_eq!(action, Action::Continue);
+    let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
+    assert_eq!(
+        forwarded["max_tokens"], 300,
+        "the 400 free tokens: 100 prompt + 300"
+    );
+    assert_eq!(ledger().lease(lease_of(s)).unwrap().bytes, 400 * PER_TOKEN);
+    assert_eq!(ledger().committed(), 1_000 * PER_TOKEN);
+    assert_eq!(Vm::metric("kvgate.degraded"), 1);
+    vm.respond(s);
+    assert_eq!(
+        Vm::response_header(s, "x-kvgate-degraded").as_deref(),
+        Some("max_tokens=500->300")
+    );
+    assert_eq!(
+        Vm::response_header(s, "x-kvgate-max-tokens").as_deref(),
+        Some("300")
+    );
+    vm.finish(s);
+    assert_eq!(ledger().committed(), 600 * PER_TOKEN);
+}
+
+#[test]
+fn reconfiguration_keeps_the_ledger_and_its_leases() {
+    let mut vm = start(20_000, json!({}));
+    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    let id = lease_of(s);
+    assert!(vm.reconfigure(&config(30_000, json!({}))));
+    let l = ledger();
+    assert_eq!(l.capacity(), 30_000 * PER_TOKEN);
+    assert_eq!(l.lease(id).map(|l| l.bytes), Some(200 * PER_TOKEN));
+    assert_eq!(
+        Vm::metric("kvgate.capacity_bytes"),
+        (30_000 * PER_TOKEN) as i64
+    );
+    // A bad configuration is refused with one line naming the field; the old one stays.
+    assert!(!vm.reconfigure(&config(30_000, json!({"tick_ms": 1}))));
+    assert!(logs().iter().any(|m| m.contains("tick_ms")));
+    assert_eq!(ledger().capacity(), 30_000 * PER_TOKEN);
+    vm.finish(s);
+    assert_eq!(
+        ledger().committed(),
+        0,
+        "released by the stream admitted before"
+    );
+}
+
+// ---- 6. an unreadable ledger ---------------------------------------------------------------
+
+#[test]
+fn a_corrupt_ledger_is_kept_and_stops_admission_with_503() {
+    let corrupt = b"not a ledger".to_vec();
+    let (mut vm, ok) = Vm::start_with(&config(20_000, json!({})), |h| {
+        h.shared
+            .insert(LEDGER_KEY.to_string(), (corrupt.clone(), 7));
+    });
+    assert!(ok, "the configuration itself is accepted");
+    assert!(logs().iter().any(|m| m.contains("admission stopped")));
+    assert!(Vm::metric("kvgate.ledger_errors") >= 1);
+    assert!(matches!(
+        store::read(&EnvoyStore, LEDGER_KEY),
+        Err(StoreError::Corrupt(_))
+    ));
+
+    let (s, action) = vm.post("/v1/completions", &[], &completion(10, Some(10)));
+    assert_eq!(action, Action::Pause);
+    let replies = Vm::replies(s);
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 503);
+    assert_eq!(
+        replies[0].json()["error"]["code"],
+        "kvgate_ledger_unavailable"
+    );
+    assert!(replies[0].header("retry-after").is_some());
+    assert_eq!(Vm::metric("kvgate.rejected.kvgate_ledger_unavailable"), 1);
+
+    vm.tick();
+    vm.finish(s);
+    assert_eq!(
+        testhost::with(|h| h.shared.get(LEDGER_KEY).cloned()),
+        Some((corrupt, 7)),
+        "the unreadable bytes are left untouched"
+    );
+    assert_eq!(
+        testhost::with(|h| h.shared_writes.get(LEDGER_KEY).copied()),
+        None
+    );
+}
+
+// ---- the status endpoint -----------------------------------------------------------------------
+
+#[test]
+fn the_status_endpoint_reports_the_ledger() {
+    let mut vm = start(20_000, json!({}));
+    let (a, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    let s = vm.open("GET", "/kvgate/status", &[], b"");
+    assert_eq!(vm.request_headers(s, true), Action::Pause);
+    let replies = Vm::replies(s);
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 200);
+    let doc = replies[0].json();
+    assert_eq!(doc["committed_bytes"], 200 * PER_TOKEN);
+    assert_eq!(doc["leases"], 1);
+    assert_eq!(doc["level"], "green");
+    vm.finish(s);
+    vm.finish(a);
+}

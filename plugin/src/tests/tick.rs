@@ -1,0 +1,308 @@
+//! What the root context does on its tick and with callout answers: the reaper, the
+//! admission queue with preemption, and the backend poll.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use kvgate_core::store;
+use proxy_wasm::types::Action;
+use serde_json::{json, Value};
+
+use super::*;
+use crate::host::EnvoyStore;
+use crate::testhost::{self, Vm, EPOCH_MS};
+use crate::worker::owner_id;
+use crate::LEDGER_KEY;
+
+// ---- 3. the reaper -----------------------------------------------------------------------------
+
+#[test]
+fn the_reaper_takes_only_leases_of_gone_workers_never_a_live_ones_however_old() {
+    let timeout = 5_000;
+    let mut vm = start(20_000, json!({"owner_timeout_ms": timeout, "tick_ms": 100}));
+    let (gone, alive) = (0x0dea_d000_0000_0001_u64, 0x0a11_0e00_0000_0002_u64);
+    assert_ne!(gone, owner_id());
+    assert_ne!(alive, owner_id());
+    write_heartbeat(gone, EPOCH_MS - 60_000); // stopped a minute ago
+    write_heartbeat(alive, EPOCH_MS);
+    put_lease(11, 1_000, "default", 0, gone);
+    put_lease(12, 2_000, "default", 0, alive);
+    let (mine, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    let my_lease = lease_of(mine);
+
+    vm.tick();
+    let l = ledger();
+    assert!(l.lease(11).is_none(), "the stale owner's lease is reaped");
+    assert!(l.lease(12).is_some());
+    assert!(l.lease(my_lease).is_some());
+    assert_eq!(l.committed(), (2_000 + 200) * PER_TOKEN);
+    assert_eq!(Vm::metric("kvgate.reaped"), 1);
+    assert!(logs()
+        .iter()
+        .any(|m| m.contains("reaped lease 11") && m.contains("heartbeat")));
+    // This worker said it is alive.
+    let beat = testhost::with(|h| h.shared.get(&heartbeat_key(owner_id())).cloned());
+    let beat = u64::from_le_bytes(beat.unwrap().0[..8].try_into().unwrap());
+    assert_eq!(beat, EPOCH_MS);
+
+    // Far past any lease TTL (max 1 h): live owners keep their leases.
+    for _ in 0..5 {
+        vm.advance_ms(3 * 3_600_000);
+        write_heartbeat(alive, Vm::now_ms());
+        vm.tick();
+    }
+    let l = ledger();
+    assert!(
+        l.lease(12).is_some(),
+        "a live owner's lease is never reaped"
+    );
+    assert!(l.lease(my_lease).is_some(), "nor this worker's own");
+    assert_eq!(Vm::metric("kvgate.reaped"), 1);
+
+    // Once the other owner stops, its lease goes; this worker's stays until its stream ends.
+    vm.advance_ms(timeout + 1);
+    vm.tick();
+    assert!(ledger().lease(12).is_none());
+    assert_eq!(Vm::metric("kvgate.reaped"), 2);
+    vm.finish(mine);
+    assert_eq!(ledger().committed(), 0);
+}
+
+// ---- 4. queue + preempt ----------------------------------------------------------------------
+
+fn queue_config() -> Value {
+    json!({
+        "backend": {"cluster": "kvgate_backend"},
+        "policy": {
+            "default_class": "vip",
+            "classes": {
+                "vip": {"action": "queue", "max_wait_ms": 5000, "max_depth": 8, "priority": 9,
+                        "preempts": ["batch"]},
+                "batch": {"action": "reject", "priority": 0},
+            }
+        }
+    })
+}
+
+#[test]
+fn a_queued_request_is_admitted_on_tick_by_preemption_and_resumes_when_the_cancel_is_answered() {
+    let mut vm = start(10_000, queue_config());
+    put_lease(21, 6_000, "vip", 9, owner_id()); // not preemptible
+    put_lease(22, 3_000, "batch", 0, owner_id());
+
+    // Needs 9,500 tokens: 1,000 free + 3,000 preemptible is not enough: it waits.
+    let (s, action) = vm.post("/v1/completions", &[], &completion(500, Some(9_000)));
+    assert_eq!(action, Action::Pause, "queued");
+    assert!(Vm::replies(s).is_empty());
+    assert_eq!(Vm::metric("kvgate.queued"), 1);
+    assert!(ledger().lease(lease_of(s)).is_none());
+    // Held: more body data is paused while queued.
+    assert_eq!(vm.request_body(s, b"", true), Action::Pause);
+
+    vm.tick();
+    assert_eq!(Vm::metric("kvgate.queued"), 1, "still no room");
+
+    // The big lease ends: now 7,000 free + 3,000 preemptible fits.
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(21, Vm::now_ms())).unwrap();
+    vm.tick();
+    let l = ledger();
+    assert!(l.lease(22).is_none(), "the batch lease was preempted");
+    let lease = l.lease(lease_of(s)).expect("admitted from the queue");
+    assert_eq!(lease.bytes, 9_500 * PER_TOKEN);
+    assert_eq!(l.committed(), 9_500 * PER_TOKEN);
+    assert_eq!(Vm::metric("kvgate.queued"), 0);
+    assert_eq!(Vm::metric("kvgate.preempted"), 1);
+    let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
+    assert_eq!(forwarded["max_tokens"], 9_000);
+
+    let cancels = calls_to("/v1/admission/leases/22/cancel");
+    assert_eq!(cancels.len(), 1, "the victim is cancelled at the backend");
+    assert_eq!(
+        cancels[0].during, vm.root,
+        "sent from the root context's tick"
+    );
+    assert_eq!(
+        cancels[0].context, s.0,
+        "while the queued stream was the effective one"
+    );
+    assert!(
+        !Vm::resumed(s),
+        "the request waits for the cancel to be answered"
+    );
+
+    vm.answer_call(cancels[0].token, 200, b"{}");
+    assert!(Vm::resumed(s), "the queued stream is resumed");
+    assert!(Vm::replies(s).is_empty());
+
+    vm.respond(s);
+    assert_eq!(
+        Vm::response_header(s, "x-kvgate-lease"),
+        Some(lease_of(s).to_string())
+    );
+    vm.finish(s);
+    assert_eq!(ledger().committed(), 0);
+}
+
+#[test]
+fn a_queued_request_whose_wait_runs_out_gets_a_timeout_reply() {
+    let mut vm = start(10_000, queue_config());
+    put_lease(31, 9_000, "vip", 9, owner_id());
+    let (s, action) = vm.post("/v1/completions", &[], &completion(500, Some(1_000)));
+    assert_eq!(action, Action::Pause);
+    vm.advance_ms(5_001);
+    vm.tick();
+    let replies = Vm::replies(s);
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 429);
+    assert_eq!(replies[0].json()["error"]["code"], "kv_queue_timeout");
+    assert!(replies[0].header("retry-after").is_some());
+    assert_eq!(Vm::metric("kvgate.queued"), 0);
+    assert_eq!(ledger().committed(), 9_000 * PER_TOKEN, "nothing reserved");
+    vm.finish(s);
+}
+
+#[test]
+fn a_full_queue_answers_429_queue_full() {
+    let mut cfg = queue_config();
+    cfg["policy"]["classes"]["vip"]["max_depth"] = 1.into();
+    let mut vm = start(10_000, cfg);
+    put_lease(51, 9_000, "vip", 9, owner_id());
+    let (a, action) = vm.post("/v1/completions", &[], &completion(500, Some(1_000)));
+    assert_eq!(action, Action::Pause);
+    assert!(Vm::replies(a).is_empty(), "queued");
+    let (b, action) = vm.post("/v1/completions", &[], &completion(500, Some(1_000)));
+    assert_eq!(action, Action::Pause);
+    let replies = Vm::replies(b);
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 429);
+    assert_eq!(replies[0].json()["error"]["code"], "kv_queue_full");
+    assert_eq!(Vm::metric("kvgate.queued"), 1);
+    // A queued client that goes away leaves the queue; nothing was reserved for it.
+    vm.finish(a);
+    assert_eq!(Vm::metric("kvgate.queued"), 0);
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(51, Vm::now_ms())).unwrap();
+    vm.tick();
+    assert!(
+        ledger().leases().is_empty(),
+        "nothing admitted for a gone stream"
+    );
+    vm.finish(b);
+}
+
+// ---- 5. the backend poll -------------------------------------------------------------------
+
+fn report(used: u64, live: &[u64], finished: &[u64], cursor: u64) -> Vec<u8> {
+    let ids =
+        |v: &[u64]| -> Vec<Value> { v.iter().map(|i| json!({"id": i.to_string()})).collect() };
+    json!({
+        "pool": {"capacity_bytes": 20_000 * PER_TOKEN, "used_bytes": used},
+        "leases": ids(live), "finished": ids(finished), "cursor": cursor,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+#[test]
+fn the_backend_report_informs_unknown_is_drift_and_finished_releases_early() {
+    let mut vm = start(
+        20_000,
+        json!({"backend": {"cluster": "kvgate_backend", "poll_ms": 200, "lost_grace_ms": 1000,
+                           "drift_warn_bytes": 1_000_000}}),
+    );
+    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    let id = lease_of(s);
+    let bytes = 200 * PER_TOKEN;
+
+    // The backend does not know the lease, long past the grace period.
+    vm.advance_ms(5_000);
+    vm.tick();
+    let polls = calls_to("/v1/admission/leases?since=0");
+    assert_eq!(polls.len(), 1);
+    assert_eq!(polls[0].header(":method"), Some("GET"));
+    assert_eq!(polls[0].context, vm.root);
+    vm.answer_call(polls[0].token, 200, &report(0, &[], &[], 3));
+    let l = ledger();
+    assert_eq!(
+        l.lease(id).map(|l| l.bytes),
+        Some(bytes),
+        "unknown is not removed"
+    );
+    assert_eq!(Vm::metric("kvgate.unseen_leases"), 1);
+    assert_eq!(Vm::metric("kvgate.unseen_bytes"), bytes as i64);
+    assert_eq!(Vm::metric("kvgate.drift_bytes"), bytes as i64);
+    assert_eq!(Vm::metric("kvgate.backend_up"), 1);
+    assert_eq!(Vm::metric("kvgate.level"), 1, "drift turns the level amber");
+    assert_eq!(Vm::metric("kvgate.released_by_backend"), 0);
+    assert!(logs()
+        .iter()
+        .any(|m| m.contains("drift") && m.contains(&id.to_string())));
+
+    // The next poll carries the cursor; the backend now says the lease finished.
+    vm.advance_ms(300);
+    vm.tick();
+    let polls = calls_to("/v1/admission/leases?since=3");
+    assert_eq!(polls.len(), 1);
+    vm.answer_call(polls[0].token, 200, &report(0, &[], &[id], 4));
+    let l = ledger();
+    assert!(l.lease(id).is_none(), "finished: released early");
+    assert_eq!(l.committed(), 0);
+    assert_eq!(Vm::metric("kvgate.released_by_backend"), 1);
+    assert_eq!(Vm::metric("kvgate.unseen_leases"), 0);
+
+    // The stream's own end later is harmless.
+    vm.respond(s);
+    vm.finish(s);
+    assert_eq!(ledger().committed(), 0);
+    assert_eq!(Vm::metric("kvgate.release_unknown"), 1);
+    assert_eq!(Vm::metric("kvgate.released"), 0);
+    assert_eq!(Vm::metric("kvgate.ledger_errors"), 0);
+}
+
+#[test]
+fn failed_polls_mark_the_backend_down_and_an_answer_brings_it_back() {
+    let vm = start(
+        20_000,
+        json!({"backend": {"cluster": "kvgate_backend", "poll_ms": 200,
+                           "down_after_failures": 2}}),
+    );
+    let poll = |status: u32, body: &[u8]| {
+        vm.advance_ms(300);
+        vm.tick();
+        let call = Vm::calls().last().cloned().unwrap();
+        assert!(call
+            .header(":path")
+            .unwrap()
+            .starts_with("/v1/admission/leases?since="));
+        vm.answer_call(call.token, status, body);
+    };
+    poll(200, &report(0, &[], &[], 1));
+    assert_eq!(Vm::metric("kvgate.backend_up"), 1);
+    poll(503, b"");
+    assert_eq!(
+        Vm::metric("kvgate.backend_up"),
+        1,
+        "one failure is not down"
+    );
+    poll(200, b"not json");
+    assert_eq!(Vm::metric("kvgate.backend_poll_failures"), 2);
+    assert_eq!(Vm::metric("kvgate.backend_up"), 0);
+    assert!(logs()
+        .iter()
+        .any(|m| m.contains("is down after 2 failed polls")));
+    // The gauges follow at the next reaper pass (every tick_ms).
+    vm.advance_ms(1_000);
+    vm.tick();
+    assert_eq!(
+        Vm::metric("kvgate.level"),
+        2,
+        "red while the backend is down"
+    );
+    poll(200, &report(0, &[], &[], 2));
+    assert_eq!(Vm::metric("kvgate.backend_up"), 1);
+    assert!(logs().iter().any(|m| m.contains("is up again")));
+    assert_eq!(Vm::metric("kvgate.level"), 0);
+}
