@@ -92,6 +92,7 @@ def stack(request, tmp_path, wasm, backend):
             "backend": {"poll_ms": 200, "timeout_ms": 1000, "lost_grace_ms": 5000, "down_after_failures": 2},
         })
         cfg.update(overrides or {})
+        cfg["backend"] = {**cfg["backend"], "secret": b.secret}
         d = tmp_path / f"stack{len(started)}"
         d.mkdir()
         e = Envoy(d, b.port, cfg, concurrency=concurrency, ecds=ecds)

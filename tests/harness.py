@@ -200,7 +200,13 @@ class Backend(Process):
     def __init__(self, workdir, *args, port=None):
         self.workdir = Path(workdir)
         self.port = port or free_port()
-        self.args = [str(BACKEND), "--model", str(MODEL), "--port", str(self.port), *map(str, args)]
+        # The gateway's credential for the admission API and lease headers (what the filter
+        # sends as x-kvgate-secret; the stack fixture gives it to the filter too).
+        self.secret = f"test-secret-{self.port}"
+        secret_file = self.workdir / f"admission-secret-{self.port}"
+        secret_file.write_text(self.secret + "\n")
+        self.args = [str(BACKEND), "--model", str(MODEL), "--port", str(self.port),
+                     "--admission-secret-file", str(secret_file), *map(str, args)]
         self.log_path = self.workdir / f"backend-{self.port}.log"
         self.proc = None
 
@@ -212,9 +218,13 @@ class Backend(Process):
         return self.launch(self.args, lambda: requests.get(self.url + "/health", timeout=1).status_code == 200, timeout)
 
     def leases(self, since=0):
-        r = requests.get(self.url + f"/v1/admission/leases?since={since}", timeout=5)
+        r = requests.get(self.url + f"/v1/admission/leases?since={since}", timeout=5, headers=self.gateway_headers())
         r.raise_for_status()
         return r.json()
+
+    def gateway_headers(self, **extra):
+        """Headers only the gateway can send: the admission secret (plus `extra`)."""
+        return {"x-kvgate-secret": self.secret, **{k.replace("_", "-"): v for k, v in extra.items()}}
 
     def metrics(self):
         out = {}

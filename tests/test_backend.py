@@ -87,7 +87,7 @@ def test_reserve_answers_429_when_full_and_cancel_preempts(backend):
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
     # Greedy counting never stops by itself: the sequence runs until max_tokens or cancel.
     big = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 900, "temperature": 0, "stream": True}
-    r = requests.post(b.url + "/v1/completions", json=big, headers={"x-kvgate-lease": "lease-a"},
+    r = requests.post(b.url + "/v1/completions", json=big, headers=b.gateway_headers(x_kvgate_lease="lease-a"),
                       stream=True, timeout=120)
     assert r.status_code == 200
     events = sse_events(r)
@@ -106,14 +106,14 @@ def test_reserve_answers_429_when_full_and_cancel_preempts(backend):
     assert err["code"] == "kv_capacity_exceeded" and int(full.headers["retry-after"]) >= 1
     assert err["need_bytes"] > err["free_bytes"]
 
-    c = requests.post(b.url + "/v1/admission/leases/lease-a/cancel", timeout=10)
+    c = requests.post(b.url + "/v1/admission/leases/lease-a/cancel", timeout=10, headers=b.gateway_headers())
     assert c.status_code == 200 and c.json()["cancelled"] is True
     rest = [json.loads(e) for e in events if e != "[DONE]"]
     assert rest[-2]["error"]["code"] == "kv_preempted"
     assert rest[-1]["choices"][0]["finish_reason"] == "preempted"
     after = b.wait_pool_empty()
     assert any(f["id"] == "lease-a" and f["reason"] == "preempted" for f in after["finished"])
-    assert requests.post(b.url + "/v1/admission/leases/lease-a/cancel", timeout=10).status_code == 404
+    assert requests.post(b.url + "/v1/admission/leases/lease-a/cancel", timeout=10, headers=b.gateway_headers()).status_code == 404
     ok = requests.post(b.url + "/v1/completions", json={**big, "stream": False, "max_tokens": 5}, timeout=30)
     assert ok.status_code == 200
     m = b.metrics()
@@ -166,7 +166,7 @@ def test_leases_report_finished_with_cursor(backend):
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
     cursor = b.leases()["cursor"]
     for i in range(3):
-        r = requests.post(b.url + "/v1/completions", headers={"x-kvgate-lease": f"L{i}"}, timeout=60,
+        r = requests.post(b.url + "/v1/completions", headers=b.gateway_headers(x_kvgate_lease=f"L{i}"), timeout=60,
                           json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200
     state = b.leases(since=cursor)
@@ -178,7 +178,7 @@ def test_leases_report_finished_with_cursor(backend):
                              "context_tokens": 8192}
     assert model["kv_bytes_per_token"] == 46_080 and len(model["fingerprint"]) == 16
     assert model["tokenizer"]["special_tokens"]["<|im_end|>"] == 2
-    full = requests.get(b.url + "/v1/admission/leases?include=tokenizer", timeout=10).json()
+    full = requests.get(b.url + "/v1/admission/leases?include=tokenizer", timeout=10, headers=b.gateway_headers()).json()
     assert len(full["model"]["tokenizer"]["ranks"].splitlines()) > 49_000
 
 
@@ -186,18 +186,18 @@ def test_leases_are_acknowledged_at_arrival_single_use_and_refusals_are_reported
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES, "--step-delay-ms", "100")
     cursor = b.leases()["cursor"]
     # A refused request (invalid body) is reported finished at once, so the filter can release.
-    r = requests.post(b.url + "/v1/completions", headers={"x-kvgate-lease": "R1"}, timeout=30,
+    r = requests.post(b.url + "/v1/completions", headers=b.gateway_headers(x_kvgate_lease="R1"), timeout=30,
                       json={"model": MODEL, "prompt": "Hello", "max_tokens": -1})
     assert r.status_code == 400
     finished = b.leases(since=cursor)["finished"]
     assert [(f["id"], f["reason"]) for f in finished] == [("R1", "refused")]
     # A live lease id cannot be used twice.
-    r1 = requests.post(b.url + "/v1/completions", headers={"x-kvgate-lease": "D1"}, stream=True, timeout=60,
+    r1 = requests.post(b.url + "/v1/completions", headers=b.gateway_headers(x_kvgate_lease="D1"), stream=True, timeout=60,
                        json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 40, "temperature": 0,
                              "stream": True})
     assert r1.status_code == 200
     assert "D1" in [l["id"] for l in b.leases()["leases"]]
-    r2 = requests.post(b.url + "/v1/completions", headers={"x-kvgate-lease": "D1"}, timeout=30,
+    r2 = requests.post(b.url + "/v1/completions", headers=b.gateway_headers(x_kvgate_lease="D1"), timeout=30,
                        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
     assert r2.status_code == 409 and r2.json()["error"]["type"] == "invalid_request_error"
     r1.content
@@ -205,6 +205,24 @@ def test_leases_are_acknowledged_at_arrival_single_use_and_refusals_are_reported
     ids = [f["id"] for f in b.leases(since=cursor)["finished"]]
     assert ids[-1] == "D1"
     b.wait_pool_empty()
+
+
+def test_the_admission_api_and_lease_headers_need_the_gateways_secret(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    for method, path in [("GET", "/v1/admission/leases"), ("POST", "/v1/admission/leases/x/cancel")]:
+        for headers in [{}, {"x-kvgate-secret": "wrong"}, {"x-kvgate-secret": b.secret + "x"}]:
+            r = requests.request(method, b.url + path, headers=headers, timeout=10)
+            assert r.status_code == 401, (path, headers)
+            assert r.json()["error"]["code"] == "unauthorized"
+    r = requests.post(b.url + "/v1/completions", headers={"x-kvgate-lease": "forged"}, timeout=30,
+                      json={"model": MODEL, "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 401
+    assert "forged" not in [l["id"] for l in b.leases()["leases"]]
+    assert b.leases()["finished"] == [], "a refused forgery is not even acknowledged"
+    assert requests.get(b.url + "/v1/admission/leases", headers=b.gateway_headers(), timeout=10).status_code == 200
+    # Operators still read health and metrics on the backend's own port.
+    assert requests.get(b.url + "/health", timeout=10).status_code == 200
+    assert requests.get(b.url + "/metrics", timeout=10).status_code == 200
 
 
 def test_bad_requests_get_openai_errors_and_allocate_nothing(backend):

@@ -27,11 +27,12 @@ def test_chat_completions_and_streaming_with_the_official_client(stack):
 
 
 def test_the_clients_own_retry_honours_kvgate_429(stack):
-    # 32 blocks = 512 tokens, 460 usable: a 120-token stream leaves too little for a 350 cap.
+    # 32 blocks = 512 tokens, 460 usable: an 80-token stream leaves too little for a 350 cap.
     gw, b = stack(32, {"retry_after": {"min_ms": 500, "max_ms": 2000, "jitter": 0.1, "default_lease_ms": 2000}})
-    t, res = long_stream(gw, 120)
+    t, res = long_stream(gw, 80)
     gw.wait_for(lambda s: s["leases"] == 1)
-    c = client(gw, max_retries=8)
+    # Enough retries for a loaded machine (each waits the advertised Retry-After, at most 2 s).
+    c = client(gw, max_retries=30)
     # Reserved at 350, stopped early by the stop string.
     comp = c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=350, temperature=0, stop=[" 9,"])
     assert comp.choices[0].finish_reason == "stop"

@@ -31,6 +31,40 @@ pub struct AppState {
     pub model_name: String,
     pub spec: kvgate_core::ModelSpec,
     pub admission: Admission,
+    /// What the gateway sends as `x-kvgate-secret`; `None`: the admission API is open.
+    pub admission_secret: Option<String>,
+}
+
+impl AppState {
+    /// Admission calls and lease headers come from the gateway only: with a secret configured,
+    /// a request without it is refused (401).
+    fn check_secret(&self, headers: &HeaderMap) -> Result<(), HttpError> {
+        let Some(want) = &self.admission_secret else {
+            return Ok(());
+        };
+        let got = headers
+            .get("x-kvgate-secret")
+            .map(|v| v.as_bytes())
+            .unwrap_or_default();
+        // Constant time in the secret's content (length is not secret).
+        let same = got.len() == want.len()
+            && got
+                .iter()
+                .zip(want.as_bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        if same {
+            Ok(())
+        } else {
+            Err(HttpError(
+                ApiError::new(
+                    ErrorKind::Unauthorized,
+                    "The admission API and lease headers are for the kvgate gateway only.",
+                )
+                .with_status(401),
+            ))
+        }
+    }
 }
 
 type Shared = State<Arc<AppState>>;
@@ -99,7 +133,12 @@ struct LeasesQuery {
     include: Option<String>,
 }
 
-async fn leases(State(st): Shared, Query(q): Query<LeasesQuery>) -> Json<Value> {
+async fn leases(
+    State(st): Shared,
+    headers: HeaderMap,
+    Query(q): Query<LeasesQuery>,
+) -> Result<Json<Value>, HttpError> {
+    st.check_secret(&headers)?;
     let pool = st.engine.pool_stats();
     let (leases, finished, cursor) = {
         let p = st
@@ -142,7 +181,7 @@ async fn leases(State(st): Shared, Query(q): Query<LeasesQuery>) -> Json<Value> 
             t.insert("ranks".into(), Value::from(st.tok.bpe.to_tiktoken()));
         }
     }
-    Json(json!({
+    Ok(Json(json!({
         "pool": pool,
         "admission": st.admission,
         "model": {
@@ -155,10 +194,15 @@ async fn leases(State(st): Shared, Query(q): Query<LeasesQuery>) -> Json<Value> 
         "leases": leases,
         "finished": finished,
         "cursor": cursor,
-    }))
+    })))
 }
 
-async fn cancel(State(st): Shared, Path(id): Path<String>) -> Result<Json<Value>, HttpError> {
+async fn cancel(
+    State(st): Shared,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, HttpError> {
+    st.check_secret(&headers)?;
     if st.engine.cancel(id.clone()).await {
         Ok(Json(json!({"id": id, "cancelled": true})))
     } else {
@@ -378,6 +422,11 @@ async fn generate(
         .and_then(|h| h.to_str().ok())
         .filter(|s| !s.is_empty() && s.len() <= 64)
         .map(str::to_string);
+    if headers.contains_key("x-kvgate-lease") {
+        if let Err(e) = st.check_secret(&headers) {
+            return e.into_response();
+        }
+    }
     let mut arrival = match lease
         .as_deref()
         .map(|id| Arrival::acknowledge(&st.engine.published, id))

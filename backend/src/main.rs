@@ -60,6 +60,11 @@ struct Args {
     /// Cap on the context length (the model's own is used when smaller).
     #[arg(long, default_value_t = 8192)]
     max_context: usize,
+    /// A file holding the secret the gateway sends (`x-kvgate-secret`) on admission calls and on
+    /// requests that carry a lease. Without it the admission API is open to anyone who can reach
+    /// this port (bind it to loopback or an internal network). `KVGATE_ADMISSION_SECRET` also works.
+    #[arg(long)]
+    admission_secret_file: Option<PathBuf>,
     /// Test only: sleep this many milliseconds in every busy scheduler step (a slow backend on
     /// demand, for sustained-load tests of the gateway).
     #[arg(long, default_value_t = 0, hide = true)]
@@ -137,12 +142,29 @@ async fn main() -> Result<()> {
         },
         metrics,
     );
+    let admission_secret = match &args.admission_secret_file {
+        Some(path) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading the admission secret {}", path.display()))?
+                .trim()
+                .to_string(),
+        ),
+        None => std::env::var("KVGATE_ADMISSION_SECRET").ok(),
+    }
+    .filter(|s| !s.is_empty());
+    if admission_secret.is_none() {
+        eprintln!(
+            "warning: no admission secret (--admission-secret-file): the admission API and lease headers are \
+             accepted from anyone who can reach this port; keep it on loopback or an internal network"
+        );
+    }
     let state = Arc::new(api::AppState {
         engine,
         tok,
         model_name: model_name.clone(),
         spec,
         admission: args.admission,
+        admission_secret,
     });
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()

@@ -79,6 +79,10 @@ pub struct RawBackend {
     pub drift_warn_bytes: u64,
     /// Consecutive failed polls before the backend is reported down (level red).
     pub down_after_failures: u32,
+    /// Sent as `x-kvgate-secret` on every callout and on every forwarded request that carries a
+    /// lease, so the backend can refuse admission calls and lease headers from anyone else
+    /// (its `--admission-secret-file`). Empty: none sent.
+    pub secret: String,
 }
 
 impl Default for RawBackend {
@@ -93,6 +97,7 @@ impl Default for RawBackend {
             lost_grace_ms: 30_000,
             drift_warn_bytes: 256 * 1024 * 1024,
             down_after_failures: 3,
+            secret: String::new(),
         }
     }
 }

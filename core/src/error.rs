@@ -59,6 +59,8 @@ pub enum ErrorKind {
     Preempted,
     /// The requested model is not served here.
     ModelNotFound,
+    /// A call only the gateway may make, without the gateway's credential.
+    Unauthorized,
     /// The model server is known to be down or hung: nothing is sent to it.
     BackendUnavailable,
     /// The method is not allowed on this path (the OpenAI paths take POST).
@@ -84,6 +86,7 @@ impl ErrorKind {
             ErrorKind::ModelNotFound => "model_not_found",
             ErrorKind::LedgerUnavailable => "kvgate_ledger_unavailable",
             ErrorKind::BackendUnavailable => "backend_unavailable",
+            ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::Internal => "kvgate_internal_error",
         }
@@ -98,6 +101,7 @@ impl ErrorKind {
             | ErrorKind::KvRequestTooLarge
             | ErrorKind::ModelNotFound
             | ErrorKind::MethodNotAllowed => "invalid_request_error",
+            ErrorKind::Unauthorized => "authentication_error",
             ErrorKind::KvCapacityExceeded | ErrorKind::QueueTimeout | ErrorKind::QueueFull => {
                 "rate_limit_error"
             }
@@ -119,6 +123,7 @@ impl ErrorKind {
                 503
             }
             ErrorKind::MethodNotAllowed => 405,
+            ErrorKind::Unauthorized => 401,
             ErrorKind::ModelNotFound => 404,
             ErrorKind::Internal => 500,
         }

@@ -332,9 +332,17 @@ impl HttpContext for Filter {
         let lease_id = self.worker.next_lease_id();
         // Announce the lease and class; drop content-length (the body will be rewritten; the
         // buffer filter sets the new length once the whole body is known).
+        let secret = rt.cfg.backend.as_ref().map_or("", |b| b.secret.as_str());
         let set = abi::remove_header(REQ, "content-length")
             .and_then(|()| abi::set_header(REQ, "x-kvgate-lease", &lease_id.to_string()))
-            .and_then(|()| abi::set_header(REQ, "x-kvgate-class", &class));
+            .and_then(|()| abi::set_header(REQ, "x-kvgate-class", &class))
+            .and_then(|()| {
+                if secret.is_empty() {
+                    Ok(())
+                } else {
+                    abi::set_header(REQ, "x-kvgate-secret", secret)
+                }
+            });
         if let Err(s) = set {
             let err = ApiError::new(
                 ErrorKind::Internal,

@@ -107,11 +107,14 @@ pub fn call_backend(
     method: &str,
     path: &str,
 ) -> Result<u32, Status> {
-    let headers = vec![
+    let mut headers = vec![
         (":method", method),
         (":path", path),
         (":authority", b.authority.as_str()),
     ];
+    if !b.secret.is_empty() {
+        headers.push(("x-kvgate-secret", b.secret.as_str()));
+    }
     hostcalls::dispatch_http_call(
         &b.cluster,
         headers,

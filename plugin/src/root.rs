@@ -261,7 +261,8 @@ impl Root {
         let mut h = self.worker.backend();
         h.polled = true;
         h.failures += 1;
-        if h.failures >= b.down_after_failures && h.up {
+        // One line when it goes down (also when it was never up), not one per failed poll.
+        if h.failures == b.down_after_failures {
             host::warn(&format!(
                 "kvgate: backend {} is down after {} failed polls: {why}",
                 b.cluster, h.failures
@@ -272,6 +273,12 @@ impl Root {
             self.worker.metrics.backend_up.set(0);
         }
         self.worker.set_backend(&h);
+        // The level gauge follows at once (red while down), not at the next reaper pass.
+        if let Ok(ledger) = store::read(&EnvoyStore, LEDGER_KEY) {
+            self.worker
+                .metrics
+                .observe(&ledger, self.worker.level(&ledger, &rt.cfg));
+        }
     }
 
     fn poll_answered(&mut self, rt: &Runtime, body_size: usize) {
