@@ -174,8 +174,12 @@ def test_leases_report_finished_with_cursor(backend):
     assert all(f["reason"] == "length" and f["completion_tokens"] == 3 for f in state["finished"])
     assert b.leases(since=state["cursor"])["finished"] == []
     model = state["model"]
+    # The pool holds 64 blocks x 16 tokens: the backend serves (and advertises) that much context
+    # rather than the model's 8,192, which no request could ever fill here.
     assert model["spec"] == {"layers": 30, "kv_heads": 3, "head_dim": 64, "kv_dtype_bytes": 4,
-                             "context_tokens": 8192}
+                             "context_tokens": 1024}
+    assert requests.get(b.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 1024
+    assert "serving a context of 1024 tokens" in b.logs()
     assert model["kv_bytes_per_token"] == 46_080 and len(model["fingerprint"]) == 16
     assert model["tokenizer"]["special_tokens"]["<|im_end|>"] == 2
     full = requests.get(b.url + "/v1/admission/leases?include=tokenizer", timeout=10, headers=b.gateway_headers()).json()

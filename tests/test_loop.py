@@ -282,3 +282,61 @@ def test_model_descriptor_from_the_backend_makes_counts_exact(stack):
     assert r.status_code == 200, r.text
     assert int(r.headers["x-kvgate-max-tokens"]) + r.json()["usage"]["prompt_tokens"] == 8192
     drained(gw, b)
+
+
+def test_bad_input_matrix_is_refused_at_the_gateway_and_reserves_nothing(stack):
+    """Every request the backend would refuse is refused by the gateway first (the same validator,
+    with what the backend serves from its descriptor): the documented status, an OpenAI-style
+    error naming the field, nothing reserved, nothing sent to the backend."""
+    spec = {"layers": 30, "kv_heads": 3, "head_dim": 64, "kv_dtype_bytes": 4, "context_tokens": 8192}
+    gw, b = stack(600, {"model": "from_backend", "fallback_model": spec, "kv_budget_bytes": 10 * BLOCK_BYTES})
+    gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
+    chat = "/v1/chat/completions"
+    cmpl = "/v1/completions"
+    msgs = [{"role": "user", "content": "Hi"}]
+    cases = [
+        (cmpl, b'{"prompt": "hi", "max_tokens": 5', 400, None),  # truncated JSON
+        (cmpl, b'[1, 2]', 400, None),
+        (cmpl, b'\xff\xfe{"prompt": 1}', 400, None),  # not UTF-8
+        (cmpl, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        (cmpl, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        (cmpl, {"prompt": "hi", "max_tokens": 1.5}, 400, "max_tokens"),
+        (cmpl, {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
+        (cmpl, {"prompt": "hi", "max_tokens": 10**30}, 400, "max_tokens"),
+        (cmpl, {"prompt": "hi", "n": 10**6}, 400, "n"),
+        (cmpl, {"prompt": "hi", "n": 2}, 400, "n"),
+        (cmpl, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+        (cmpl, {"prompt": "hi", "top_p": 7}, 400, "top_p"),
+        (cmpl, {"prompt": "hi", "stop": 5}, 400, "stop"),
+        (cmpl, {"prompt": "hi", "seed": 1.5}, 400, "seed"),
+        (cmpl, {"prompt": ""}, 400, "prompt"),
+        (cmpl, {"prompt": [1, 2, 10**6]}, 400, "prompt"),
+        (cmpl, {"prompt": ["a", "b"]}, 400, "prompt"),
+        (cmpl, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+        (cmpl, {"prompt": "hi", "logprobs": "x"}, 400, "logprobs"),
+        (chat, {"messages": []}, 400, "messages"),
+        (chat, {}, 400, "messages"),
+        (chat, {"messages": [{"role": "alien", "content": "x"}]}, 400, "messages[0].role"),
+        (chat, {"messages": msgs, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        (chat, {"messages": msgs, "tool_choice": "auto"}, 400, "tool_choice"),
+        (chat, {"messages": msgs, "functions": [{"name": "f"}]}, 400, "functions"),
+        (chat, {"messages": msgs, "response_format": 5}, 400, "response_format"),
+    ]
+    before = b.metrics()["kvgate_backend_requests_total"]
+    for path, body, status, param in cases:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = requests.post(gw.url + path, data=data, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == status, (body, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["type"] == ("invalid_request_error") and err["message"], (body, err)
+        if param:
+            assert err["param"] == param, (body, err)
+        assert "x-kvgate-lease" not in r.headers
+    s = gw.status()
+    assert s["committed_bytes"] == 0 and s["counters"]["admitted"] == 0
+    assert b.metrics()["kvgate_backend_requests_total"] == before, "nothing reached the backend"
+    # A chunked body and HTTP/2 are priced like any other (valid ones are admitted and freed).
+    r = requests.post(gw.url + cmpl, data=iter([b'{"prompt": "Hello", ', b'"max_tokens": 3, "temperature": 0}']),
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+    drained(gw, b)

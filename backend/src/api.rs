@@ -190,6 +190,9 @@ async fn leases(
             "fingerprint": format!("{:016x}", st.spec.fingerprint()),
             "kv_bytes_per_token": st.spec.kv_bytes_per_token(),
             "tokenizer": tokenizer,
+            // What the validator checks, so the gateway refuses exactly what this server would.
+            "vocab": st.tok.vocab,
+            "limits": {"max_choices": 1, "batched_prompts": false},
         },
         "leases": leases,
         "finished": finished,
@@ -233,53 +236,43 @@ struct Validated {
     include_usage: bool,
 }
 
+impl AppState {
+    /// What this server serves, as the gateway's validator checks it too (the descriptor carries
+    /// the same values to the filter).
+    pub fn served(&self) -> kvgate_core::Served {
+        kvgate_core::Served {
+            model: Some(self.model_name.clone()),
+            vocab: Some(self.tok.vocab),
+            max_choices: 1,
+            batched_prompts: false,
+        }
+    }
+}
+
 fn validate(st: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Validated, ApiError> {
     let (req, obj) = parse_request(endpoint, body)?;
-    if let Some(m) = req.model.as_deref().filter(|m| *m != st.model_name) {
-        return Err(ApiError::new(
-            ErrorKind::ModelNotFound,
-            format!(
-                "The model `{m}` does not exist. This server serves `{}`.",
-                st.model_name
-            ),
-        )
-        .with_param("model"));
-    }
-    if req.choices() > 1 {
-        return Err(ApiError::invalid("n", "n > 1 and best_of > 1 are not supported by kvgate-backend; send one request per choice."));
-    }
-    let prompt: Vec<u32> =
-        match &req.input {
-            Input::Chat(messages) => st.tok.counter.encode_chat(messages),
-            Input::Prompts(items) if items.len() == 1 => match obj.get("prompt") {
-                Some(Value::String(s)) => st.tok.counter.encode_text(s),
-                Some(Value::Array(a)) if a.first().is_some_and(Value::is_string) => st
-                    .tok
-                    .counter
-                    .encode_text(a.first().and_then(Value::as_str).unwrap_or("")),
-                Some(Value::Array(a)) => {
-                    let flat = match a.first() {
-                        Some(Value::Array(inner)) => inner,
-                        _ => a,
-                    };
-                    flat.iter()
-                        .map(|v| v.as_u64().unwrap_or(u64::MAX) as u32)
-                        .collect()
-                }
-                _ => Vec::new(),
-            },
-            Input::Prompts(_) => return Err(ApiError::invalid(
-                "prompt",
-                "Batched prompts are not supported by kvgate-backend; send one prompt per request.",
-            )),
-        };
-    let vocab = st.tok.vocab;
-    if let Some(bad) = prompt.iter().find(|t| u64::from(**t) >= vocab) {
-        return Err(ApiError::invalid(
-            "prompt",
-            format!("Token id {bad} is outside the vocabulary of {vocab} tokens."),
-        ));
-    }
+    // The same checks the gateway runs before reserving (kvgate-core's validator).
+    let sampling = kvgate_core::validate(&req, &obj, &st.served())?;
+    let prompt: Vec<u32> = match &req.input {
+        Input::Chat(messages) => st.tok.counter.encode_chat(messages),
+        Input::Prompts(_) => match obj.get("prompt") {
+            Some(Value::String(s)) => st.tok.counter.encode_text(s),
+            Some(Value::Array(a)) if a.first().is_some_and(Value::is_string) => st
+                .tok
+                .counter
+                .encode_text(a.first().and_then(Value::as_str).unwrap_or("")),
+            Some(Value::Array(a)) => {
+                let flat = match a.first() {
+                    Some(Value::Array(inner)) => inner,
+                    _ => a,
+                };
+                flat.iter()
+                    .map(|v| v.as_u64().unwrap_or(u64::MAX) as u32)
+                    .collect()
+            }
+            _ => Vec::new(),
+        },
+    };
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "The prompt is empty."));
     }
@@ -305,69 +298,22 @@ fn validate(st: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Validated,
         .with_param(field)
         .with_status(400));
     }
-    let num = |field: &str, default: f64, lo: f64, hi: f64| -> Result<f64, ApiError> {
-        match obj.get(field) {
-            None | Some(Value::Null) => Ok(default),
-            Some(Value::Number(n)) => match n.as_f64() {
-                Some(v) if (lo..=hi).contains(&v) => Ok(v),
-                _ => Err(ApiError::invalid(
-                    field,
-                    format!("'{field}' must be between {lo} and {hi}, got {n}."),
-                )),
-            },
-            Some(_) => Err(ApiError::invalid(
-                field,
-                format!("'{field}' must be a number."),
-            )),
-        }
-    };
-    let temperature = num("temperature", 1.0, 0.0, 2.0)? as f32;
-    let top_p = num("top_p", 1.0, 0.0, 1.0)? as f32;
-    if top_p <= 0.0 {
-        return Err(ApiError::invalid(
-            "top_p",
-            "'top_p' must be greater than 0.",
-        ));
-    }
-    let seed = match obj.get("seed") {
-        None | Some(Value::Null) => SystemTime::now()
+    let seed = sampling.seed.unwrap_or_else(|| {
+        SystemTime::now()
             .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64),
-        Some(v) => v
-            .as_i64()
-            .map(|s| s as u64)
-            .ok_or_else(|| ApiError::invalid("seed", "'seed' must be an integer."))?,
-    };
-    let stop = match obj.get("stop") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) if a.len() <= 4 && a.iter().all(Value::is_string) => a
-            .iter()
-            .filter_map(|s| s.as_str().map(str::to_string))
-            .collect(),
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "stop",
-                "'stop' must be a string or an array of at most 4 strings.",
-            ))
-        }
-    };
-    let include_usage = obj
-        .get("stream_options")
-        .and_then(|o| o.get("include_usage"))
-        .and_then(Value::as_bool)
-        .unwrap_or(false);
+            .map_or(0, |d| d.as_nanos() as u64)
+    });
     Ok(Validated {
         prompt,
         params: GenParams {
             max_tokens: cap.cap,
-            temperature,
-            top_p,
+            temperature: sampling.temperature,
+            top_p: sampling.top_p,
             seed,
-            stop,
+            stop: sampling.stop,
         },
         stream: req.stream,
-        include_usage,
+        include_usage: sampling.include_usage,
     })
 }
 

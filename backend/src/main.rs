@@ -129,6 +129,19 @@ async fn main() -> Result<()> {
             stats.block_bytes
         );
     }
+    // Serve no more context than the pool can hold for one sequence (vLLM refuses to start in
+    // that case; we clamp and say so): a request without max_tokens is then priced at what can
+    // really run, not refused as larger than the whole pool.
+    let mut spec = spec;
+    let pool_tokens = u64::from(stats.blocks_total) * u64::from(stats.block_tokens);
+    if pool_tokens < spec.context_tokens {
+        eprintln!(
+            "kvgate-backend: the KV pool holds {pool_tokens} tokens, less than the model's context \
+             of {}: serving a context of {pool_tokens} tokens (raise --kv-cache-bytes to serve more)",
+            spec.context_tokens
+        );
+        spec.context_tokens = pool_tokens;
+    }
     let metrics = Arc::new(metrics::Metrics::default());
     let engine = engine::spawn(
         llama,

@@ -230,6 +230,9 @@ pub struct Config {
     pub tick_ms: u64,
     pub owner_timeout_ms: u64,
     pub backend: Option<BackendCallout>,
+    /// What the backend serves (from its descriptor): requests it would refuse are refused here,
+    /// before anything is reserved. Unknown until the descriptor arrives.
+    pub served: crate::validate::Served,
 }
 
 impl Config {
@@ -458,6 +461,7 @@ impl TryFrom<RawConfig> for Config {
             tick_ms: raw.tick_ms,
             owner_timeout_ms: raw.owner_timeout_ms,
             backend: raw.backend,
+            served: crate::validate::Served::default(),
         })
     }
 }
@@ -504,6 +508,7 @@ impl Config {
         spec: ModelSpec,
         kv_budget_bytes: u64,
         tokenizer: TokenizerSpec,
+        served: crate::validate::Served,
     ) -> Result<Config, ConfigError> {
         let pricing = Pricing::new(
             spec,
@@ -515,6 +520,7 @@ impl Config {
             pricing,
             tokenizer,
             token_multiplier: 1.0,
+            served,
             ..self.clone()
         })
     }

@@ -19,6 +19,7 @@ pub mod retry;
 pub mod spec;
 pub mod store;
 pub mod tokenize;
+pub mod validate;
 
 pub use cap::{effective_output_cap, largest_cap_that_fits, price_request, CapDecision, Price};
 pub use error::{ApiError, ConfigError, ErrorKind};
@@ -30,6 +31,7 @@ pub use request::{parse_request, write_cap, Endpoint, Input, ParsedRequest};
 pub use retry::{estimate_retry_after, RetryAfter, RetryAfterConfig};
 pub use spec::{ModelSpec, Pricing, ESTIMATOR_VERSION};
 pub use tokenize::{CustomBpe, Encoding, TokenCounter, TokenizerSpec};
+pub use validate::{validate, Sampling, Served};
 
 /// Version of this crate, logged by the filter and the backend at start.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -212,6 +212,8 @@ pub struct Descriptor {
     pub fingerprint: String,
     pub kv_capacity_bytes: u64,
     pub tokenizer: crate::tokenize::TokenizerSpec,
+    /// What the backend serves (model name, vocabulary, limits): the filter validates with it.
+    pub served: crate::validate::Served,
 }
 
 impl Descriptor {
@@ -240,7 +242,24 @@ impl Descriptor {
             })
             .unwrap_or_default();
         let ranks = crate::tokenize::CustomBpe::parse_tiktoken(ranks).map_err(|e| e.to_string())?;
+        let limits = model.get("limits");
+        let served = crate::validate::Served {
+            model: model
+                .get("name")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            vocab: model.get("vocab").and_then(Value::as_u64),
+            max_choices: limits
+                .and_then(|l| l.get("max_choices"))
+                .and_then(Value::as_u64)
+                .unwrap_or(crate::request::MAX_CHOICES),
+            batched_prompts: limits
+                .and_then(|l| l.get("batched_prompts"))
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
+        };
         Ok(Some(Descriptor {
+            served,
             spec,
             fingerprint: model
                 .get("fingerprint")
@@ -268,11 +287,20 @@ mod descriptor_tests {
     #[test]
     fn parses_spec_budget_and_tokenizer() {
         let body = br#"{"pool":{"capacity_bytes":737280,"used_bytes":0},"cursor":0,"leases":[],"finished":[],
-            "model":{"fingerprint":"ebbd44da4ae04b5d","spec":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},
+            "model":{"name":"smol","vocab":3,"limits":{"max_choices":1,"batched_prompts":false},"fingerprint":"ebbd44da4ae04b5d","spec":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},
             "tokenizer":{"pattern":"\\w+|\\s+","special_tokens":{"<|im_end|>":3},"ranks":"YQ== 0\nYg== 1\nYWI= 2\n"}}}"#;
         let d = Descriptor::parse(body).unwrap().unwrap();
         assert_eq!(d.spec.layers, 30);
         assert_eq!(d.kv_capacity_bytes, 737_280);
+        assert_eq!(d.served.model.as_deref(), Some("smol"));
+        assert_eq!(
+            (
+                d.served.vocab,
+                d.served.max_choices,
+                d.served.batched_prompts
+            ),
+            (Some(3), 1, false)
+        );
         assert_eq!(d.fingerprint, d.spec.fingerprint_hex());
         let c = crate::TokenCounter::new(&d.tokenizer).unwrap();
         assert_eq!(c.encode_text("ab"), vec![2]);

@@ -150,6 +150,10 @@ impl Filter {
             Ok(v) => v,
             Err(e) => return self.reject(&rt, &e),
         };
+        // Refuse here, before reserving, what the backend would refuse.
+        if let Err(e) = kvgate_core::validate(&req, &obj, &rt.cfg.served) {
+            return self.reject(&rt, &e);
+        }
         let priced = match gate::price(&rt.cfg, &rt.counter, &req) {
             Ok(v) => v,
             Err(e) => return self.reject(&rt, &e),

@@ -118,7 +118,7 @@ impl Root {
         };
         let started = host::now_ms();
         let cfg = base
-            .with_descriptor(d.spec, d.kv_capacity_bytes, d.tokenizer)
+            .with_descriptor(d.spec, d.kv_capacity_bytes, d.tokenizer, d.served)
             .map_err(|e| e.to_string())?;
         let counter = Rc::new(TokenCounter::new(&cfg.tokenizer).map_err(|e| e.to_string())?);
         let capacity = cfg.pricing.capacity_bytes;
