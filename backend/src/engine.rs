@@ -312,7 +312,8 @@ impl<M: Forward> Engine<M> {
     /// budget, one batched decode step.
     fn step(&mut self) {
         self.drop_abandoned();
-        if !self.cfg.step_delay.is_zero() && !(self.waiting.is_empty() && self.running.is_empty()) {
+        let busy = !self.waiting.is_empty() || !self.running.is_empty();
+        if busy && !self.cfg.step_delay.is_zero() {
             std::thread::sleep(self.cfg.step_delay);
         }
         self.prefill_waiting();
