@@ -14,9 +14,8 @@
 
 use std::collections::HashSet;
 
-use serde_json::Value;
-
 use crate::ledger::{Lease, Ledger};
+use crate::wire::LeaseReport;
 
 /// What one poll of the backend said.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -32,35 +31,28 @@ pub struct BackendReport {
 }
 
 impl BackendReport {
-    /// Parse the backend's JSON. Ids that are not the filter's (not u64) are ignored: they are
-    /// requests that reached the backend without passing through this gateway.
+    /// Parse the backend's report (`wire::LeaseReport`).
     pub fn parse(body: &[u8]) -> Result<BackendReport, String> {
-        let v: Value = serde_json::from_slice(body).map_err(|e| format!("bad JSON: {e}"))?;
-        let u = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64);
-        let pool = v.get("pool").ok_or("no `pool`")?;
-        let ids = |k: &str| -> Vec<u64> {
-            v.get(k)
-                .and_then(Value::as_array)
-                .map(|a| {
-                    a.iter()
-                        .filter_map(|l| l.get("id").and_then(Value::as_str))
-                        .filter_map(|s| s.parse().ok())
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
-        Ok(BackendReport {
-            capacity_bytes: u(pool, "capacity_bytes").ok_or("no `pool.capacity_bytes`")?,
-            used_bytes: u(pool, "used_bytes").ok_or("no `pool.used_bytes`")?,
-            live: ids("leases"),
-            finished: ids("finished"),
-            cursor: u(&v, "cursor").unwrap_or(0),
-            fingerprint: v
-                .get("model")
-                .and_then(|m| m.get("fingerprint"))
-                .and_then(Value::as_str)
-                .map(str::to_string),
-        })
+        LeaseReport::parse(body).map(|r| BackendReport::from(&r))
+    }
+}
+
+/// The filter's own lease ids. Ids that are not (not a u64) are ignored: they are requests that
+/// reached the backend without passing through this gateway.
+fn own_ids<'a>(ids: impl Iterator<Item = &'a str>) -> Vec<u64> {
+    ids.filter_map(|s| s.parse().ok()).collect()
+}
+
+impl From<&LeaseReport> for BackendReport {
+    fn from(r: &LeaseReport) -> Self {
+        BackendReport {
+            capacity_bytes: r.pool.capacity_bytes,
+            used_bytes: r.pool.used_bytes,
+            live: own_ids(r.leases.iter().map(|l| l.id.as_str())),
+            finished: own_ids(r.finished.iter().map(|f| f.id.as_str())),
+            cursor: r.cursor,
+            fingerprint: r.model.as_ref().and_then(|m| m.fingerprint.clone()),
+        }
     }
 }
 
@@ -219,62 +211,40 @@ pub struct Descriptor {
 impl Descriptor {
     /// `None` when the document carries no tokenizer ranks (a poll without `include=tokenizer`).
     pub fn parse(body: &[u8]) -> Result<Option<Descriptor>, String> {
-        let v: Value = serde_json::from_slice(body).map_err(|e| format!("bad JSON: {e}"))?;
-        let model = v.get("model").ok_or("no `model`")?;
-        let tok = model.get("tokenizer").ok_or("no `model.tokenizer`")?;
-        let Some(ranks) = tok.get("ranks").and_then(Value::as_str) else {
+        Descriptor::from_report(&LeaseReport::parse(body)?)
+    }
+
+    /// The descriptor in a parsed report; `None` without tokenizer ranks.
+    pub fn from_report(r: &LeaseReport) -> Result<Option<Descriptor>, String> {
+        let model = r.model.as_ref().ok_or("no `model`")?;
+        let tok = model.tokenizer.as_ref().ok_or("no `model.tokenizer`")?;
+        let Some(ranks) = &tok.ranks else {
             return Ok(None);
         };
-        let spec: crate::spec::ModelSpec =
-            serde_json::from_value(model.get("spec").cloned().unwrap_or(Value::Null))
-                .map_err(|e| format!("bad `model.spec`: {e}"))?;
-        let pattern = tok
-            .get("pattern")
-            .and_then(Value::as_str)
-            .ok_or("no `model.tokenizer.pattern`")?;
-        let special_tokens = tok
-            .get("special_tokens")
-            .and_then(Value::as_object)
-            .map(|m| {
-                m.iter()
-                    .filter_map(|(k, v)| Some((k.clone(), u32::try_from(v.as_u64()?).ok()?)))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let spec = model.spec.ok_or("no `model.spec`")?;
+        if tok.pattern.is_empty() {
+            return Err("no `model.tokenizer.pattern`".into());
+        }
         let ranks = crate::tokenize::CustomBpe::parse_tiktoken(ranks).map_err(|e| e.to_string())?;
-        let limits = model.get("limits");
         let served = crate::validate::Served {
-            model: model
-                .get("name")
-                .and_then(Value::as_str)
-                .map(str::to_string),
-            vocab: model.get("vocab").and_then(Value::as_u64),
-            max_choices: limits
-                .and_then(|l| l.get("max_choices"))
-                .and_then(Value::as_u64)
-                .unwrap_or(crate::request::MAX_CHOICES),
-            batched_prompts: limits
-                .and_then(|l| l.get("batched_prompts"))
-                .and_then(Value::as_bool)
-                .unwrap_or(true),
+            model: model.name.clone(),
+            vocab: model.vocab,
+            max_choices: model.limits.max_choices,
+            batched_prompts: model.limits.batched_prompts,
         };
         Ok(Some(Descriptor {
             served,
             spec,
-            fingerprint: model
-                .get("fingerprint")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_string(),
-            kv_capacity_bytes: v
-                .get("pool")
-                .and_then(|p| p.get("capacity_bytes"))
-                .and_then(Value::as_u64)
-                .ok_or("no `pool.capacity_bytes`")?,
+            fingerprint: model.fingerprint.clone().unwrap_or_default(),
+            kv_capacity_bytes: r.pool.capacity_bytes,
             tokenizer: crate::tokenize::TokenizerSpec::Custom(crate::tokenize::CustomBpe {
                 ranks,
-                pattern: pattern.to_string(),
-                special_tokens,
+                pattern: tok.pattern.clone(),
+                special_tokens: tok
+                    .special_tokens
+                    .iter()
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect(),
             }),
         }))
     }
