@@ -1,6 +1,7 @@
 //! Criterion benchmarks of the request hot path's pure parts: token counting (1k and 8k
 //! tokens, each built-in encoding) and one ledger transition (decode + admit + encode, the work
-//! done inside each CAS) at 10, 100 and 1,000 live leases.
+//! done inside each CAS) at 10, 100 and 1,000 live leases; the worst case per MB (no whitespace)
+//! and ordinary text, before (tiktoken-rs) and after (the capped, linear counter) in one run.
 #![allow(clippy::expect_used, clippy::indexing_slicing)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
@@ -173,5 +174,91 @@ fn transition(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, counting, transition);
+/// The adversarial prompts of issue 9: one megabyte with no whitespace (one regex piece).
+fn worst_case_texts() -> Vec<(&'static str, String)> {
+    const MB: usize = 1 << 20;
+    let mut x = 11u64;
+    let mut next = || {
+        x = splitmix64(x);
+        x
+    };
+    let letters: String = (0..MB)
+        .map(|_| char::from(b'a' + (next() % 26) as u8))
+        .collect();
+    let bytes: Vec<u8> = (0..MB).map(|_| next() as u8).collect();
+    // Invalid bytes become U+FFFD (3 bytes): cut back to one MB at a char boundary.
+    let mut lossy = String::from_utf8_lossy(&bytes).into_owned();
+    let mut end = MB;
+    while !lossy.is_char_boundary(end) {
+        end -= 1;
+    }
+    lossy.truncate(end);
+    vec![
+        ("random_letters", letters),
+        ("repeated_char", "a".repeat(MB)),
+        ("random_bytes_lossy", lossy),
+    ]
+}
+
+/// Worst case per MB, before (tiktoken-rs `encode_ordinary`, what admission used) and after
+/// (the capped counter: uncapped, and capped at an 8,192-token context as admission runs it).
+fn worst_case(c: &mut Criterion) {
+    let mut g = c.benchmark_group("worst_case_per_mb");
+    g.sample_size(10);
+    for enc in [Encoding::Cl100kBase, Encoding::R50kBase] {
+        let counter = TokenCounter::new(&TokenizerSpec::Builtin(enc)).expect("encoding");
+        for (name, t) in worst_case_texts() {
+            g.throughput(Throughput::Bytes(t.len() as u64));
+            let id = |how: &str| BenchmarkId::new(format!("{}/{how}", enc.name()), name);
+            g.bench_with_input(id("before_tiktoken"), &t, |b, t| {
+                b.iter(|| counter.count_text_tiktoken(black_box(t)))
+            });
+            g.bench_with_input(id("after_uncapped"), &t, |b, t| {
+                b.iter(|| counter.count_text(black_box(t)))
+            });
+            g.bench_with_input(id("after_capped_8192"), &t, |b, t| {
+                b.iter(|| counter.count_text_capped(black_box(t), 8192))
+            });
+        }
+        // Just under the filter's 4 MiB body limit: refused by the byte-length bound alone.
+        let big = worst_case_texts()[0].1.repeat(4);
+        g.throughput(Throughput::Bytes(big.len() as u64));
+        g.bench_with_input(
+            BenchmarkId::new(
+                format!("{}/after_capped_8192", enc.name()),
+                "random_letters_4MiB",
+            ),
+            &big,
+            |b, t| b.iter(|| counter.count_text_capped(black_box(t), 8192)),
+        );
+    }
+    g.finish();
+}
+
+/// Ordinary text through both paths: the capped counter must not slow the common case.
+fn ordinary_before_after(c: &mut Criterion) {
+    let mut g = c.benchmark_group("ordinary_8k_tokens");
+    for enc in [Encoding::Cl100kBase, Encoding::R50kBase] {
+        let counter = TokenCounter::new(&TokenizerSpec::Builtin(enc)).expect("encoding");
+        let t = text_of_tokens(&counter, 8_000);
+        g.throughput(Throughput::Bytes(t.len() as u64));
+        g.bench_with_input(
+            BenchmarkId::new(enc.name(), "before_tiktoken"),
+            &t,
+            |b, t| b.iter(|| counter.count_text_tiktoken(black_box(t))),
+        );
+        g.bench_with_input(BenchmarkId::new(enc.name(), "after"), &t, |b, t| {
+            b.iter(|| counter.count_text(black_box(t)))
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    counting,
+    transition,
+    worst_case,
+    ordinary_before_after
+);
 criterion_main!(benches);

@@ -65,6 +65,23 @@ pub fn effective_output_cap(
     })
 }
 
+/// `context_length_exceeded` for a prompt whose counting stopped past the context: there is no
+/// exact count to report, only that it has more than `context` tokens.
+pub fn prompt_over_context(requested: Option<u64>, context: u64) -> ApiError {
+    let asked = requested.map_or_else(|| "no".to_string(), |c| c.to_string());
+    ApiError::new(
+        ErrorKind::ContextLengthExceeded,
+        format!(
+            "This model's maximum context length is {context} tokens. However, your prompt has \
+             more than {context} tokens, which leaves no room for output ({asked} output tokens \
+             requested). Please reduce the length of the prompt."
+        ),
+    )
+    .with_param("messages")
+    .with_extra("context_tokens", context)
+    .with_extra("prompt_tokens_more_than", context)
+}
+
 /// A request's price: its cap and the tokens and bytes to reserve.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Price {
@@ -176,6 +193,14 @@ mod tests {
         assert_eq!(d.status, 413);
         assert_eq!(d.kind.code(), "context_length_exceeded");
         assert!(d.message.contains("8192"));
+    }
+
+    #[test]
+    fn over_context_names_the_limit_without_a_count() {
+        let e = prompt_over_context(Some(10), 8192);
+        assert_eq!((e.status, e.kind.code()), (413, "context_length_exceeded"));
+        assert!(e.message.contains("more than 8192 tokens"));
+        assert!(e.message.contains("(10 output tokens requested)"));
     }
 
     #[test]

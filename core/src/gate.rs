@@ -2,7 +2,7 @@
 //! under the request's class policy. The filter runs `decide` inside `store::transact`, so the
 //! decision and the reservation are one CAS transition.
 
-use crate::cap::{largest_cap_that_fits, price_request, Price};
+use crate::cap::{largest_cap_that_fits, price_request, prompt_over_context, Price};
 use crate::config::Config;
 use crate::error::{ApiError, ErrorKind};
 use crate::ledger::{AdmitOutcome, AdmitRequest, Lease, Ledger, RejectReason};
@@ -24,7 +24,15 @@ pub fn price(
     counter: &TokenCounter,
     req: &ParsedRequest,
 ) -> Result<Priced, ApiError> {
-    let mut prompt_tokens = counter.count_input(&req.input);
+    // Count no further than the context: past it the request is refused whatever its length, and
+    // counting a multi-megabyte prompt to the end would stall the worker. A count within the
+    // context is padded below and may still reach it (refused with its exact count).
+    let context = cfg.pricing.spec.context_tokens;
+    let mut prompt_tokens = counter
+        .count_input_capped(&req.input, context)
+        .map_err(|_| {
+            prompt_over_context(req.requested_cap(), context).with_status(cfg.context_error_status)
+        })?;
     if cfg.token_multiplier > 1.0 {
         // A fallback tokenizer only approximates the model's: pad text counts (token arrays
         // are exact and stay as they are).
@@ -416,5 +424,33 @@ mod tests {
         c.context_error_status = 400;
         let e = price(&c, &counter(), &req).unwrap_err();
         assert_eq!((e.status, e.kind.code()), (400, "context_length_exceeded"));
+    }
+
+    #[test]
+    fn a_prompt_past_the_context_is_refused_as_more_than_the_context() {
+        let c = cfg("{}", 10_000);
+        // One piece without whitespace (issue 9's stalling prompt), past the context: counting
+        // stops at the context, and the error says "more than" rather than a count it never made.
+        for text in ["ab".repeat(60_000), "q".repeat(3 << 20)] {
+            let body = format!(r#"{{"prompt":"{text}","max_tokens":10}}"#);
+            let (req, _) = parse_request(Endpoint::Completions, body.as_bytes()).unwrap();
+            let e = price(&c, &counter(), &req).unwrap_err();
+            assert_eq!((e.status, e.kind.code()), (413, "context_length_exceeded"));
+            assert!(e.message.contains("more than 8192 tokens"), "{}", e.message);
+            assert!(e.message.contains("(10 output tokens requested)"));
+        }
+        // Token arrays past the context are refused the same way; at the context, with the count.
+        let over = format!(r#"{{"prompt":{:?}}}"#, vec![1; 8193]);
+        let (req, _) = parse_request(Endpoint::Completions, over.as_bytes()).unwrap();
+        assert!(price(&c, &counter(), &req)
+            .unwrap_err()
+            .message
+            .contains("more than 8192"));
+        let at = format!(r#"{{"prompt":{:?}}}"#, vec![1; 8192]);
+        let (req, _) = parse_request(Endpoint::Completions, at.as_bytes()).unwrap();
+        assert!(price(&c, &counter(), &req)
+            .unwrap_err()
+            .message
+            .contains("has 8192 tokens"));
     }
 }

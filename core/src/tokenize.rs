@@ -6,6 +6,8 @@
 //! value missing from a custom vocabulary gets an out-of-vocab rank, and duplicate ranks (which
 //! tiktoken-rs asserts against) are refused as a configuration error.
 
+mod capped;
+
 use std::collections::HashSet;
 
 use base64::Engine as _;
@@ -14,6 +16,8 @@ use tiktoken_rs::{CoreBPE, Rank};
 
 use crate::error::ConfigError;
 use crate::request::{ChatMessage, Input, PromptItem};
+pub use capped::{Capped, Over, LONG_PIECE_BYTES, SLACK_PER_CUT};
+use capped::{PieceCounter, Tally};
 
 /// Built-in encodings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,9 +175,17 @@ pub enum TokenizerSpec {
     Custom(CustomBpe),
 }
 
+/// The pre-tokenizer patterns of the built-in encodings, as tiktoken-rs builds them (the
+/// capped counter runs its own copy of the regex; a test checks it counts as tiktoken-rs does).
+const CL100K_PATTERN: &str = "'(?i:[sdmt]|ll|ve|re)|[^\\r\\n\\p{L}\\p{N}]?+\\p{L}++|\\p{N}{1,3}+| ?[^\\s\\p{L}\\p{N}]++[\\r\\n]*+|\\s++$|\\s*[\\r\\n]|\\s+(?!\\S)|\\s";
+const R50K_PATTERN: &str =
+    "'(?:[sdmt]|ll|ve|re)| ?\\p{L}++| ?\\p{N}++| ?[^\\s\\p{L}\\p{N}]++|\\s++$|\\s+(?!\\S)|\\s";
+
 /// Counts tokens. Built once at configuration time; counting is then allocation-light and pure.
 pub struct TokenCounter {
     bpe: CoreBPE,
+    /// The admission path's counter: capped and linear (see `capped`).
+    pieces: PieceCounter,
     specials: HashSet<String>,
     name: String,
 }
@@ -198,18 +210,31 @@ impl TokenCounter {
                 format!("could not build the tokenizer: {e}"),
             )
         };
-        let (bpe, name) = match spec {
+        let (bpe, ranks, pattern, name) = match spec {
             TokenizerSpec::Builtin(enc) => {
-                let bpe = match enc {
-                    Encoding::Cl100kBase => tiktoken_rs::cl100k_base(),
-                    Encoding::O200kBase => tiktoken_rs::o200k_base(),
-                    Encoding::R50kBase => tiktoken_rs::r50k_base(),
-                }
-                .map_err(|e| bad(e.to_string()))?;
-                (bpe, enc.name().to_string())
+                let (bpe, pattern) = match enc {
+                    Encoding::Cl100kBase => (tiktoken_rs::cl100k_base(), CL100K_PATTERN),
+                    Encoding::O200kBase => {
+                        (tiktoken_rs::o200k_base(), tiktoken_rs::O200K_BASE_PAT_STR)
+                    }
+                    Encoding::R50kBase => (tiktoken_rs::r50k_base(), R50K_PATTERN),
+                };
+                let bpe = bpe.map_err(|e| bad(e.to_string()))?;
+                let ranks = ordinary_ranks(&bpe);
+                (bpe, ranks, pattern, enc.name().to_string())
             }
-            TokenizerSpec::Custom(c) => (build_custom(c)?, "custom".to_string()),
+            TokenizerSpec::Custom(c) => {
+                let (bpe, ranks) = build_custom(c)?;
+                (bpe, ranks, c.pattern.as_str(), "custom".to_string())
+            }
         };
+        let regex = fancy_regex::Regex::new(pattern).map_err(|e| {
+            ConfigError::new(
+                "tokenizer.pattern",
+                format!("{pattern:?}"),
+                format!("invalid pattern: {e}"),
+            )
+        })?;
         let specials = bpe
             .special_tokens()
             .into_iter()
@@ -217,6 +242,7 @@ impl TokenCounter {
             .collect();
         Ok(TokenCounter {
             bpe,
+            pieces: PieceCounter::new(ranks, regex),
             specials,
             name,
         })
@@ -227,9 +253,61 @@ impl TokenCounter {
     }
 
     /// Tokens in plain text. Special-token strings inside user text are counted as text (more
-    /// tokens than a server that parses them: the safe direction).
+    /// tokens than a server that parses them: the safe direction). Linear time; exact unless a
+    /// piece is longer than [`LONG_PIECE_BYTES`] (then an upper bound, see [`Capped`]).
     pub fn count_text(&self, text: &str) -> u64 {
+        match self.count_text_capped(text, u64::MAX) {
+            Capped::Within(n) => n,
+            Capped::Over => u64::MAX,
+        }
+    }
+
+    /// The count tiktoken-rs gives (`encode_ordinary`): exact but super-linear on long pieces.
+    /// Kept as the reference for tests and the baseline for benchmarks; not for admission.
+    pub fn count_text_tiktoken(&self, text: &str) -> u64 {
         self.bpe.encode_ordinary(text).len() as u64
+    }
+
+    /// Tokens in plain text, counting no further than `limit`.
+    pub fn count_text_capped(&self, text: &str, limit: u64) -> Capped {
+        if self.pieces.surely_over(text.len(), limit) {
+            return Capped::Over;
+        }
+        let mut tally = Tally::new(limit);
+        Tally::finish(self.pieces.count(text, &mut tally).map(|()| tally.n))
+    }
+
+    /// Tokens of a chat as the model sees it (ChatML), counting no further than `limit`.
+    pub fn count_chat_capped(&self, messages: &[ChatMessage], limit: u64) -> Capped {
+        let bytes = messages.iter().fold(0usize, |a, m| {
+            a.saturating_add(m.content.len())
+                .saturating_add(m.role.len())
+        });
+        if self.pieces.surely_over(bytes, limit) {
+            return Capped::Over;
+        }
+        let mut tally = Tally::new(limit);
+        Tally::finish(self.tally_chat(messages, &mut tally).map(|()| tally.n))
+    }
+
+    /// The same parts as `encode_chat`, counted.
+    fn tally_chat(&self, messages: &[ChatMessage], tally: &mut Tally) -> Result<(), Over> {
+        let special = |s: &str, tally: &mut Tally| {
+            if self.specials.contains(s) {
+                tally.add(1)
+            } else {
+                self.pieces.count(s, tally)
+            }
+        };
+        for m in messages {
+            special(IM_START, tally)?;
+            self.pieces
+                .count(&format!("{}\n{}", m.role, m.content), tally)?;
+            special(IM_END, tally)?;
+            self.pieces.count("\n", tally)?;
+        }
+        special(IM_START, tally)?;
+        self.pieces.count("assistant\n", tally)
     }
 
     /// Encode plain text (for the backend, which needs the ids themselves).
@@ -276,25 +354,56 @@ impl TokenCounter {
 
     /// Tokens of a chat as the model sees it (ChatML).
     pub fn count_chat(&self, messages: &[ChatMessage]) -> u64 {
-        self.encode_chat(messages).len() as u64
+        match self.count_chat_capped(messages, u64::MAX) {
+            Capped::Within(n) => n,
+            Capped::Over => u64::MAX,
+        }
     }
 
     /// Token counts of every prompt of a request (a chat is one prompt).
     pub fn count_input(&self, input: &Input) -> Vec<u64> {
+        self.count_input_capped(input, u64::MAX)
+            .unwrap_or_else(|Over| vec![u64::MAX])
+    }
+
+    /// Token counts of every prompt of a request, or `Over` as soon as one prompt has more than
+    /// `limit` tokens (the rest are not counted). What admission uses: a prompt past the context
+    /// is refused whatever its exact length.
+    pub fn count_input_capped(&self, input: &Input, limit: u64) -> Result<Vec<u64>, Over> {
+        let one = |c: Capped| match c {
+            Capped::Within(n) => Ok(n),
+            Capped::Over => Err(Over),
+        };
         match input {
-            Input::Chat(m) => vec![self.count_chat(m)],
+            Input::Chat(m) => Ok(vec![one(self.count_chat_capped(m, limit))?]),
             Input::Prompts(items) => items
                 .iter()
                 .map(|p| match p {
-                    PromptItem::Text(t) => self.count_text(t),
-                    PromptItem::Tokens(n) => *n,
+                    PromptItem::Text(t) => one(self.count_text_capped(t, limit)),
+                    PromptItem::Tokens(n) if *n > limit => Err(Over),
+                    PromptItem::Tokens(n) => Ok(*n),
                 })
                 .collect(),
         }
     }
 }
 
-fn build_custom(c: &CustomBpe) -> Result<CoreBPE, ConfigError> {
+/// The ordinary tokens of a built-in encoding, read back from tiktoken-rs (which keeps its rank
+/// table private): every rank that decodes and is not a special token.
+fn ordinary_ranks(bpe: &CoreBPE) -> FxHashMap<Vec<u8>, Rank> {
+    let specials: HashSet<Rank> = bpe
+        .special_tokens()
+        .into_iter()
+        .flat_map(|s| bpe.encode_with_special_tokens(s))
+        .collect();
+    // The largest built-in vocabulary (o200k_base) ends below 2^18.
+    (0..(1 << 18))
+        .filter(|r| !specials.contains(r))
+        .filter_map(|r| bpe.decode_bytes(&[r]).ok().map(|b| (b, r)))
+        .collect()
+}
+
+fn build_custom(c: &CustomBpe) -> Result<(CoreBPE, FxHashMap<Vec<u8>, Rank>), ConfigError> {
     if c.ranks.is_empty() {
         return Err(ConfigError::new(
             "tokenizer.ranks",
@@ -353,18 +462,20 @@ fn build_custom(c: &CustomBpe) -> Result<CoreBPE, ConfigError> {
         specials.insert(s.clone(), *r);
     }
     // fancy-regex validates the pattern; an invalid one is a config error, not a panic.
-    CoreBPE::new(encoder, specials, &c.pattern).map_err(|e| {
+    let bpe = CoreBPE::new(encoder.clone(), specials, &c.pattern).map_err(|e| {
         ConfigError::new(
             "tokenizer.pattern",
             format!("{:?}", c.pattern),
             format!("invalid pattern: {e}"),
         )
-    })
+    })?;
+    Ok((bpe, encoder))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn msg(role: &str, content: &str) -> ChatMessage {
         ChatMessage {
@@ -461,6 +572,159 @@ mod tests {
         assert!(CustomBpe::parse_tiktoken("abc").is_err());
         assert!(CustomBpe::parse_tiktoken("!!! 1").is_err());
         assert!(CustomBpe::from_gpt2_vocab(&["\u{1}".into()], &[1], GPT2_STYLE_PATTERN).is_err());
+    }
+
+    /// Every tokenizer the counter must agree with: the built-ins, and a GPT-2-style custom BPE
+    /// (r50k's ranks under the descriptor's lookahead pattern) standing in for a served model.
+    fn counters() -> &'static [TokenCounter] {
+        static ALL: std::sync::OnceLock<Vec<TokenCounter>> = std::sync::OnceLock::new();
+        ALL.get_or_init(|| {
+            let mut v: Vec<TokenCounter> = [
+                Encoding::Cl100kBase,
+                Encoding::O200kBase,
+                Encoding::R50kBase,
+            ]
+            .into_iter()
+            .map(|e| TokenCounter::new(&TokenizerSpec::Builtin(e)).unwrap())
+            .collect();
+            let r50k = tiktoken_rs::r50k_base().unwrap();
+            let mut ranks: Vec<(Vec<u8>, Rank)> = ordinary_ranks(&r50k).into_iter().collect();
+            ranks.sort_by_key(|(_, r)| *r);
+            let custom = CustomBpe {
+                ranks,
+                pattern: GPT2_STYLE_PATTERN.into(),
+                special_tokens: vec![(IM_START.into(), 50300), (IM_END.into(), 50301)],
+            };
+            v.push(TokenCounter::new(&TokenizerSpec::Custom(custom)).unwrap());
+            v
+        })
+    }
+
+    /// The most a chunked count (slack included) may exceed the exact one, per cut. Measured: 4,
+    /// on runs of one punctuation character whose long tokens a cut splits.
+    const MAX_OVER_PER_CUT: u64 = 8;
+
+    /// The chunked count with no slack, and the number of cuts made.
+    fn count_without_slack(c: &TokenCounter, t: &str) -> (u64, u64) {
+        let mut tally = Tally::new(u64::MAX);
+        c.pieces.count_with_slack(t, &mut tally, 0).unwrap();
+        (tally.n, tally.cuts)
+    }
+
+    /// Characters that exercise every branch of the patterns: letters of several scripts,
+    /// combining marks, digits, apostrophes, punctuation, emoji, whitespace of every kind.
+    const CHARS: &[char] = &[
+        'a', 'e', 't', 'h', 'Z', 'Q', ' ', ' ', ' ', '\n', '\r', '\t', '\u{a0}', '\'', 's', 'l',
+        'v', '0', '7', '٣', '.', ',', '-', '!', '(', '/', '$', 'é', 'ß', 'ж', 'Я', 'ع', '中', '文',
+        '字', 'の', '한', '\u{301}', '😀', '👍', '\u{200d}', '\u{fffd}', '€', '\u{1}',
+    ];
+
+    fn mixed_text() -> impl Strategy<Value = String> {
+        proptest::collection::vec(proptest::sample::select(CHARS), 0..300)
+            .prop_map(|v| v.into_iter().collect())
+    }
+
+    /// Long runs without whitespace: the adversarial cases for BPE.
+    fn long_piece() -> impl Strategy<Value = String> {
+        let alphabet = |cs: &'static [char]| {
+            proptest::collection::vec(proptest::sample::select(cs), 1..4000)
+                .prop_map(|v| v.into_iter().collect::<String>())
+        };
+        let repeated = (
+            proptest::sample::select(&['a', 'x', 'é', '中', '😀', '.', '\u{fffd}'][..]),
+            1usize..5000,
+        )
+            .prop_map(|(c, n)| std::iter::repeat_n(c, n).collect::<String>());
+        let random_bytes = proptest::collection::vec(any::<u8>(), 1..6000)
+            .prop_map(|b| String::from_utf8_lossy(&b).into_owned());
+        prop_oneof![
+            alphabet(&['a', 'b', 'c', 'd', 'e', 'n', 'r', 's', 't', 'q', 'z', 'X']),
+            alphabet(&['a', 'é', 'ж', 'Я', 'ع', '中', '字', 'の', '한', 'ß']),
+            alphabet(&['😀', '👍', '\u{200d}', '!', '.', '$', '€', '\u{fffd}', '-']),
+            alphabet(&['0', '1', '7', '9', '٣']),
+            alphabet(&[' ', '\n', '\t', '\u{a0}']),
+            repeated,
+            random_bytes,
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Text whose pieces are all under the bound counts exactly as tiktoken-rs.
+        #[test]
+        fn ordinary_text_counts_exactly_as_tiktoken(t in mixed_text()) {
+            for c in counters() {
+                prop_assert_eq!(c.count_text(&t), c.count_text_tiktoken(&t), "{} {:?}", c.name(), t);
+            }
+        }
+
+        /// A long piece, merged in chunks with the stated slack, is never below the exact count;
+        /// without the slack, no cut loses more than the slack; and the count is over by at most
+        /// `MAX_OVER_PER_CUT` tokens a cut. `KVGATE_SLACK_STATS=1 PROPTEST_CASES=2000` prints what
+        /// each case lost and gained (how `SLACK_PER_CUT` was chosen).
+        #[test]
+        fn long_pieces_never_under_count(t in long_piece(), prefix in "[a-z ]{0,20}") {
+            let t = format!("{prefix}{t}");
+            for c in counters() {
+                let exact = c.count_text_tiktoken(&t);
+                let ours = c.count_text(&t);
+                let (bare, cuts) = count_without_slack(c, &t);
+                prop_assert_eq!(ours, bare + SLACK_PER_CUT * cuts);
+                prop_assert!(ours >= exact, "{}: {} < {} ({} bytes)", c.name(), ours, exact, t.len());
+                prop_assert!(exact.saturating_sub(bare) <= SLACK_PER_CUT * cuts, "{}: a cut lost more than the slack", c.name());
+                prop_assert!(ours - exact <= MAX_OVER_PER_CUT * cuts, "{}: {} ≫ {} ({} cuts)", c.name(), ours, exact, cuts);
+                if std::env::var_os("KVGATE_SLACK_STATS").is_some() && cuts > 0 {
+                    eprintln!("SLACK {} cuts {} lost {} over {}", c.name(), cuts, exact as i64 - bare as i64, ours - exact);
+                }
+            }
+        }
+
+        /// Capped counting agrees with the full count: `Within(n)` up to the limit, `Over` past it.
+        #[test]
+        fn capped_agrees_with_the_full_count(t in mixed_text(), limit in 0u64..200) {
+            for c in counters() {
+                let n = c.count_text(&t);
+                let want = if n > limit { Capped::Over } else { Capped::Within(n) };
+                prop_assert_eq!(c.count_text_capped(&t, limit), want);
+            }
+        }
+    }
+
+    #[test]
+    fn over_without_counting_when_the_bytes_alone_prove_it() {
+        let c = TokenCounter::new(&TokenizerSpec::Builtin(Encoding::Cl100kBase)).unwrap();
+        let big = "x".repeat(4 << 20);
+        assert_eq!(c.count_text_capped(&big, 8192), Capped::Over);
+        assert_eq!(c.count_text_capped("hello world", 2), Capped::Within(2));
+        assert_eq!(c.count_text_capped("hello world", 1), Capped::Over);
+        let chat = [msg("user", &big)];
+        assert_eq!(c.count_chat_capped(&chat, 8192), Capped::Over);
+        let input = Input::Chat(chat.to_vec());
+        assert_eq!(c.count_input_capped(&input, 8192), Err(Over));
+        // A long piece under the byte bound is counted, and stops at the limit.
+        let mid = "abcdefghij".repeat(20_000);
+        assert_eq!(c.count_text_capped(&mid, 100), Capped::Over);
+        let prompts = Input::Prompts(vec![
+            PromptItem::Text("hello".into()),
+            PromptItem::Tokens(9000),
+        ]);
+        assert_eq!(c.count_input_capped(&prompts, 8192), Err(Over));
+        assert_eq!(c.count_input_capped(&prompts, 9000), Ok(vec![1, 9000]));
+    }
+
+    #[test]
+    fn chat_capped_counts_what_encode_chat_gives() {
+        for c in counters() {
+            let msgs = [
+                msg("system", "Be brief."),
+                msg("user", "hello, what's 2+2? 😀"),
+            ];
+            let n = c.encode_chat(&msgs).len() as u64;
+            assert_eq!(c.count_chat(&msgs), n, "{}", c.name());
+            assert_eq!(c.count_chat_capped(&msgs, n), Capped::Within(n));
+            assert_eq!(c.count_chat_capped(&msgs, n - 1), Capped::Over);
+        }
     }
 
     #[test]
