@@ -271,6 +271,35 @@ def test_only_the_openai_paths_are_routed_and_errors_are_openai_shaped(gateway, 
     gw.assert_drained()
 
 
+def test_a_body_shorter_than_its_content_length_gets_408_or_a_prompt_close(gateway, upstream):
+    gw = gateway(budget(20_000))
+    body = b'{"prompt": [1, 2, 3], "max_tokens": 5}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body) + 100, body))
+
+    def answer_of(half_close):
+        s = socket.create_connection(("127.0.0.1", gw.port), timeout=60)
+        s.sendall(head)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        t0 = time.time()
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+        s.close()
+        return answer, time.time() - t0
+    # The client stalls: Envoy's request timeout answers 408, OpenAI-shaped, after 30 s.
+    answer, waited = answer_of(half_close=False)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b'"code":"request_timeout"' in answer.replace(b" ", b"")
+    assert 25 < waited < 45
+    # The client half-closes: Envoy (HTTP/1) closes the connection at once; nothing is held.
+    answer, waited = answer_of(half_close=True)
+    assert waited < 5
+    gw.assert_drained()
+    assert upstream.requests() == []
+
+
 def test_a_client_cannot_pick_its_class(gateway, upstream):
     classes = {"default_class": "std", "classes": {"std": {"action": "reject"},
                                                    "vip": {"action": "reject", "priority": 9}}}
@@ -304,6 +333,59 @@ def test_a_client_cannot_pick_its_class(gateway, upstream):
     t.join()
     gw.assert_drained()
     gw2.assert_drained()
+
+
+def admission_wait_of_a_big_request_among_small_ones(gw, seconds=12):
+    """Six clients keep sending small requests (1 s streams) and honour Retry-After; one client
+    sends a request needing 90 % of the budget, retrying as told. Returns how long the big one
+    waited to be admitted (None: never within `seconds`)."""
+    stop = time.time() + seconds
+    headers = {"x-mock-mode": "stream", "x-mock-chunks": "5", "x-mock-delay-ms": "200"}
+
+    def small(i):
+        with requests.Session() as sess:
+            while time.time() < stop:
+                r = sess.post(gw.url + "/v1/completions", json={"prompt": tokens(10 + i), "max_tokens": 190},
+                              headers=headers, timeout=30)
+                r.content
+                if r.status_code == 429:
+                    time.sleep(float(r.headers["retry-after-ms"]) / 1000)
+    clients = [threading.Thread(target=small, args=(i,)) for i in range(6)]
+    for t in clients:
+        t.start()
+    time.sleep(1.5)
+    t0 = time.time()
+    waited = None
+    with requests.Session() as sess:
+        while time.time() < stop:
+            r = sess.post(gw.url + "/v1/completions", json={"prompt": tokens(10), "max_tokens": 890},
+                          headers=headers, timeout=30)
+            r.content
+            if r.status_code == 200:
+                waited = time.time() - t0
+                break
+            assert r.status_code == 429, r.text
+            time.sleep(float(r.headers["retry-after-ms"]) / 1000)
+    for t in clients:
+        t.join()
+    return waited
+
+
+def test_a_big_request_is_not_starved_by_small_ones(gateway):
+    retry = {"min_ms": 100, "max_ms": 1000, "jitter": 0.1, "default_lease_ms": 1000}
+    unfair = admission_wait_of_a_big_request_among_small_ones(
+        gateway(budget(1000, retry_after=retry, fair_retry_patience_ms=0)), seconds=10)
+    gw = gateway(budget(1000, retry_after=retry))
+    fair = admission_wait_of_a_big_request_among_small_ones(gw, seconds=20)
+    print(f"big request's admission wait: fair retries {fair} s, without {unfair} s")
+    # With fair retries the freed bytes are set aside for the big request: it is admitted once the
+    # small leases ahead of it end (1 s streams, a few rounds on a loaded machine), not when five
+    # happen to end at once and no small client is quicker.
+    assert fair is not None and fair < 10.0, (fair, unfair)
+    gw.assert_drained()
+    # Places in line of clients that stopped retrying expire (twice the advertised wait + 5 s).
+    s = gw.wait_for(lambda s: s["claims"] == 0 and s["claimed_bytes"] == 0, timeout=20, what="claims to expire")
+    assert s["free_bytes"] == s["capacity_bytes"]
 
 
 def test_burst_of_200_never_exceeds_capacity(gateway):

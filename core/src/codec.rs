@@ -2,24 +2,27 @@
 //!
 //! Layout (little endian):
 //! ```text
-//! "KVGL" | version u8 = 2 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//! "KVGL" | version u8 = 3 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
 //!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64
 //!        | lease count u32
 //!        | per lease: id u64 | bytes u64 | priority u8 | fingerprint u64 | created_ms u64
 //!                     | deadline_ms u64 | owner u64 | class length u8 | class bytes (UTF-8)
+//!        | claim count u32
+//!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64 | active u8
 //! ```
-//! 50 bytes per lease plus its class name. The decoder checks every length and the ledger
+//! 50 bytes per lease plus its class name, 41 per claim. The decoder checks every length and the ledger
 //! invariant; garbage returns an error, never a panic.
 //!
-//! Version 1 (no `held_back`, no lease owner) is still read, so a filter upgraded in place under
+//! Versions 1 (no `held_back`, no lease owner) and 2 (no claims) are still read, so a filter upgraded in place under
 //! the same `vm_id` migrates the ledger it finds instead of forgetting its leases: migrated
 //! leases have no owner and end at their deadline. An unknown version is an error, never an
 //! empty ledger.
 
-use crate::ledger::{Counters, Lease, Ledger};
+use crate::ledger::{Claim, Counters, Lease, Ledger, MAX_CLAIMS};
 
 const MAGIC: &[u8; 4] = b"KVGL";
-const VERSION: u8 = 2;
+const VERSION: u8 = 3;
+const CLAIM_LEN: usize = 5 * 8 + 1;
 const HEADER_LEN: usize = 4 + 1 + 9 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
 const LEASE_MIN_LEN_V1: usize = 8 + 8 + 1 + 8 + 8 + 8 + 1;
@@ -87,6 +90,14 @@ impl Ledger {
             out.push(class.len() as u8);
             out.extend_from_slice(class.as_bytes());
         }
+        let claims = self.claims.len().min(MAX_CLAIMS);
+        out.extend_from_slice(&(claims as u32).to_le_bytes());
+        for c in self.claims.iter().take(claims) {
+            for v in [c.key, c.bytes, c.held, c.first_ms, c.expires_ms] {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+            out.push(u8::from(c.active));
+        }
         out
     }
 
@@ -96,10 +107,10 @@ impl Ledger {
             return Err(DecodeError::BadMagic);
         }
         let version = r.u8()?;
-        if version != VERSION && version != 1 {
+        if !(1..=VERSION).contains(&version) {
             return Err(DecodeError::UnsupportedVersion(version));
         }
-        let v2 = version == VERSION;
+        let v2 = version >= 2;
         let capacity = r.u64()?;
         let committed = r.u64()?;
         let next_id = r.u64()?;
@@ -141,6 +152,27 @@ impl Ledger {
                 owner,
             });
         }
+        let mut claims = Vec::new();
+        if version >= 3 {
+            let n = r.u32()? as usize;
+            if n > MAX_CLAIMS || n > r.0.len() / CLAIM_LEN {
+                return Err(DecodeError::Truncated);
+            }
+            for _ in 0..n {
+                claims.push(Claim {
+                    key: r.u64()?,
+                    bytes: r.u64()?,
+                    held: r.u64()?,
+                    first_ms: r.u64()?,
+                    expires_ms: r.u64()?,
+                    active: match r.u8()? {
+                        0 => false,
+                        1 => true,
+                        _ => return Err(DecodeError::Inconsistent("claim flag".into())),
+                    },
+                });
+            }
+        }
         if !r.0.is_empty() {
             return Err(DecodeError::TrailingBytes(r.0.len()));
         }
@@ -152,6 +184,7 @@ impl Ledger {
             counters,
             held_back,
             leases,
+            claims,
         };
         ledger.check().map_err(DecodeError::Inconsistent)?;
         Ok(ledger)
@@ -214,6 +247,7 @@ mod tests {
                 now_ms: 1000 + i as u64,
                 ttl_ms: 5000,
                 owner: 0xabc + i as u64,
+                claim: None,
             };
             assert!(matches!(
                 l.try_admit(&r, &RetryAfterConfig::default(), 0),
@@ -275,8 +309,34 @@ mod tests {
         );
         let ids: Vec<u64> = old.leases().iter().map(|x| x.id).collect();
         assert_eq!(ids, l.leases().iter().map(|x| x.id).collect::<Vec<_>>());
-        // Written back, it is a version-2 ledger.
-        assert_eq!(old.encode()[4], 2);
+        // Written back, it is a current-version ledger.
+        assert_eq!(old.encode()[4], VERSION);
+    }
+
+    #[test]
+    fn claims_round_trip() {
+        use crate::ledger::ClaimTicket;
+        let mut l = sample();
+        let r = AdmitRequest {
+            id: None,
+            bytes: 10 * (1u64 << 33),
+            class: "big",
+            priority: 0,
+            fingerprint: 0,
+            now_ms: 5000,
+            ttl_ms: 1,
+            owner: 1,
+            claim: Some(ClaimTicket {
+                key: 99,
+                patience_ms: 10,
+            }),
+        };
+        assert!(matches!(
+            l.try_admit(&r, &RetryAfterConfig::default(), 0),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert_eq!(l.claims().len(), 1);
+        assert_eq!(Ledger::decode(&l.encode()).unwrap(), l);
     }
 
     #[test]
@@ -317,6 +377,7 @@ mod tests {
             now_ms: 0,
             ttl_ms: 1,
             owner: 0,
+            claim: None,
         };
         l.try_admit(&r, &RetryAfterConfig::default(), 0);
         let back = Ledger::decode(&l.encode()).unwrap();

@@ -54,6 +54,11 @@ pub struct RawConfig {
     /// A worker whose heartbeat is older than this is gone; only then are its leases reclaimed.
     #[serde(default = "d_owner_timeout")]
     pub owner_timeout_ms: u64,
+    /// Fair retries: a refused request keeps its place in line (freed bytes are set aside for it)
+    /// while its client retries; the place is dropped when the client has not come back this
+    /// long after twice the advertised Retry-After. 0 turns fair retries off.
+    #[serde(default = "d_patience")]
+    pub fair_retry_patience_ms: u64,
     /// Poll the backend's admission API (leases, releases, real KV use). Absent: no callout.
     #[serde(default)]
     pub backend: Option<RawBackend>,
@@ -127,6 +132,9 @@ fn d_tick() -> u64 {
 }
 fn d_owner_timeout() -> u64 {
     30_000
+}
+fn d_patience() -> u64 {
+    5_000
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -229,6 +237,7 @@ pub struct Config {
     pub context_error_status: u32,
     pub tick_ms: u64,
     pub owner_timeout_ms: u64,
+    pub fair_retry_patience_ms: u64,
     pub backend: Option<BackendCallout>,
     /// What the backend serves (from its descriptor): requests it would refuse are refused here,
     /// before anything is reserved. Unknown until the descriptor arrives.
@@ -460,6 +469,7 @@ impl TryFrom<RawConfig> for Config {
             context_error_status: raw.context_error_status,
             tick_ms: raw.tick_ms,
             owner_timeout_ms: raw.owner_timeout_ms,
+            fair_retry_patience_ms: raw.fair_retry_patience_ms,
             backend: raw.backend,
             served: crate::validate::Served::default(),
         })

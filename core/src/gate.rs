@@ -84,6 +84,8 @@ pub enum Decision {
 pub struct Holder {
     pub lease_id: Option<u64>,
     pub owner: u64,
+    /// Fair retries: the request's place in line (see `ledger`).
+    pub claim: Option<crate::ledger::ClaimTicket>,
 }
 
 /// Decide and reserve. Pure over the ledger: safe to re-run on a CAS retry.
@@ -107,6 +109,7 @@ pub fn decide(
         now_ms,
         ttl_ms: cfg.lease_ttl.for_cap(cap),
         owner: holder.owner,
+        claim: holder.claim,
     };
     let outcome = ledger.try_admit(
         &request(priced.price.bytes, cap),
@@ -162,10 +165,10 @@ pub fn decide(
         }
     }
     if reason == RejectReason::InsufficientCapacity && !class.preempts.is_empty() {
-        if let Some(victims) = choose_victims(ledger, class, need) {
+        if let Some(victims) = choose_victims(ledger, class, need, free) {
             let preempted: Vec<Lease> = victims.iter().filter_map(|id| ledger.evict(*id)).collect();
             ledger.uncount_rejection();
-            if let AdmitOutcome::Admitted { lease } = ledger.try_admit(
+            if let AdmitOutcome::Admitted { lease } = ledger.try_admit_after_eviction(
                 &request(priced.price.bytes, cap),
                 &cfg.retry_after,
                 jitter_seed,
@@ -189,15 +192,16 @@ pub fn decide(
 }
 
 /// The youngest leases (least work lost) of the classes `class` may preempt whose bytes, with
-/// what is free, cover `need`; `None` when even all of them would not.
-fn choose_victims(ledger: &Ledger, class: &ClassPolicy, need: u64) -> Option<Vec<u64>> {
+/// what is free for this request (`free`: its own claim included), cover `need`; `None` when
+/// even all of them would not.
+fn choose_victims(ledger: &Ledger, class: &ClassPolicy, need: u64, free: u64) -> Option<Vec<u64>> {
     let mut candidates: Vec<&Lease> = ledger
         .leases()
         .iter()
         .filter(|l| class.preempts.contains(&l.class) && l.priority < class.priority)
         .collect();
     candidates.sort_by_key(|l| std::cmp::Reverse(l.created_ms));
-    let mut free = ledger.free();
+    let mut free = free;
     let mut ids = Vec::new();
     for l in candidates {
         if free >= need {
@@ -256,6 +260,7 @@ mod tests {
     const ANY: Holder = Holder {
         lease_id: None,
         owner: 1,
+        claim: None,
     };
     use crate::request::{parse_request, Endpoint};
     use crate::tokenize::{Encoding, TokenizerSpec};

@@ -9,6 +9,15 @@
 //! `committed` above it until leases end; admissions are refused meanwhile.)
 //!
 //! It must never panic: it runs inside the proxy, where a panic kills the VM.
+//!
+//! Fair retries: worst-case pricing with reject-and-retry starves exactly the big promises (every
+//! freed byte goes to whichever small request comes first). A refused request may leave a *claim*
+//! (keyed by a hash of its caller and body, so its retry is recognised). Once its client has come
+//! back (a refused retry: the claim is active), freed bytes are poured into active claims in
+//! arrival order before anyone else can take them, and the claimant's retry can use what its
+//! claim holds. A client that never retries never holds anything. A request that fits the pool alone is therefore admitted within the time
+//! it takes the leases ahead of it to end, as long as its client keeps retrying; a claim whose
+//! client does not come back by its expiry is dropped and its bytes return.
 
 use crate::retry::{estimate_retry_after, RetryAfter, RetryAfterConfig};
 
@@ -29,6 +38,23 @@ pub struct Lease {
     /// The filter worker (wasm VM instance) whose request holds this lease; its heartbeat says
     /// whether the request can still end by itself.
     pub owner: u64,
+}
+
+/// A refused request's place in line (see the module header).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// Hash of the caller and the request body: the retry of the same request has the same key.
+    pub key: u64,
+    /// What the request needs.
+    pub bytes: u64,
+    /// Freed bytes set aside for it so far (≤ `bytes`).
+    pub held: u64,
+    pub first_ms: u64,
+    /// Dropped (bytes returned) when its client has not retried by then.
+    pub expires_ms: u64,
+    /// Its client has come back at least once. Only active claims hold bytes: a client that
+    /// never retries (or gives up at once) never keeps bytes from anyone.
+    pub active: bool,
 }
 
 /// Running counters kept with the ledger, so every worker reports the same totals.
@@ -52,6 +78,8 @@ pub struct Ledger {
     /// the last reconciliation): held back from admission until it clears.
     pub(crate) held_back: u64,
     pub(crate) leases: Vec<Lease>,
+    /// Refused requests waiting for their retry, oldest first.
+    pub(crate) claims: Vec<Claim>,
 }
 
 /// What one admission asks for.
@@ -68,7 +96,32 @@ pub struct AdmitRequest<'a> {
     pub ttl_ms: u64,
     /// The worker that will release it (0: none; the lease then ends at `now_ms + ttl_ms`).
     pub owner: u64,
+    /// Fair retries: the request's caller+body hash and how long a claim left by its refusal
+    /// waits for the retry. `None`: no claim is used or left.
+    pub claim: Option<ClaimTicket>,
 }
+
+/// How a request takes part in fair retries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimTicket {
+    pub key: u64,
+    /// A claim left by a refusal expires this long after the refusal unless retried.
+    pub patience_ms: u64,
+}
+
+/// The claim key of a request: a stable hash (FNV-1a) of who sent it and what it asks, so its
+/// retry (same caller, same body) finds its place in line.
+pub fn claim_key(caller: &[u8], path: &[u8], body: &[u8]) -> u64 {
+    let mut h = crate::spec::Fnv1a::new();
+    for part in [caller, path, body] {
+        h.write(&(part.len() as u64).to_le_bytes());
+        h.write(part);
+    }
+    h.finish().max(1)
+}
+
+/// Most claims kept; past this, refusals leave none (the oldest keep their place).
+pub const MAX_CLAIMS: usize = 256;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RejectReason {
@@ -163,6 +216,7 @@ impl Ledger {
             counters: Counters::default(),
             held_back: 0,
             leases: Vec::new(),
+            claims: Vec::new(),
         }
     }
 
@@ -172,12 +226,43 @@ impl Ledger {
     pub fn committed(&self) -> u64 {
         self.committed
     }
-    /// What admission may still reserve: capacity less committed and less the bytes held back
-    /// for negative drift.
+    /// What a request without a claim may still reserve: capacity less committed, less the
+    /// bytes held back for negative drift, less what claims hold for waiting requests.
     pub fn free(&self) -> u64 {
+        self.unclaimed().saturating_sub(self.claimed())
+    }
+
+    /// Capacity less committed and held back (claims included).
+    fn unclaimed(&self) -> u64 {
         self.capacity
             .saturating_sub(self.committed)
             .saturating_sub(self.held_back)
+    }
+
+    /// Bytes set aside for claims.
+    pub fn claimed(&self) -> u64 {
+        self.claims
+            .iter()
+            .map(|c| c.held)
+            .fold(0, u64::saturating_add)
+    }
+
+    pub fn claims(&self) -> &[Claim] {
+        &self.claims
+    }
+
+    /// Drop expired claims, then pour free bytes into claims oldest first.
+    fn settle_claims(&mut self, now_ms: u64) {
+        self.claims.retain(|c| c.expires_ms > now_ms);
+        let mut spare = self.free();
+        for c in self.claims.iter_mut().filter(|c| c.active) {
+            if spare == 0 {
+                break;
+            }
+            let give = c.bytes.saturating_sub(c.held).min(spare);
+            c.held += give;
+            spare -= give;
+        }
     }
     pub fn held_back(&self) -> u64 {
         self.held_back
@@ -221,7 +306,34 @@ impl Ledger {
         retry: &RetryAfterConfig,
         jitter_seed: u64,
     ) -> AdmitOutcome {
-        let free = self.free();
+        self.settle_claims(req.now_ms);
+        self.admit(req, retry, jitter_seed)
+    }
+
+    /// `try_admit` right after evicting leases for this request (preemption): the evicted bytes
+    /// go to the request that preempted them, not to the claims waiting in line.
+    pub fn try_admit_after_eviction(
+        &mut self,
+        req: &AdmitRequest<'_>,
+        retry: &RetryAfterConfig,
+        jitter_seed: u64,
+    ) -> AdmitOutcome {
+        self.claims.retain(|c| c.expires_ms > req.now_ms);
+        self.admit(req, retry, jitter_seed)
+    }
+
+    fn admit(
+        &mut self,
+        req: &AdmitRequest<'_>,
+        retry: &RetryAfterConfig,
+        jitter_seed: u64,
+    ) -> AdmitOutcome {
+        // A retry whose claim is waiting may use what the claim holds.
+        let own = req
+            .claim
+            .and_then(|t| self.claims.iter().position(|c| c.key == t.key));
+        let own_held = own.and_then(|i| self.claims.get(i)).map_or(0, |c| c.held);
+        let free = self.free().saturating_add(own_held);
         if req.id.is_some_and(|id| id == 0 || self.lease(id).is_some()) {
             return AdmitOutcome::Rejected {
                 reason: RejectReason::DuplicateId,
@@ -242,6 +354,33 @@ impl Ledger {
         if req.bytes > free {
             self.counters.rejected = self.counters.rejected.saturating_add(1);
             let retry_after = estimate_retry_after(self, req.bytes, req.now_ms, retry, jitter_seed);
+            if let Some(t) = req.claim {
+                // Keep (or take) this request's place in line until a little after it was told
+                // to come back.
+                let expires_ms = req
+                    .now_ms
+                    .saturating_add(retry_after.ms.saturating_mul(2))
+                    .saturating_add(t.patience_ms);
+                let count = self.claims.len();
+                match own.and_then(|i| self.claims.get_mut(i)) {
+                    Some(c) => {
+                        c.bytes = req.bytes;
+                        c.held = c.held.min(req.bytes);
+                        c.expires_ms = expires_ms;
+                        c.active = true;
+                    }
+                    None if count < MAX_CLAIMS => self.claims.push(Claim {
+                        key: t.key,
+                        bytes: req.bytes,
+                        held: 0,
+                        first_ms: req.now_ms,
+                        expires_ms,
+                        active: false,
+                    }),
+                    None => {}
+                }
+                self.settle_claims(req.now_ms);
+            }
             return AdmitOutcome::Rejected {
                 reason: RejectReason::InsufficientCapacity,
                 need: req.bytes,
@@ -268,7 +407,11 @@ impl Ledger {
             deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
             owner: req.owner,
         };
-        // bytes ≤ free = capacity − committed, so this cannot overflow.
+        // Admitted: its claim (if any) is spent; what it held is part of `free` above.
+        if let Some(i) = own {
+            self.claims.remove(i);
+        }
+        // bytes ≤ free ≤ capacity − committed, so this cannot overflow.
         self.committed += req.bytes;
         self.counters.admitted = self.counters.admitted.saturating_add(1);
         self.leases.push(lease.clone());
@@ -308,7 +451,14 @@ impl Ledger {
             }
         }
         self.counters.reaped = self.counters.reaped.saturating_add(reaped.len() as u64);
+        // Places in line whose clients stopped retrying give their bytes back too.
+        self.settle_claims(now_ms);
         reaped
+    }
+
+    /// The earliest claim expiry, if any (lets a caller skip a reap that would do nothing).
+    pub fn next_claim_expiry(&self) -> Option<u64> {
+        self.claims.iter().map(|c| c.expires_ms).min()
     }
 
     /// Remove a lease to make room for a higher class (preemption). Not a natural end, so the
@@ -340,7 +490,11 @@ impl Ledger {
         if self.capacity == 0 {
             return Level::Red;
         }
-        let used = self.committed.saturating_add(self.held_back) as f64 / self.capacity as f64;
+        let used = self
+            .committed
+            .saturating_add(self.held_back)
+            .saturating_add(self.claimed()) as f64
+            / self.capacity as f64;
         if used >= t.red {
             Level::Red
         } else if used >= t.amber {
@@ -380,6 +534,9 @@ impl Ledger {
                 self.committed, sum
             ));
         }
+        if self.claims.iter().any(|c| c.held > c.bytes) {
+            return Err("a claim holds more than it needs".to_string());
+        }
         let mut ids: Vec<u64> = self.leases.iter().map(|l| l.id).collect();
         ids.sort_unstable();
         if ids.windows(2).any(|w| w.first() == w.get(1)) {
@@ -408,6 +565,7 @@ mod tests {
             now_ms,
             ttl_ms: 1000,
             owner: 0,
+            claim: None,
         }
     }
 
@@ -520,6 +678,101 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_big_request_keeps_its_place_and_is_not_starved_by_small_ones() {
+        let mut l = Ledger::new(100, 1);
+        let small = |now| req(20, now);
+        let big = |now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key: 42,
+                patience_ms: 1000,
+            }),
+            ..req(90, now)
+        };
+        // Four small leases hold 80 of 100.
+        let mut ids = Vec::new();
+        for t in 0..4 {
+            let AdmitOutcome::Admitted { lease } = l.try_admit(&small(t), &retry(), 1) else {
+                panic!("small fits");
+            };
+            ids.push(lease.id);
+        }
+        // The big one is refused and leaves a claim, which holds nothing until it retries.
+        assert!(matches!(
+            l.try_admit(&big(10), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert_eq!(l.claims().len(), 1);
+        assert_eq!(l.claimed(), 0);
+        assert_eq!(l.free(), 20);
+        // Refused again (its client came back): the claim is active and the free 20 go to it.
+        assert!(matches!(
+            l.try_admit(&big(11), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert_eq!(l.claimed(), 20);
+        assert_eq!(l.free(), 0);
+        // A small one ends; its bytes go to the claim, not to the next small request.
+        l.release(ids[0], 20);
+        assert!(matches!(
+            l.try_admit(&small(21), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert_eq!(l.claimed(), 40);
+        l.release(ids[1], 22);
+        l.release(ids[2], 23);
+        assert!(matches!(
+            l.try_admit(&small(24), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert_eq!(l.claimed(), 80);
+        // The retry takes what its claim held plus what is free: admitted, the claim is spent.
+        l.release(ids[3], 25);
+        assert!(matches!(
+            l.try_admit(&big(26), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert!(l.claims().is_empty());
+        assert_eq!(l.committed(), 90);
+        assert_eq!(l.free(), 10);
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_claim_whose_client_never_returns_expires_and_its_bytes_come_back() {
+        let mut l = Ledger::new(100, 1);
+        let AdmitOutcome::Admitted { lease } = l.try_admit(&req(60, 0), &retry(), 1) else {
+            panic!("fits");
+        };
+        let big = AdmitRequest {
+            claim: Some(ClaimTicket {
+                key: 7,
+                patience_ms: 500,
+            }),
+            ..req(90, 1)
+        };
+        assert!(matches!(
+            l.try_admit(&big, &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        let AdmitOutcome::Rejected {
+            retry_after: Some(r),
+            ..
+        } = l.try_admit(&big, &retry(), 1)
+        else {
+            panic!("refused");
+        };
+        assert_eq!(l.claimed(), 40);
+        l.release(lease.id, 2);
+        // Past its expiry (2 x the advertised wait + patience) the claim is gone.
+        let later = 1 + 2 * r.ms + 500 + 1;
+        assert!(matches!(
+            l.try_admit(&req(100, later), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert!(l.claims().is_empty());
+    }
+
+    #[test]
     fn held_back_bytes_are_not_admitted_and_count_in_the_level() {
         let mut l = Ledger::new(100, 1);
         l.set_held_back(70);
@@ -585,6 +838,7 @@ mod tests {
     #[derive(Debug, Clone)]
     enum Op {
         Admit(u64),
+        AdmitKeyed(u64, u64),
         Release(usize),
         ReleaseUnknown,
         Reap(u64),
@@ -593,6 +847,7 @@ mod tests {
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             (1u64..400).prop_map(Op::Admit),
+            (1u64..1000, 0u64..4).prop_map(|(b, k)| Op::AdmitKeyed(b, k)),
             (0usize..64).prop_map(Op::Release),
             Just(Op::ReleaseUnknown),
             (0u64..50).prop_map(Op::Reap),
@@ -620,6 +875,18 @@ mod tests {
                             }
                         }
                     }
+                    Op::AdmitKeyed(b, key) => {
+                        let before = l.committed();
+                        let r = AdmitRequest {
+                            ttl_ms: 30,
+                            claim: Some(ClaimTicket { key, patience_ms: 20 }),
+                            ..req(b, now)
+                        };
+                        if let AdmitOutcome::Admitted { .. } = l.try_admit(&r, &retry(), now) {
+                            prop_assert_eq!(l.committed(), before + b);
+                            prop_assert!(l.claims().iter().all(|c| c.key != key));
+                        }
+                    }
                     Op::Release(i) => {
                         if let Some(id) = l.leases().get(i % l.leases().len().max(1)).map(|x| x.id) {
                             prop_assert!(matches!(l.release(id, now), ReleaseOutcome::Released(_)));
@@ -640,6 +907,8 @@ mod tests {
                 }
                 prop_assert!(l.check().is_ok());
                 prop_assert!(l.committed() <= l.capacity());
+                // Claims only ever hold bytes nobody has committed.
+                prop_assert!(l.committed() + l.claimed() <= l.capacity());
             }
             // Releasing everything returns committed to exactly zero.
             let ids: Vec<u64> = l.leases().iter().map(|x| x.id).collect();

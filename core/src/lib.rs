@@ -25,7 +25,8 @@ pub mod wire;
 pub use cap::{effective_output_cap, largest_cap_that_fits, price_request, CapDecision, Price};
 pub use error::{ApiError, ConfigError, ErrorKind};
 pub use ledger::{
-    AdmitOutcome, AdmitRequest, Lease, Ledger, Level, LevelThresholds, RejectReason, ReleaseOutcome,
+    AdmitOutcome, AdmitRequest, Claim, ClaimTicket, Lease, Ledger, Level, LevelThresholds,
+    RejectReason, ReleaseOutcome,
 };
 pub use policy::{Action, ClassPolicy, PolicyTable};
 pub use request::{parse_request, write_cap, Endpoint, Input, ParsedRequest};

@@ -122,6 +122,7 @@ mod tests {
             now_ms: now,
             ttl_ms: 1_000_000,
             owner: 1,
+            claim: None,
         };
         assert!(matches!(
             l.try_admit(&r, &RetryAfterConfig::default(), 0),

@@ -30,6 +30,8 @@ pub fn status_json(ledger: &Ledger, cfg: &Config, tokenizer: &str) -> Value {
         "committed_bytes": ledger.committed(),
         "free_bytes": ledger.free(),
         "held_back_bytes": ledger.held_back(),
+        "claims": ledger.claims().len(),
+        "claimed_bytes": ledger.claimed(),
         "leases": ledger.leases().len(),
         "classes": classes,
         "counters": {
@@ -70,6 +72,7 @@ mod tests {
                     now_ms: 0,
                     ttl_ms: 9,
                     owner: 0,
+                    claim: None,
                 },
                 &RetryAfterConfig::default(),
                 0,

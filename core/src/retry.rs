@@ -121,6 +121,7 @@ mod tests {
             now_ms: now,
             ttl_ms: ttl,
             owner: 0,
+            claim: None,
         };
         assert!(matches!(
             l.try_admit(&r, &RetryAfterConfig::default(), 0),

@@ -175,6 +175,7 @@ mod tests {
                 now_ms: 0,
                 ttl_ms: 1000,
                 owner: 0,
+                claim: None,
             },
             &RetryAfterConfig::default(),
             0,

@@ -44,6 +44,10 @@ pub struct Filter {
 
 struct Pending {
     endpoint: Endpoint,
+    /// Who sent it (API key, else the client's IP): with the path and body, the key that
+    /// recognises a retry of this request (fair retries).
+    caller: Vec<u8>,
+    path: String,
     lease_id: u64,
     class: String,
     body_size: usize,
@@ -159,8 +163,13 @@ impl Filter {
             Err(e) => return self.reject(&rt, &e),
         };
         let class = rt.cfg.policy.resolve(Some(&p.class)).clone();
+        let claim = (rt.cfg.fair_retry_patience_ms > 0).then(|| kvgate_core::ClaimTicket {
+            key: kvgate_core::ledger::claim_key(&p.caller, p.path.as_bytes(), &body),
+            patience_ms: rt.cfg.fair_retry_patience_ms,
+        });
         let ticket = Rc::new(Ticket {
             context_id: self.context_id,
+            claim,
             lease_id: p.lease_id,
             class,
             priced,
@@ -354,8 +363,24 @@ impl HttpContext for Filter {
             );
             return self.reject(&rt, &err);
         }
+        let caller = match &authorization {
+            Some(a) => a.clone().into_bytes(),
+            None => hostcalls::get_property(vec!["source", "address"])
+                .ok()
+                .flatten()
+                .map(|addr| {
+                    // The IP without the port: a retry comes on a new connection.
+                    let text = String::from_utf8_lossy(&addr).into_owned();
+                    text.rsplit_once(':')
+                        .map_or(text.clone(), |(ip, _)| ip.to_string())
+                        .into_bytes()
+                })
+                .unwrap_or_default(),
+        };
         self.pending = Some(Pending {
             endpoint,
+            caller,
+            path: path.clone(),
             lease_id,
             class,
             body_size: 0,

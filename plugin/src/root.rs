@@ -153,7 +153,10 @@ impl Root {
             .into_iter()
             .filter(|o| !crate::worker::owner_alive(*o, now, timeout))
             .collect();
-        if gone.is_empty() && ledger.next_deadline().is_none_or(|d| d > now) {
+        if gone.is_empty()
+            && ledger.next_deadline().is_none_or(|d| d > now)
+            && ledger.next_claim_expiry().is_none_or(|d| d > now)
+        {
             self.worker
                 .metrics
                 .observe(&ledger, self.worker.level(&ledger, &rt.cfg));

@@ -27,6 +27,8 @@ pub struct Granted {
 
 pub struct Ticket {
     pub context_id: u32,
+    /// Fair retries: this request's place in line if it is refused.
+    pub claim: Option<kvgate_core::ClaimTicket>,
     pub lease_id: u64,
     pub class: ClassPolicy,
     pub priced: Priced,
@@ -63,6 +65,7 @@ impl Ticket {
                 gate::Holder {
                     lease_id: Some(self.lease_id),
                     owner: crate::worker::owner_id(),
+                    claim: self.claim,
                 },
                 now,
                 seed,

@@ -84,6 +84,7 @@ fn put_lease(id: u64, tokens: u64, class: &str, priority: u8, owner: u64) {
                 now_ms: now,
                 ttl_ms: 1_000,
                 owner,
+                claim: None,
             },
             &RetryAfterConfig::default(),
             0,
