@@ -134,10 +134,26 @@ def test_full_budget_answers_429_with_retry_after_then_admits_after_release(gate
 
 def test_request_larger_than_budget_is_413_not_429(gateway):
     gw = gateway(budget(1000))
-    r = requests.post(gw.url + "/v1/completions", json={"prompt": "hello"}, timeout=10)
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": "hello", "max_tokens": 5000}, timeout=10)
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "kv_request_too_large"
     assert "retry-after" not in r.headers
+    gw.assert_drained()
+
+
+def test_an_unset_cap_gets_what_the_budget_can_serve_not_413(gateway, upstream):
+    # A 1,000-token budget cannot hold the model's 8,192-token context: a request without a cap is
+    # granted what one sequence can use here (1,000 − prompt), and a second one waits (429).
+    gw = gateway(budget(1000))
+    t, res = stream_in_background(gw, {"prompt": tokens(10)}, chunks=10)
+    s = gw.wait_for(lambda s: s["leases"] == 1)
+    assert s["committed_bytes"] == 1000 * PER_TOKEN
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(10)}, timeout=10)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "kv_capacity_exceeded"
+    t.join()
+    assert res["status"] == 200
+    assert res["headers"]["x-kvgate-max-tokens"] == "990"
+    gw.assert_drained()
 
 
 def test_release_after_client_abort_mid_stream(gateway):

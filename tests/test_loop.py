@@ -53,10 +53,10 @@ def test_chat_through_the_gateway_prices_exactly_and_frees_everything(stack):
     # The filter counts with cl100k here, the backend with the model's own tokenizer: the ledger
     # entry was priced from the filter's count; both return to zero.
     drained(gw, b)
-    # No cap on a 1,024-token budget: the worst case is the whole 8,192 context, which can never
-    # fit, so the answer is an immediate 413 (not a 429 to retry).
+    # A cap larger than a 1,024-token budget can ever hold: an immediate 413 (not a 429 to retry),
+    # and nothing reaches the backend.
     r = requests.post(gw.url + "/v1/chat/completions", timeout=60, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4000})
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "kv_request_too_large"
     assert b.metrics()["kvgate_backend_requests_total"] == 1

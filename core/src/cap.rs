@@ -107,7 +107,14 @@ pub fn price_request(
     choices: u64,
 ) -> Result<Price, ApiError> {
     let longest = prompt_tokens.iter().copied().max().unwrap_or(0);
-    let cap = effective_output_cap(requested, longest, pricing.spec.context_tokens)?;
+    // An unset cap is what the served context leaves (never more than the budget can hold); an
+    // explicit one is clamped to the model's context only, and refused if it cannot fit.
+    let context = if requested.is_none() {
+        pricing.served_context()
+    } else {
+        pricing.spec.context_tokens
+    };
+    let cap = effective_output_cap(requested, longest, context)?;
     let too_large = || {
         ApiError::new(
             ErrorKind::KvRequestTooLarge,

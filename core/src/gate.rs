@@ -401,11 +401,28 @@ mod tests {
     }
 
     #[test]
+    fn an_unset_cap_is_priced_at_the_context_the_budget_can_serve() {
+        let c = cfg("{}", 1000);
+        let class = c.policy.default_class().clone();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let served = c.pricing.served_context();
+        assert!(served < 8192);
+        let p = priced(&c, r#"{"prompt":"hi"}"#); // unset cap: what a whole budget can hold
+        match decide(&mut l, &c, &class, &p, ANY, 0, 1) {
+            Decision::Admitted { cap, .. } => {
+                assert_eq!(cap + p.prompt_tokens[0], served);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(l.committed() <= l.capacity());
+    }
+
+    #[test]
     fn too_large_for_the_budget_is_413_without_retry() {
         let c = cfg("{}", 1000);
         let class = c.policy.default_class().clone();
         let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
-        let p = priced(&c, r#"{"prompt":"hi"}"#); // unset cap → whole context
+        let p = priced(&c, r#"{"prompt":"hi","max_tokens":5000}"#); // asked for more than fits
         match decide(&mut l, &c, &class, &p, ANY, 0, 1) {
             Decision::Rejected(e) => {
                 assert_eq!(e.status, 413);

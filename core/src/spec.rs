@@ -113,6 +113,18 @@ pub struct Pricing {
 }
 
 impl Pricing {
+    /// The context a request can really use here: the model's, or less when the usable budget
+    /// holds fewer tokens for one sequence. Prompts are checked and unset caps priced against it,
+    /// so a request without `max_tokens` is admitted when the pool has room (not refused as
+    /// larger than the whole budget, forever).
+    pub fn served_context(&self) -> u64 {
+        let usable = self
+            .capacity_bytes
+            .saturating_sub(self.scratch_margin_bytes)
+            / self.bytes_per_token.max(1);
+        self.spec.context_tokens.min(usable)
+    }
+
     pub fn new(
         spec: ModelSpec,
         total_kv_bytes: u64,
