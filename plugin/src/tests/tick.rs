@@ -198,9 +198,13 @@ fn a_full_queue_answers_429_queue_full() {
 fn report(used: u64, live: &[u64], finished: &[u64], cursor: u64) -> Vec<u8> {
     let ids =
         |v: &[u64]| -> Vec<Value> { v.iter().map(|i| json!({"id": i.to_string()})).collect() };
+    let ended: Vec<Value> = finished
+        .iter()
+        .map(|i| json!({"id": i.to_string(), "reason": "stop"}))
+        .collect();
     json!({
         "pool": {"capacity_bytes": 20_000 * PER_TOKEN, "used_bytes": used},
-        "leases": ids(live), "finished": ids(finished), "cursor": cursor,
+        "leases": ids(live), "finished": ended, "cursor": cursor,
     })
     .to_string()
     .into_bytes()
