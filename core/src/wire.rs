@@ -66,8 +66,8 @@ pub struct ModelReport {
     /// changes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fingerprint: Option<String>,
-    #[serde(default)]
-    pub kv_bytes_per_token: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_bytes_per_token: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<TokenizerReport>,
     /// Token ids must be below this.
@@ -136,9 +136,10 @@ pub enum LeaseState {
     Unknown,
 }
 
-/// A live lease.
+/// A live lease. An entry without an id reads as id `""`, which is no one's lease.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct LeaseEntry {
+    #[serde(default)]
     pub id: String,
     #[serde(default)]
     pub state: LeaseState,
@@ -157,7 +158,7 @@ pub struct LeaseEntry {
 }
 
 /// Why a sequence ended; also the OpenAI `finish_reason` of the ones that end normally.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     Stop,
@@ -170,7 +171,9 @@ pub enum FinishReason {
     Cancelled,
     /// Refused before it reached the engine (invalid, or no room): nothing was allocated.
     Refused,
-    /// A reason this build does not know (a newer backend). The backend never sends it.
+    /// A reason this build does not know (a newer backend), or none given. The backend never
+    /// sends it.
+    #[default]
     #[serde(other)]
     Unknown,
 }
@@ -194,7 +197,9 @@ impl FinishReason {
 pub struct FinishedEntry {
     #[serde(default)]
     pub cursor: u64,
+    #[serde(default)]
     pub id: String,
+    #[serde(default)]
     pub reason: FinishReason,
     #[serde(default)]
     pub prompt_tokens: u64,
@@ -234,7 +239,7 @@ mod tests {
                     context_tokens: 64,
                 }),
                 fingerprint: Some("00000000000000ab".into()),
-                kv_bytes_per_token: 2,
+                kv_bytes_per_token: Some(2),
                 tokenizer: Some(TokenizerReport {
                     kind: "tiktoken_bpe".into(),
                     pattern: "x".into(),
@@ -296,11 +301,13 @@ mod tests {
         let r = LeaseReport::parse(
             br#"{"pool":{"capacity_bytes":1,"used_bytes":0,"tier":"hbm"},"new":1,
                 "leases":[{"id":"a","state":"swapped"}],
-                "finished":[{"id":"b","reason":"migrated"}],"model":{"limits":{}}}"#,
+                "finished":[{"id":"b","reason":"migrated"},{"id":"c"},{}],"model":{"limits":{}}}"#,
         )
         .unwrap();
         assert_eq!(r.leases[0].state, LeaseState::Unknown);
         assert_eq!(r.finished[0].reason, FinishReason::Unknown);
+        assert_eq!(r.finished[1].reason, FinishReason::Unknown);
+        assert_eq!(r.finished[2].id, "", "an entry without an id is no one's");
         assert_eq!(r.model.unwrap().limits, LimitsReport::default());
         assert!(LeaseReport::parse(b"{}").is_err());
         assert!(LeaseReport::parse(br#"{"pool":{"used_bytes":0}}"#).is_err());
