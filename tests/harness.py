@@ -227,10 +227,12 @@ class Backend(Process):
         return {"x-kvgate-secret": self.secret, **{k.replace("_", "-"): v for k, v in extra.items()}}
 
     def metrics(self):
+        """`name value` and `name{labels} value` samples (OpenMetrics text), keyed by everything
+        before the value: `kvgate_backend_requests_total`, `..._seconds_bucket{le="0.004"}`."""
         out = {}
         for line in requests.get(self.url + "/metrics", timeout=5).text.splitlines():
             if line and not line.startswith("#"):
-                name, value = line.split()
+                name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out
 

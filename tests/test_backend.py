@@ -270,3 +270,10 @@ def test_models_health_metrics(backend):
     assert m["kvgate_backend_generated_tokens_total"] >= 1
     assert m["kvgate_backend_kv_capacity_bytes"] == 64 * BLOCK_BYTES
     assert m["kvgate_backend_prefill_seconds_total"] > 0
+    # Latency histograms: one request, one first token, one queue wait; a gap between each pair
+    # of its tokens.
+    assert m["kvgate_backend_time_to_first_token_seconds_count"] == 1
+    assert m["kvgate_backend_queue_wait_seconds_count"] == 1
+    assert m['kvgate_backend_queue_wait_seconds_bucket{le="+Inf"}'] == 1
+    assert m["kvgate_backend_inter_token_latency_seconds_count"] >= 1
+    assert m["kvgate_backend_time_to_first_token_seconds_sum"] >= m["kvgate_backend_queue_wait_seconds_sum"]

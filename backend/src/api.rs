@@ -20,10 +20,13 @@ use kvgate_core::{effective_output_cap, parse_request, ApiError, Endpoint, Error
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use crate::engine::{
-    Admission, EngineHandle, Event, FinishReason, GenParams, LeaseView, Published, Submit,
-};
+use crate::engine::Admission;
+use crate::handle::{EngineHandle, Event, GenParams, Submit};
+use crate::published::Published;
 use crate::tokenizer::Tokenizer;
+use kvgate_core::wire::{
+    FinishReason, LeaseReport, LimitsReport, ModelReport, PoolReport, TokenizerReport,
+};
 
 pub struct AppState {
     pub engine: EngineHandle,
@@ -122,7 +125,7 @@ async fn models(State(st): Shared) -> Json<Value> {
 
 async fn metrics(State(st): Shared) -> impl IntoResponse {
     let body = st.engine.metrics.render(&st.engine.pool_stats());
-    ([("content-type", "text/plain; version=0.0.4")], body)
+    ([("content-type", crate::metrics::CONTENT_TYPE)], body)
 }
 
 #[derive(serde::Deserialize)]
@@ -137,67 +140,50 @@ async fn leases(
     State(st): Shared,
     headers: HeaderMap,
     Query(q): Query<LeasesQuery>,
-) -> Result<Json<Value>, HttpError> {
+) -> Result<Json<LeaseReport>, HttpError> {
     st.check_secret(&headers)?;
     let pool = st.engine.pool_stats();
-    let (leases, finished, cursor) = {
-        let p = st
-            .engine
-            .published
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        let finished: Vec<_> = p
-            .finished
-            .iter()
-            .filter(|f| f.cursor > q.since)
-            .cloned()
-            .collect();
-        // Leases acknowledged at arrival that the engine has not taken yet are listed too.
-        let mut leases = p.leases.clone();
-        for id in &p.arrived {
-            if !leases.iter().any(|l| &l.id == id) {
-                leases.push(LeaseView {
-                    id: id.clone(),
-                    state: "arrived",
-                    prompt_tokens: 0,
-                    max_tokens: 0,
-                    reserved_tokens: 0,
-                    reserved_bytes: 0,
-                    used_tokens: 0,
-                    used_bytes: 0,
-                });
-            }
-        }
-        (leases, finished, p.cursor)
+    let (leases, finished, cursor) = st
+        .engine
+        .published
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .since(q.since);
+    let tokenizer = TokenizerReport {
+        kind: "tiktoken_bpe".into(),
+        pattern: st.tok.bpe.pattern.clone(),
+        special_tokens: st.tok.bpe.special_tokens.iter().cloned().collect(),
+        chat_template: "chatml".into(),
+        ranks: (q.include.as_deref() == Some("tokenizer")).then(|| st.tok.bpe.to_tiktoken()),
     };
-    let mut tokenizer = json!({
-        "kind": "tiktoken_bpe",
-        "pattern": st.tok.bpe.pattern,
-        "special_tokens": st.tok.bpe.special_tokens.iter().map(|(k, v)| (k.clone(), json!(v))).collect::<Map<_, _>>(),
-        "chat_template": "chatml",
-    });
-    if q.include.as_deref() == Some("tokenizer") {
-        if let Some(t) = tokenizer.as_object_mut() {
-            t.insert("ranks".into(), Value::from(st.tok.bpe.to_tiktoken()));
-        }
-    }
-    Ok(Json(json!({
-        "pool": pool,
-        "admission": st.admission,
-        "model": {
-            "name": st.model_name,
-            "spec": st.spec,
-            "fingerprint": format!("{:016x}", st.spec.fingerprint()),
-            "kv_bytes_per_token": st.spec.kv_bytes_per_token(),
-            "tokenizer": tokenizer,
-            // What the validator checks, so the gateway refuses exactly what this server would.
-            "vocab": st.tok.vocab,
-            "limits": {"max_choices": 1, "batched_prompts": false},
+    Ok(Json(LeaseReport {
+        pool: PoolReport {
+            blocks_total: pool.blocks_total,
+            blocks_free: pool.blocks_free,
+            block_tokens: pool.block_tokens,
+            block_bytes: pool.block_bytes,
+            capacity_bytes: pool.capacity_bytes,
+            used_bytes: pool.used_bytes,
+            free_bytes: pool.free_bytes,
         },
-        "leases": leases,
-        "finished": finished,
-        "cursor": cursor,
-    })))
+        admission: st.admission.as_str().into(),
+        model: Some(ModelReport {
+            name: Some(st.model_name.clone()),
+            spec: Some(st.spec),
+            fingerprint: Some(format!("{:016x}", st.spec.fingerprint())),
+            kv_bytes_per_token: st.spec.kv_bytes_per_token(),
+            tokenizer: Some(tokenizer),
+            // What the validator checks, so the gateway refuses exactly what this server would.
+            vocab: Some(st.tok.vocab),
+            limits: LimitsReport {
+                max_choices: 1,
+                batched_prompts: false,
+            },
+        }),
+        leases,
+        finished,
+        cursor,
+    }))
 }
 
 async fn cancel(

@@ -10,184 +10,44 @@
 //! and answers 429 if they are not free, so a sequence can never run out mid-decode; `none`
 //! takes blocks as a sequence grows, and a sequence that finds none fails mid-decode (a KV OOM)
 //! — what happens to a server that admits on prompt length alone.
+//!
+//! This file schedules and nothing else: the handle and its messages are in `handle.rs`, what
+//! the engine publishes for the lease report in `published.rs` (the report itself is
+//! `kvgate_core::wire`), stop-string hold-back in `tokenizer::TextStream`, metrics in
+//! `metrics.rs`.
 
-use std::collections::{HashSet, VecDeque};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::collections::VecDeque;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvgate_core::wire::{LeaseEntry, LeaseState};
 use kvgate_core::{ApiError, ErrorKind};
-use serde::Serialize;
-use tokio::sync::{mpsc::UnboundedSender, oneshot};
+use tokio::sync::mpsc::UnboundedSender;
 
 pub use crate::forward::{Forward, KvState};
+use crate::handle::Command;
+pub use crate::handle::{EngineHandle, Event, GenParams, Submit};
 use crate::metrics::Metrics;
-use crate::pool::{Allocation, BlockPool, PoolStats};
+use crate::pool::{Allocation, BlockPool};
+use crate::published::Published;
 use crate::sampling::Sampler;
-use crate::tokenizer::{Detokenizer, Tokenizer};
+use crate::tokenizer::{TextStream, Tokenizer};
+pub use kvgate_core::wire::FinishReason;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Admission {
     Reserve,
     None,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    Stop,
-    Length,
-    /// No KV block left mid-decode.
-    Error,
-    /// Cancelled through the admission API.
-    Preempted,
-    /// The client went away.
-    Cancelled,
-    /// Refused before it reached the engine (invalid, or no room): nothing was allocated.
-    Refused,
-}
-
-impl FinishReason {
+impl Admission {
+    /// As the lease report and the command line spell it.
     pub fn as_str(self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Error => "error",
-            FinishReason::Preempted => "preempted",
-            FinishReason::Cancelled => "cancelled",
-            FinishReason::Refused => "refused",
+            Admission::Reserve => "reserve",
+            Admission::None => "none",
         }
-    }
-}
-
-#[derive(Debug, Clone)]
-pub struct GenParams {
-    pub max_tokens: u64,
-    pub temperature: f32,
-    pub top_p: f32,
-    pub seed: u64,
-    pub stop: Vec<String>,
-}
-
-#[derive(Debug)]
-pub enum Event {
-    /// The request holds its KV and is queued for prefill.
-    Admitted {
-        id: String,
-    },
-    Rejected(ApiError),
-    Text(String),
-    Finished {
-        reason: FinishReason,
-        prompt_tokens: u64,
-        completion_tokens: u64,
-        /// Set when the sequence ended abnormally (KV OOM, preempted).
-        error: Option<ApiError>,
-    },
-}
-
-pub struct Submit {
-    pub lease: Option<String>,
-    pub prompt: Vec<u32>,
-    pub params: GenParams,
-    pub events: UnboundedSender<Event>,
-}
-
-enum Command {
-    Submit(Box<Submit>),
-    Cancel(String, oneshot::Sender<bool>),
-}
-
-/// A live sequence as the leases endpoint reports it.
-#[derive(Debug, Clone, Serialize)]
-pub struct LeaseView {
-    pub id: String,
-    pub state: &'static str,
-    pub prompt_tokens: u64,
-    pub max_tokens: u64,
-    pub reserved_tokens: u64,
-    pub reserved_bytes: u64,
-    pub used_tokens: u64,
-    pub used_bytes: u64,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct FinishedView {
-    pub cursor: u64,
-    pub id: String,
-    pub reason: FinishReason,
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-}
-
-/// What the engine publishes after every step, for handlers to read without waiting on it.
-/// `arrived` is written by the HTTP layer: a lease is acknowledged the moment its request
-/// arrives, before the engine sees it, so the filter never mistakes a request on its way for a
-/// lost one.
-#[derive(Debug, Default)]
-pub struct Published {
-    pub leases: Vec<LeaseView>,
-    pub finished: VecDeque<FinishedView>,
-    pub cursor: u64,
-    pub arrived: HashSet<String>,
-}
-
-impl Published {
-    /// Record that a lease ended (under the lock, so a report never shows it both gone and not
-    /// finished).
-    pub fn record_finished(
-        &mut self,
-        id: &str,
-        reason: FinishReason,
-        prompt: u64,
-        completion: u64,
-    ) {
-        self.cursor += 1;
-        let cursor = self.cursor;
-        self.finished.push_back(FinishedView {
-            cursor,
-            id: id.to_string(),
-            reason,
-            prompt_tokens: prompt,
-            completion_tokens: completion,
-        });
-        while self.finished.len() > FINISHED_KEPT {
-            self.finished.pop_front();
-        }
-    }
-
-    /// Is a request holding this lease id in flight (arrived, waiting or running)?
-    pub fn is_live(&self, id: &str) -> bool {
-        self.arrived.contains(id) || self.leases.iter().any(|l| l.id == id)
-    }
-}
-
-const FINISHED_KEPT: usize = 4096;
-
-#[derive(Clone)]
-pub struct EngineHandle {
-    tx: Sender<Command>,
-    pub published: Arc<Mutex<Published>>,
-    pub pool: BlockPool,
-    pub metrics: Arc<Metrics>,
-}
-
-impl EngineHandle {
-    pub fn submit(&self, s: Submit) -> bool {
-        self.tx.send(Command::Submit(Box::new(s))).is_ok()
-    }
-
-    pub async fn cancel(&self, id: String) -> bool {
-        let (tx, rx) = oneshot::channel();
-        if self.tx.send(Command::Cancel(id, tx)).is_err() {
-            return false;
-        }
-        rx.await.unwrap_or(false)
-    }
-
-    pub fn pool_stats(&self) -> PoolStats {
-        self.pool.stats()
     }
 }
 
@@ -206,11 +66,12 @@ struct Seq<K> {
     params: GenParams,
     kv: Option<K>,
     alloc: Allocation,
-    detok: Detokenizer,
-    emitted: usize,
+    text: TextStream,
     sampler: Sampler,
     events: UnboundedSender<Event>,
     arrived: Instant,
+    /// When its last token was sampled (inter-token latency).
+    last_token: Option<Instant>,
 }
 
 impl<K: KvState> Seq<K> {
@@ -228,12 +89,12 @@ pub fn spawn<M: Forward + Send + 'static>(
 ) -> EngineHandle {
     let (tx, rx) = mpsc::channel();
     let published = Arc::new(Mutex::new(Published::default()));
-    let handle = EngineHandle {
+    let handle = EngineHandle::new(
         tx,
-        published: Arc::clone(&published),
-        pool: pool.clone(),
-        metrics: Arc::clone(&metrics),
-    };
+        Arc::clone(&published),
+        pool.clone(),
+        Arc::clone(&metrics),
+    );
     let engine = Engine::new(model, tok, pool, cfg, metrics, published);
     let spawned = std::thread::Builder::new()
         .name("kvgate-engine".into())
@@ -333,7 +194,7 @@ impl<M: Forward> Engine<M> {
             Admission::None => 0,
         };
         let Some(alloc) = self.pool.allocate(self.pool.blocks_for(reserve_tokens)) else {
-            Metrics::add(&self.metrics.rejected_kv, 1);
+            self.metrics.rejected_kv.inc();
             let need = u64::from(self.pool.blocks_for(reserve_tokens)) * self.pool.block_bytes;
             let free = self.pool.stats().free_bytes;
             let err = ApiError::new(
@@ -350,20 +211,20 @@ impl<M: Forward> Engine<M> {
             let _ = s.events.send(Event::Rejected(err));
             return;
         };
-        Metrics::add(&self.metrics.requests, 1);
+        self.metrics.requests.inc();
         let _ = s.events.send(Event::Admitted { id: id.clone() });
         self.waiting.push_back(Seq {
             id,
             sampler: Sampler::new(s.params.temperature, s.params.top_p, s.params.seed),
+            text: TextStream::new(&s.params.stop),
             prompt: s.prompt,
             generated: Vec::new(),
             params: s.params,
             kv: None,
             alloc,
-            detok: Detokenizer::default(),
-            emitted: 0,
             events: s.events,
             arrived: Instant::now(),
+            last_token: None,
         });
     }
 
@@ -378,7 +239,7 @@ impl<M: Forward> Engine<M> {
         } else {
             return false;
         };
-        Metrics::add(&self.metrics.preempted, 1);
+        self.metrics.preempted.inc();
         let err = ApiError::new(
             ErrorKind::Preempted,
             "This generation was preempted to make room for higher-priority work. Retry the request.",
@@ -406,7 +267,7 @@ impl<M: Forward> Engine<M> {
         self.waiting = keep;
         abandoned.extend(gone_waiting);
         for s in abandoned {
-            Metrics::add(&self.metrics.cancelled, 1);
+            self.metrics.cancelled.inc();
             self.finish(s, FinishReason::Cancelled, None);
         }
     }
@@ -425,10 +286,9 @@ impl<M: Forward> Engine<M> {
                 break;
             };
             budget = budget.saturating_sub(seq.prompt.len());
-            Metrics::add(
-                &self.metrics.queue_us,
-                seq.arrived.elapsed().as_micros() as u64,
-            );
+            let queued = seq.arrived.elapsed().as_secs_f64();
+            self.metrics.queue_seconds.inc_by(queued);
+            self.metrics.queue_wait.observe(queued);
             // Room for the prompt (and, in reserve mode, everything it may generate).
             if !seq.alloc.ensure_tokens(seq.prompt.len() as u64) {
                 self.kv_oom(seq);
@@ -443,15 +303,18 @@ impl<M: Forward> Engine<M> {
                         .prefill(&seq.prompt, &mut kv)
                         .map(|logits| (kv, logits))
                 });
-            Metrics::add(
-                &self.metrics.prefill_us,
-                started.elapsed().as_micros() as u64,
-            );
+            self.metrics
+                .prefill_seconds
+                .inc_by(started.elapsed().as_secs_f64());
             match result {
                 Ok((kv, logits)) => {
-                    Metrics::add(&self.metrics.prompt_tokens, seq.prompt.len() as u64);
+                    self.metrics.prompt_tokens.inc_by(seq.prompt.len() as u64);
                     seq.kv = Some(kv);
                     let next = seq.sampler.sample(&logits);
+                    self.metrics
+                        .time_to_first_token
+                        .observe(seq.arrived.elapsed().as_secs_f64());
+                    seq.last_token = Some(Instant::now());
                     if let Some((reason, error)) = self.accept_token(&mut seq, next) {
                         self.finish(seq, reason, error);
                     } else {
@@ -512,11 +375,10 @@ impl<M: Forward> Engine<M> {
                 .collect();
             self.model.decode(&tokens, &mut kvs)
         };
-        Metrics::add(
-            &self.metrics.decode_us,
-            started.elapsed().as_micros() as u64,
-        );
-        Metrics::add(&self.metrics.decode_steps, 1);
+        self.metrics
+            .decode_seconds
+            .inc_by(started.elapsed().as_secs_f64());
+        self.metrics.decode_steps.inc();
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
@@ -527,8 +389,14 @@ impl<M: Forward> Engine<M> {
             }
         };
         let running = std::mem::take(&mut self.running);
+        let now = Instant::now();
         for (mut seq, row) in running.into_iter().zip(logits) {
             let next = seq.sampler.sample(&row);
+            if let Some(last) = seq.last_token.replace(now) {
+                self.metrics
+                    .inter_token_latency
+                    .observe(now.duration_since(last).as_secs_f64());
+            }
             match self.accept_token(&mut seq, next) {
                 Some((reason, error)) => self.finish(seq, reason, error),
                 None => self.running.push(seq),
@@ -543,54 +411,33 @@ impl<M: Forward> Engine<M> {
         token: u32,
     ) -> Option<(FinishReason, Option<ApiError>)> {
         if self.tok.stop_ids.contains(&token) {
-            self.flush_text(seq, None);
+            let rest = seq.text.rest();
+            send_text(seq, rest);
             return Some((FinishReason::Stop, None));
         }
         seq.generated.push(token);
-        Metrics::add(&self.metrics.generated_tokens, 1);
-        if let Some(bytes) = self.tok.counter.decode_bytes(&[token]) {
-            seq.detok.push(&bytes);
-        }
-        if let Some(at) = find_stop(&seq.detok.text, &seq.params.stop) {
-            self.flush_text(seq, Some(at));
+        self.metrics.generated_tokens.inc();
+        let stopped = match self.tok.counter.decode_bytes(&[token]) {
+            Some(bytes) => seq.text.push(&bytes),
+            None => false,
+        };
+        if stopped {
+            let ready = seq.text.ready();
+            send_text(seq, ready);
             return Some((FinishReason::Stop, None));
         }
         if seq.generated.len() as u64 >= seq.params.max_tokens {
-            self.flush_text(seq, None);
+            let rest = seq.text.rest();
+            send_text(seq, rest);
             return Some((FinishReason::Length, None));
         }
-        // Hold back text that could still become a stop string.
-        let hold = seq
-            .params
-            .stop
-            .iter()
-            .map(|s| s.len().saturating_sub(1))
-            .max()
-            .unwrap_or(0);
-        let mut end = seq.detok.text.len().saturating_sub(hold);
-        while !seq.detok.text.is_char_boundary(end) {
-            end -= 1;
-        }
-        self.flush_text(seq, Some(end));
+        let ready = seq.text.ready();
+        send_text(seq, ready);
         None
     }
 
-    fn flush_text(&self, seq: &mut Seq<M::Kv>, end: Option<usize>) {
-        let end = end.unwrap_or(seq.detok.text.len());
-        if end > seq.emitted {
-            let chunk = seq
-                .detok
-                .text
-                .get(seq.emitted..end)
-                .unwrap_or("")
-                .to_string();
-            seq.emitted = end;
-            let _ = seq.events.send(Event::Text(chunk));
-        }
-    }
-
     fn kv_oom(&mut self, seq: Seq<M::Kv>) {
-        Metrics::add(&self.metrics.kv_oom, 1);
+        self.metrics.kv_oom.inc();
         let used = seq.used_tokens();
         let err = ApiError::new(
             ErrorKind::Internal,
@@ -644,7 +491,7 @@ impl<M: Forward> Engine<M> {
 
     fn publish(&self) {
         let per_token = self.pool.block_bytes / u64::from(self.pool.block_tokens.max(1));
-        let view = |s: &Seq<M::Kv>, state: &'static str| LeaseView {
+        let view = |s: &Seq<M::Kv>, state: LeaseState| LeaseEntry {
             id: s.id.clone(),
             state,
             prompt_tokens: s.prompt.len() as u64,
@@ -657,29 +504,20 @@ impl<M: Forward> Engine<M> {
         let leases = self
             .waiting
             .iter()
-            .map(|s| view(s, "waiting"))
-            .chain(self.running.iter().map(|s| view(s, "running")))
+            .map(|s| view(s, LeaseState::Waiting))
+            .chain(self.running.iter().map(|s| view(s, LeaseState::Running)))
             .collect();
-        self.metrics.running.store(
-            self.running.len() as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
-        self.metrics.waiting.store(
-            self.waiting.len() as u64,
-            std::sync::atomic::Ordering::Relaxed,
-        );
+        self.metrics.running.set(self.running.len() as i64);
+        self.metrics.waiting.set(self.waiting.len() as i64);
         let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
         p.leases = leases;
     }
 }
 
-/// Byte offset of the first stop string in `text`, if any.
-fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
-    stops
-        .iter()
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| text.find(s.as_str()))
-        .min()
+fn send_text<K>(seq: &Seq<K>, chunk: Option<String>) {
+    if let Some(chunk) = chunk {
+        let _ = seq.events.send(Event::Text(chunk));
+    }
 }
 
 #[cfg(test)]
@@ -855,10 +693,7 @@ mod tests {
             4,
             "finished: every block is back"
         );
-        assert_eq!(
-            e.metrics.kv_oom.load(std::sync::atomic::Ordering::Relaxed),
-            0
-        );
+        assert_eq!(e.metrics.kv_oom.get(), 0);
     }
 
     #[test]
@@ -878,10 +713,7 @@ mod tests {
         let evs = events(&mut a);
         // 32 tokens fit in 2 blocks: 10 prompt + 22 fed back; the next token finds no block.
         assert_eq!(finished(&evs), Some((FinishReason::Error, 23, true)));
-        assert_eq!(
-            e.metrics.kv_oom.load(std::sync::atomic::Ordering::Relaxed),
-            1
-        );
+        assert_eq!(e.metrics.kv_oom.get(), 1);
         assert_eq!(e.pool.stats().blocks_free, 2);
     }
 
@@ -929,7 +761,10 @@ mod tests {
         e.step();
         assert_eq!((e.running.len(), e.waiting.len()), (2, 1));
         let ls = e.published.lock().unwrap().leases.clone();
-        assert_eq!(ls.iter().filter(|l| l.state == "running").count(), 2);
+        assert_eq!(
+            ls.iter().filter(|l| l.state == LeaseState::Running).count(),
+            2
+        );
         for _ in 0..30 {
             e.step();
         }
@@ -939,12 +774,6 @@ mod tests {
                 Some((FinishReason::Length, 10, false))
             );
         }
-        assert_eq!(
-            e.metrics
-                .decode_steps
-                .load(std::sync::atomic::Ordering::Relaxed),
-            18,
-            "9 steps for each pair"
-        );
+        assert_eq!(e.metrics.decode_steps.get(), 18, "9 steps for each pair");
     }
 }

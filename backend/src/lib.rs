@@ -5,9 +5,11 @@
 pub mod api;
 pub mod engine;
 pub mod forward;
+pub mod handle;
 pub mod metrics;
 pub mod model;
 pub mod pool;
+pub mod published;
 pub mod sampling;
 pub mod synthetic;
 pub mod tokenizer;

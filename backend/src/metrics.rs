@@ -1,134 +1,230 @@
-//! Prometheus metrics of the backend, rendered by hand in the text exposition format.
+//! Prometheus metrics of the backend (the `prometheus-client` crate, OpenMetrics text on
+//! `/metrics`; no exporter of its own).
+//!
+//! Counters are registered without their `_total` suffix: the encoder appends it, so the names
+//! scraped are `kvgate_backend_requests_total` and so on. Besides the counters and gauges, three
+//! histograms give the latencies users of TGI and vLLM look for: time to first token, inter-token
+//! latency, and queue wait (arrival at the engine to the start of prefill). The engine records;
+//! nothing here schedules.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
 
 use crate::pool::PoolStats;
 
-#[derive(Default)]
+/// The `content-type` of `render`'s output.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+type Seconds = Counter<f64, AtomicU64>;
+
 pub struct Metrics {
-    pub requests: AtomicU64,
-    pub rejected_kv: AtomicU64,
-    pub prompt_tokens: AtomicU64,
-    pub generated_tokens: AtomicU64,
-    pub queue_us: AtomicU64,
-    pub prefill_us: AtomicU64,
-    pub decode_us: AtomicU64,
-    pub decode_steps: AtomicU64,
-    pub kv_oom: AtomicU64,
-    pub preempted: AtomicU64,
-    pub cancelled: AtomicU64,
-    pub running: AtomicU64,
-    pub waiting: AtomicU64,
+    registry: Registry,
+    pub requests: Counter,
+    pub rejected_kv: Counter,
+    pub prompt_tokens: Counter,
+    pub generated_tokens: Counter,
+    pub queue_seconds: Seconds,
+    pub prefill_seconds: Seconds,
+    pub decode_seconds: Seconds,
+    pub decode_steps: Counter,
+    pub kv_oom: Counter,
+    pub preempted: Counter,
+    pub cancelled: Counter,
+    pub running: Gauge,
+    pub waiting: Gauge,
+    kv_capacity_bytes: Gauge,
+    kv_used_bytes: Gauge,
+    kv_free_bytes: Gauge,
+    /// Arrival at the engine to the first sampled token (queue wait + prefill).
+    pub time_to_first_token: Histogram,
+    /// Between two consecutive tokens of one sequence (one batched decode step, as it saw it).
+    pub inter_token_latency: Histogram,
+    /// Arrival at the engine to the start of its prefill.
+    pub queue_wait: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
 }
 
 impl Metrics {
-    pub fn add(c: &AtomicU64, n: u64) {
-        c.fetch_add(n, Relaxed);
+    pub fn new() -> Metrics {
+        // 1 ms .. ~33 s for the waits, 1 ms .. ~8 s between tokens.
+        let waits = || Histogram::new(exponential_buckets(0.001, 2.0, 16));
+        let mut m = Metrics {
+            registry: Registry::default(),
+            requests: Counter::default(),
+            rejected_kv: Counter::default(),
+            prompt_tokens: Counter::default(),
+            generated_tokens: Counter::default(),
+            queue_seconds: Seconds::default(),
+            prefill_seconds: Seconds::default(),
+            decode_seconds: Seconds::default(),
+            decode_steps: Counter::default(),
+            kv_oom: Counter::default(),
+            preempted: Counter::default(),
+            cancelled: Counter::default(),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            kv_capacity_bytes: Gauge::default(),
+            kv_used_bytes: Gauge::default(),
+            kv_free_bytes: Gauge::default(),
+            time_to_first_token: waits(),
+            inter_token_latency: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            queue_wait: waits(),
+        };
+        let r = &mut m.registry;
+        let counters = [
+            ("requests", "Requests accepted by the engine", &m.requests),
+            (
+                "rejected_kv",
+                "Requests refused for lack of KV blocks (429)",
+                &m.rejected_kv,
+            ),
+            ("prompt_tokens", "Prompt tokens prefilled", &m.prompt_tokens),
+            ("generated_tokens", "Tokens generated", &m.generated_tokens),
+            ("decode_steps", "Batched decode steps", &m.decode_steps),
+            (
+                "kv_oom",
+                "Sequences that failed mid-decode for lack of KV blocks",
+                &m.kv_oom,
+            ),
+            (
+                "preempted",
+                "Sequences cancelled through the admission API",
+                &m.preempted,
+            ),
+            (
+                "cancelled",
+                "Sequences freed because the client went away",
+                &m.cancelled,
+            ),
+        ];
+        for (name, help, c) in counters {
+            r.register(format!("kvgate_backend_{name}"), help, c.clone());
+        }
+        let seconds = [
+            (
+                "queue_seconds",
+                "Time requests waited before prefill",
+                &m.queue_seconds,
+            ),
+            (
+                "prefill_seconds",
+                "Time spent in prefill forwards",
+                &m.prefill_seconds,
+            ),
+            (
+                "decode_seconds",
+                "Time spent in batched decode forwards",
+                &m.decode_seconds,
+            ),
+        ];
+        for (name, help, c) in seconds {
+            r.register(format!("kvgate_backend_{name}"), help, c.clone());
+        }
+        let gauges = [
+            ("running", "Sequences decoding", &m.running),
+            ("waiting", "Sequences waiting for prefill", &m.waiting),
+            (
+                "kv_capacity_bytes",
+                "KV pool capacity",
+                &m.kv_capacity_bytes,
+            ),
+            (
+                "kv_used_bytes",
+                "KV bytes held by sequences",
+                &m.kv_used_bytes,
+            ),
+            ("kv_free_bytes", "KV bytes free", &m.kv_free_bytes),
+        ];
+        for (name, help, g) in gauges {
+            r.register(format!("kvgate_backend_{name}"), help, g.clone());
+        }
+        let histograms = [
+            (
+                "time_to_first_token_seconds",
+                "Arrival at the engine to the first sampled token",
+                &m.time_to_first_token,
+            ),
+            (
+                "inter_token_latency_seconds",
+                "Time between two consecutive tokens of a sequence",
+                &m.inter_token_latency,
+            ),
+            (
+                "queue_wait_seconds",
+                "Arrival at the engine to the start of prefill",
+                &m.queue_wait,
+            ),
+        ];
+        for (name, help, h) in histograms {
+            r.register(format!("kvgate_backend_{name}"), help, h.clone());
+        }
+        m
     }
 
+    /// The OpenMetrics text, with the pool's gauges read now.
     pub fn render(&self, pool: &PoolStats) -> String {
+        let bytes = |b: u64| i64::try_from(b).unwrap_or(i64::MAX);
+        self.kv_capacity_bytes.set(bytes(pool.capacity_bytes));
+        self.kv_used_bytes.set(bytes(pool.used_bytes));
+        self.kv_free_bytes.set(bytes(pool.free_bytes));
         let mut s = String::new();
-        let mut line = |name: &str, kind: &str, help: &str, v: f64| {
-            let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
-        };
-        let g = |c: &AtomicU64| c.load(Relaxed) as f64;
-        line(
-            "kvgate_backend_requests_total",
-            "counter",
-            "Requests accepted by the engine.",
-            g(&self.requests),
-        );
-        line(
-            "kvgate_backend_rejected_kv_total",
-            "counter",
-            "Requests refused for lack of KV blocks (429).",
-            g(&self.rejected_kv),
-        );
-        line(
-            "kvgate_backend_prompt_tokens_total",
-            "counter",
-            "Prompt tokens prefilled.",
-            g(&self.prompt_tokens),
-        );
-        line(
-            "kvgate_backend_generated_tokens_total",
-            "counter",
-            "Tokens generated.",
-            g(&self.generated_tokens),
-        );
-        line(
-            "kvgate_backend_queue_seconds_total",
-            "counter",
-            "Time requests waited before prefill.",
-            g(&self.queue_us) / 1e6,
-        );
-        line(
-            "kvgate_backend_prefill_seconds_total",
-            "counter",
-            "Time spent in prefill forwards.",
-            g(&self.prefill_us) / 1e6,
-        );
-        line(
-            "kvgate_backend_decode_seconds_total",
-            "counter",
-            "Time spent in batched decode forwards.",
-            g(&self.decode_us) / 1e6,
-        );
-        line(
-            "kvgate_backend_decode_steps_total",
-            "counter",
-            "Batched decode steps.",
-            g(&self.decode_steps),
-        );
-        line(
-            "kvgate_backend_kv_oom_total",
-            "counter",
-            "Sequences that failed mid-decode for lack of KV blocks.",
-            g(&self.kv_oom),
-        );
-        line(
-            "kvgate_backend_preempted_total",
-            "counter",
-            "Sequences cancelled through the admission API.",
-            g(&self.preempted),
-        );
-        line(
-            "kvgate_backend_cancelled_total",
-            "counter",
-            "Sequences freed because the client went away.",
-            g(&self.cancelled),
-        );
-        line(
-            "kvgate_backend_running",
-            "gauge",
-            "Sequences decoding.",
-            g(&self.running),
-        );
-        line(
-            "kvgate_backend_waiting",
-            "gauge",
-            "Sequences waiting for prefill.",
-            g(&self.waiting),
-        );
-        line(
-            "kvgate_backend_kv_capacity_bytes",
-            "gauge",
-            "KV pool capacity.",
-            pool.capacity_bytes as f64,
-        );
-        line(
-            "kvgate_backend_kv_used_bytes",
-            "gauge",
-            "KV bytes held by sequences.",
-            pool.used_bytes as f64,
-        );
-        line(
-            "kvgate_backend_kv_free_bytes",
-            "gauge",
-            "KV bytes free.",
-            pool.free_bytes as f64,
-        );
+        if let Err(e) = encode(&mut s, &self.registry) {
+            eprintln!("kvgate-backend: encoding metrics failed: {e}");
+        }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_the_ones_scrapers_read() {
+        let m = Metrics::new();
+        m.requests.inc();
+        m.prefill_seconds.inc_by(0.25);
+        m.time_to_first_token.observe(0.003);
+        m.running.set(2);
+        let pool = PoolStats {
+            blocks_total: 4,
+            blocks_free: 3,
+            block_tokens: 16,
+            block_bytes: 16,
+            capacity_bytes: 64,
+            used_bytes: 16,
+            free_bytes: 48,
+        };
+        let text = m.render(&pool);
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+                .and_then(|v| v.parse::<f64>().ok())
+        };
+        assert_eq!(value("kvgate_backend_requests_total"), Some(1.0));
+        assert_eq!(value("kvgate_backend_kv_oom_total"), Some(0.0));
+        assert_eq!(value("kvgate_backend_prefill_seconds_total"), Some(0.25));
+        assert_eq!(value("kvgate_backend_running"), Some(2.0));
+        assert_eq!(value("kvgate_backend_kv_capacity_bytes"), Some(64.0));
+        assert_eq!(
+            value("kvgate_backend_time_to_first_token_seconds_count"),
+            Some(1.0)
+        );
+        assert_eq!(
+            value("kvgate_backend_time_to_first_token_seconds_bucket{le=\"0.004\"}"),
+            Some(1.0)
+        );
+        assert_eq!(value("kvgate_backend_queue_wait_seconds_count"), Some(0.0));
+        assert!(text.contains("# TYPE kvgate_backend_inter_token_latency_seconds histogram"));
     }
 }

@@ -1,0 +1,93 @@
+//! How the HTTP layer talks to the engine thread: a cloneable `EngineHandle` that sends
+//! `Command`s down a channel, the `Submit` a request becomes, and the `Event`s the engine sends
+//! back to that request. The handle never touches the engine's state; it reads only what the
+//! engine publishes (`Published`), the pool's counters and the metrics.
+
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+
+use kvgate_core::wire::FinishReason;
+use kvgate_core::ApiError;
+use tokio::sync::{mpsc::UnboundedSender, oneshot};
+
+use crate::metrics::Metrics;
+use crate::pool::{BlockPool, PoolStats};
+use crate::published::Published;
+
+#[derive(Debug, Clone)]
+pub struct GenParams {
+    pub max_tokens: u64,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub seed: u64,
+    pub stop: Vec<String>,
+}
+
+#[derive(Debug)]
+pub enum Event {
+    /// The request holds its KV and is queued for prefill.
+    Admitted {
+        id: String,
+    },
+    Rejected(ApiError),
+    Text(String),
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: u64,
+        completion_tokens: u64,
+        /// Set when the sequence ended abnormally (KV OOM, preempted).
+        error: Option<ApiError>,
+    },
+}
+
+pub struct Submit {
+    pub lease: Option<String>,
+    pub prompt: Vec<u32>,
+    pub params: GenParams,
+    pub events: UnboundedSender<Event>,
+}
+
+pub(crate) enum Command {
+    Submit(Box<Submit>),
+    Cancel(String, oneshot::Sender<bool>),
+}
+
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: Sender<Command>,
+    pub published: Arc<Mutex<Published>>,
+    pub pool: BlockPool,
+    pub metrics: Arc<Metrics>,
+}
+
+impl EngineHandle {
+    pub(crate) fn new(
+        tx: Sender<Command>,
+        published: Arc<Mutex<Published>>,
+        pool: BlockPool,
+        metrics: Arc<Metrics>,
+    ) -> EngineHandle {
+        EngineHandle {
+            tx,
+            published,
+            pool,
+            metrics,
+        }
+    }
+
+    pub fn submit(&self, s: Submit) -> bool {
+        self.tx.send(Command::Submit(Box::new(s))).is_ok()
+    }
+
+    pub async fn cancel(&self, id: String) -> bool {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Command::Cancel(id, tx)).is_err() {
+            return false;
+        }
+        rx.await.unwrap_or(false)
+    }
+
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+}
