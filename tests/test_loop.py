@@ -34,7 +34,10 @@ def long_stream(gw, max_tokens, headers=None, result=None):
                                 "temperature": 0, "stream": True})
         result["status"] = r.status_code
         result["headers"] = dict(r.headers)
-        result["events"] = sse(r) if r.status_code == 200 else r.json()
+        try:
+            result["events"] = sse(r) if r.status_code == 200 else r.json()
+        except requests.RequestException as e:  # the stream was cut (a test kills the backend)
+            result["cut"] = repr(e)
     t = threading.Thread(target=run)
     t.start()
     return t, result
@@ -338,5 +341,48 @@ def test_bad_input_matrix_is_refused_at_the_gateway_and_reserves_nothing(stack):
     # A chunked body and HTTP/2 are priced like any other (valid ones are admitted and freed).
     r = requests.post(gw.url + cmpl, data=iter([b'{"prompt": "Hello", ', b'"max_tokens": 3, "temperature": 0}']),
                       headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+    drained(gw, b)
+
+
+def test_backend_killed_mid_stream_frees_every_reservation_and_comes_back(stack):
+    """The backend dies (SIGKILL) with streams and a non-streaming request in flight: every client
+    gets an answer or a cut stream (never a hang), the ledger returns to exactly 0 as their
+    streams end, new requests get a fast OpenAI-style 503, and after a restart it serves again."""
+    gw, b = stack(64)
+    gw.wait_for(lambda s: s.get("backend", {}).get("up") is True, what="first poll")
+    t1, r1 = long_stream(gw, 300)
+    t2, r2 = long_stream(gw, 200)
+    r3 = {}
+
+    def plain():
+        try:
+            r = requests.post(gw.url + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": COUNTING, "max_tokens": 150, "temperature": 0})
+            r3["status"], r3["body"] = r.status_code, r.text
+        except requests.RequestException as e:
+            r3["error"] = repr(e)
+    t3 = threading.Thread(target=plain)
+    t3.start()
+    gw.wait_for(lambda s: s["leases"] == 3, what="three requests in flight")
+    time.sleep(1.0)
+    b.proc.kill()
+    b.proc.wait()
+    for t in (t1, t2, t3):
+        t.join(timeout=60)
+        assert not t.is_alive(), "a client hung after the backend died"
+    # Cut streams, or errors: never a success that did not happen.
+    assert "cut" in r1 and "cut" in r2, (r1.get("events", [])[-2:], r2.get("events", [])[-2:])
+    assert r3.get("status") != 200, r3
+    if "status" in r3:
+        assert r3["status"] >= 500 and json.loads(r3["body"])["error"]["code"].startswith("backend_"), r3
+    gw.assert_drained(timeout=30)
+    gw.wait_for(lambda s: s["backend"]["up"] is False, timeout=15, what="the backend to be reported down")
+    r = requests.post(gw.url + "/v1/completions", timeout=10, json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable"
+    b.start()
+    gw.wait_for(lambda s: s["backend"]["up"] is True, timeout=20, what="the backend to come back")
+    r = requests.post(gw.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 0})
     assert r.status_code == 200, r.text
     drained(gw, b)
