@@ -9,7 +9,7 @@ ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -113,7 +113,33 @@ test-loop: wasm backend-build model setup-venv
 test-configs: wasm setup-venv setup-tools
 	cd tests && ../$(PY) -m pytest -q test_configs.py
 
-test: setup lint test-core test-plugin test-core-wasm validate test-configs test-gateway test-backend test-loop
+test: setup lint test-core test-plugin test-core-wasm validate test-configs test-gateway test-backend test-loop fuzz-quick
+
+# Fuzzing (cargo-fuzz, libFuzzer, nightly): request parsing + validation + counting + pricing,
+# the ledger codec, the config parser (fuzz/fuzz_targets/). Seeds in fuzz/seeds/ (committed); the
+# corpus grows in fuzz/corpus/ and crashes land in fuzz/artifacts/ (both git-ignored). Reproduce
+# one: cargo +nightly fuzz run <target> fuzz/artifacts/<target>/crash-...
+FUZZ_TARGETS := request ledger_codec config
+FUZZ_SECONDS ?= 600
+FUZZ_FLAGS   ?= -timeout=10 -rss_limit_mb=2048
+# AddressSanitizer for the long runs; `none` builds in a third of the time (core is safe Rust:
+# the properties are panics and assertions, which need no sanitizer).
+FUZZ_SANITIZER ?= address
+setup-fuzz:
+	rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+
+# Each target for FUZZ_SECONDS (default 600), one after the other; stops at the first crash.
+fuzz: setup-fuzz
+	cargo +nightly fuzz build --sanitizer $(FUZZ_SANITIZER)
+	for t in $(FUZZ_TARGETS); do mkdir -p fuzz/corpus/$$t && \
+	  cargo +nightly fuzz run --sanitizer $(FUZZ_SANITIZER) $$t fuzz/corpus/$$t fuzz/seeds/$$t -- \
+	    -max_total_time=$(FUZZ_SECONDS) $(FUZZ_FLAGS) || exit 1; done
+
+# What `make test` runs: 15 s per target, no sanitizer. From scratch (cargo-fuzz install, build,
+# runs) about 4 min on 2 shared cores.
+fuzz-quick:
+	$(MAKE) fuzz FUZZ_SECONDS=15 FUZZ_SANITIZER=none
 
 bench: bench-core bench-gateway bench-backend
 
