@@ -536,3 +536,65 @@ def test_http2_trailers_end_the_body(gateway, upstream):
     status, _ = h2_post_with_trailers(gw.port, "/v1/completions", b"{nope")
     assert status == 400
     gw.assert_drained()
+
+
+def test_filter_reloaded_under_load_loses_nothing(gateway):
+    """ECDS reconfigurations (budget and policy changes) while eight clients keep streaming: every
+    answer is 200 or 429, nothing is reaped or released twice, and the ledger ends at exactly 0."""
+    gw = gateway(budget(5_000), ecds=True)
+    stop = time.time() + 12
+    statuses, lock = [], threading.Lock()
+
+    def client(i):
+        with requests.Session() as sess:
+            while time.time() < stop:
+                r = sess.post(gw.url + "/v1/completions", timeout=30,
+                              json={"prompt": tokens(50 + i), "max_tokens": 400 + 50 * i, "stream": True},
+                              headers={"x-mock-mode": "stream", "x-mock-chunks": "5", "x-mock-delay-ms": "60"})
+                r.content
+                with lock:
+                    statuses.append(r.status_code)
+                if r.status_code == 429:
+                    time.sleep(float(r.headers["retry-after-ms"]) / 1000)
+    clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in clients:
+        t.start()
+    for n, tokens_budget in enumerate([8_000, 3_000, 6_000]):
+        time.sleep(3)
+        policy = {"classes": {"default": {"action": "degrade", "min_output_tokens": 64}}} if n % 2 else \
+            {"classes": {"default": {"action": "reject"}}}
+        gw.write_filter_config({**gw_plugin_config(), **budget(tokens_budget), "policy": policy})
+        gw.wait_for(lambda s: s["capacity_bytes"] == tokens_budget * PER_TOKEN, timeout=20, what="the new config")
+    for t in clients:
+        t.join()
+    assert set(statuses) <= {200, 429}, statuses
+    assert statuses.count(200) > 20
+    s = gw.assert_drained(timeout=20)
+    c = s["counters"]
+    assert c["admitted"] == c["released"] and c["reaped"] == 0, c
+    st = gw.stats()
+    assert st["kvgate.release_unknown"] == 0 and st["kvgate.ledger_errors"] == 0
+
+
+def test_a_client_that_stops_reading_does_not_hold_the_budget_past_its_generation(gateway):
+    """A streaming client that stops reading: Envoy buffers the (small) answer, so the generation
+    runs to its end and its reservation is released then, not when the client finally reads or
+    goes; the client still gets its whole answer afterwards."""
+    gw = gateway(budget(20_000))
+    body = json.dumps({"prompt": tokens(100), "max_tokens": 1000, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", gw.port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              b"x-mock-mode: stream\r\nx-mock-chunks: 200\r\nx-mock-delay-ms: 5\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    gw.wait_for(lambda st: st["leases"] == 1)
+    st = gw.assert_drained(timeout=15)  # while the client reads nothing at all
+    assert st["counters"]["released"] == 1
+    s.settimeout(10)
+    answer = b""
+    while b"0\r\n\r\n" not in answer:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        answer += chunk
+    s.close()
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"0\r\n\r\n"), answer[-200:]
