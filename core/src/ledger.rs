@@ -251,19 +251,20 @@ impl Ledger {
         &self.claims
     }
 
-    /// Drop expired claims, then pour free bytes into claims oldest first.
+    /// Drop expired claims, then set bytes aside for the active claims, oldest first: each takes
+    /// what it needs from what is not committed, until nothing is left. Recomputed from scratch at
+    /// every transition, so only one claim is ever partly served and all younger ones hold
+    /// nothing: an older claim that becomes active takes precedence over younger ones, and no two
+    /// claims can each hold part of what the other needs (which would deadlock the line).
     fn settle_claims(&mut self, now_ms: u64) {
         self.claims.retain(|c| c.expires_ms > now_ms);
-        let mut spare = self.free();
-        for c in self.claims.iter_mut().filter(|c| c.active) {
-            if spare == 0 {
-                break;
-            }
-            let give = c.bytes.saturating_sub(c.held).min(spare);
-            c.held += give;
-            spare -= give;
+        let mut spare = self.unclaimed();
+        for c in &mut self.claims {
+            c.held = if c.active { c.bytes.min(spare) } else { 0 };
+            spare -= c.held;
         }
     }
+
     pub fn held_back(&self) -> u64 {
         self.held_back
     }
@@ -306,6 +307,13 @@ impl Ledger {
         retry: &RetryAfterConfig,
         jitter_seed: u64,
     ) -> AdmitOutcome {
+        // A request whose claim is waiting has come back: its claim is active from now on, and
+        // takes its place in line before anything is set aside.
+        if let Some(t) = req.claim {
+            if let Some(c) = self.claims.iter_mut().find(|c| c.key == t.key) {
+                c.active = true;
+            }
+        }
         self.settle_claims(req.now_ms);
         self.admit(req, retry, jitter_seed)
     }
@@ -734,6 +742,58 @@ mod tests {
         assert!(l.claims().is_empty());
         assert_eq!(l.committed(), 90);
         assert_eq!(l.free(), 10);
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn an_older_claim_that_becomes_active_takes_precedence_and_the_line_never_deadlocks() {
+        // Reproduces a deadlock seen through Envoy: younger claims had been given bytes while an
+        // older one was not active yet; then neither could complete.
+        let mut l = Ledger::new(100, 1);
+        let keyed = |key, bytes, now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key,
+                patience_ms: 10_000,
+            }),
+            ..req(bytes, now)
+        };
+        let AdmitOutcome::Admitted { lease } = l.try_admit(&req(100, 0), &retry(), 1) else {
+            panic!("fits");
+        };
+        // The big one (90) is refused first: its claim is the oldest but not active yet.
+        assert!(matches!(
+            l.try_admit(&keyed(1, 90, 1), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        // Two small ones (20 each) are refused twice: active.
+        for t in [2, 3] {
+            for key in [2, 3] {
+                assert!(matches!(
+                    l.try_admit(&keyed(key, 20, t), &retry(), 1),
+                    AdmitOutcome::Rejected { .. }
+                ));
+            }
+        }
+        l.release(lease.id, 4);
+        // Nothing committed: the small ones hold their 20 each; the big one is not active.
+        assert!(matches!(
+            l.try_admit(&req(1000, 5), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert_eq!(l.claimed(), 40);
+        // The big one comes back: it is the oldest, so it is served first, in full.
+        assert!(matches!(
+            l.try_admit(&keyed(1, 90, 6), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert_eq!(l.committed(), 90);
+        // The small ones then share what is left, in order, and each completes in turn.
+        assert!(matches!(
+            l.try_admit(&keyed(2, 20, 7), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        let held: Vec<u64> = l.claims().iter().map(|c| c.held).collect();
+        assert_eq!(held, vec![10, 0], "only the first in line is partly served");
         l.check().unwrap();
     }
 

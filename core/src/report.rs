@@ -31,6 +31,10 @@ pub fn status_json(ledger: &Ledger, cfg: &Config, tokenizer: &str) -> Value {
         "free_bytes": ledger.free(),
         "held_back_bytes": ledger.held_back(),
         "claims": ledger.claims().len(),
+        "claim_list": ledger.claims().iter().map(|c| json!({
+            "key": format!("{:016x}", c.key), "bytes": c.bytes, "held": c.held,
+            "active": c.active, "first_ms": c.first_ms, "expires_ms": c.expires_ms,
+        })).collect::<Vec<_>>(),
         "claimed_bytes": ledger.claimed(),
         "leases": ledger.leases().len(),
         "classes": classes,
