@@ -7,7 +7,11 @@ PY        := $(VENV)/bin/python
 ENVOY     := $(VENV)/bin/envoy
 ENVOY_VER := 1.40.0
 WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
-WASI_RUN  := node --no-warnings $(CURDIR)/tools/wasi-run.mjs
+# --no-incremental-marking: Node 20's V8 can crash in incremental GC while a wasm memory grows
+# (a Fatal error in MarkCompactCollector during Memory.grow, seen about every other run of core's
+# suite once the counter kept a second rank map); 6/6 runs passed with it, and it changes nothing
+# the tests check.
+WASI_RUN  := node --no-warnings --no-incremental-marking $(CURDIR)/tools/wasi-run.mjs
 
 .PHONY: fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
 
