@@ -31,8 +31,9 @@ pub fn status_json(ledger: &Ledger, cfg: &Config, tokenizer: &str) -> Value {
         "free_bytes": ledger.free(),
         "held_back_bytes": ledger.held_back(),
         "claims": ledger.claims().len(),
+        // Claim keys are hashes of callers' keys and bodies: internal, never shown to clients.
         "claim_list": ledger.claims().iter().map(|c| json!({
-            "key": format!("{:016x}", c.key), "bytes": c.bytes, "held": c.held,
+            "bytes": c.bytes, "held": c.held,
             "active": c.active, "first_ms": c.first_ms, "expires_ms": c.expires_ms,
         })).collect::<Vec<_>>(),
         "claimed_bytes": ledger.claimed(),

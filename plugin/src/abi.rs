@@ -92,22 +92,22 @@ pub fn set_buffer(
 }
 
 /// Serialize headers as the proxy-wasm ABI expects: count, then (key len, value len) pairs, then
-/// each key and value NUL-terminated.
-fn serialize_map(map: &[(&str, &str)]) -> Vec<u8> {
+/// each key and value NUL-terminated. (The native test host encodes with this too.)
+pub(crate) fn serialize_map<K: AsRef<str>, V: AsRef<str>>(map: &[(K, V)]) -> Vec<u8> {
     let mut size = 4;
     for (k, v) in map {
-        size += 8 + k.len() + v.len() + 2;
+        size += 8 + k.as_ref().len() + v.as_ref().len() + 2;
     }
     let mut out = Vec::with_capacity(size);
     out.extend_from_slice(&(map.len() as u32).to_le_bytes());
     for (k, v) in map {
-        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(k.as_ref().len() as u32).to_le_bytes());
+        out.extend_from_slice(&(v.as_ref().len() as u32).to_le_bytes());
     }
     for (k, v) in map {
-        out.extend_from_slice(k.as_bytes());
+        out.extend_from_slice(k.as_ref().as_bytes());
         out.push(0);
-        out.extend_from_slice(v.as_bytes());
+        out.extend_from_slice(v.as_ref().as_bytes());
         out.push(0);
     }
     out

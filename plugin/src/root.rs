@@ -453,6 +453,7 @@ impl RootContext for Root {
         };
         let now = host::now_ms();
         crate::worker::beat(now);
+        self.worker.refresh_backend();
         if now >= self.next_reap_ms {
             self.next_reap_ms = now + rt.cfg.tick_ms;
             if let Err(e) = self.reap(&rt, now) {

@@ -117,6 +117,9 @@ pub struct Worker {
     /// Preemption cancels in flight, by callout token: whichever context the host delivers the
     /// answer to, it reaches the ticket that is waiting for it.
     pub cancels: RefCell<HashMap<u32, Rc<Ticket>>>,
+    /// The backend's health as last read from shared data (each tick) or written by this
+    /// worker's own poll: the request path reads this copy and makes no host call for it.
+    health: Cell<BackendHealth>,
     lease_seed: u64,
     lease_counter: Cell<u64>,
 }
@@ -134,6 +137,7 @@ impl Worker {
             cancels: RefCell::new(HashMap::new()),
             lease_seed: h.finish(),
             lease_counter: Cell::new(0),
+            health: Cell::new(BackendHealth::default()),
         }
     }
 
@@ -153,13 +157,20 @@ impl Worker {
     /// The backend's health as the last poll of any worker saw it (Envoy shared data, so every
     /// worker reports the same level).
     pub fn backend(&self) -> BackendHealth {
-        match proxy_wasm::hostcalls::get_shared_data(HEALTH_KEY) {
-            Ok((Some(bytes), _)) => BackendHealth::decode(&bytes).unwrap_or_default(),
-            _ => BackendHealth::default(),
+        self.health.get()
+    }
+
+    /// Re-read the health any worker's poll last recorded (the root context's tick).
+    pub fn refresh_backend(&self) {
+        if let Ok((Some(bytes), _)) = proxy_wasm::hostcalls::get_shared_data(HEALTH_KEY) {
+            if let Some(h) = BackendHealth::decode(&bytes) {
+                self.health.set(h);
+            }
         }
     }
 
     pub fn set_backend(&self, h: &BackendHealth) {
+        self.health.set(*h);
         if let Err(s) = proxy_wasm::hostcalls::set_shared_data(HEALTH_KEY, Some(&h.encode()), None)
         {
             host::warn(&format!("kvgate: cannot record backend health: {s:?}"));

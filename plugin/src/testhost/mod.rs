@@ -142,22 +142,8 @@ pub(crate) unsafe fn string(data: *const u8, size: usize) -> String {
     String::from_utf8_lossy(slice(data, size)).into_owned()
 }
 
-/// The proxy-wasm map encoding: count, (key len, value len) pairs, then NUL-terminated bytes.
-pub fn serialize_map(map: &[(String, String)]) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend_from_slice(&(map.len() as u32).to_le_bytes());
-    for (k, v) in map {
-        out.extend_from_slice(&(k.len() as u32).to_le_bytes());
-        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
-    }
-    for (k, v) in map {
-        out.extend_from_slice(k.as_bytes());
-        out.push(0);
-        out.extend_from_slice(v.as_bytes());
-        out.push(0);
-    }
-    out
-}
+/// The proxy-wasm map encoding (the filter's own encoder).
+pub(crate) use crate::abi::serialize_map;
 
 pub fn deserialize_map(bytes: &[u8]) -> Vec<(String, String)> {
     if bytes.len() < 4 {
