@@ -24,9 +24,7 @@ use crate::engine::Admission;
 use crate::handle::{EngineHandle, Event, GenParams, Submit};
 use crate::published::Published;
 use crate::tokenizer::Tokenizer;
-use kvgate_core::wire::{
-    FinishReason, LeaseReport, LimitsReport, ModelReport, PoolReport, TokenizerReport,
-};
+use kvgate_core::wire::{FinishReason, LeaseReport, LimitsReport, ModelReport, TokenizerReport};
 
 pub struct AppState {
     pub engine: EngineHandle,
@@ -157,15 +155,7 @@ async fn leases(
         ranks: (q.include.as_deref() == Some("tokenizer")).then(|| st.tok.bpe.to_tiktoken()),
     };
     Ok(Json(LeaseReport {
-        pool: PoolReport {
-            blocks_total: pool.blocks_total,
-            blocks_free: pool.blocks_free,
-            block_tokens: pool.block_tokens,
-            block_bytes: pool.block_bytes,
-            capacity_bytes: pool.capacity_bytes,
-            used_bytes: pool.used_bytes,
-            free_bytes: pool.free_bytes,
-        },
+        pool,
         admission: st.admission.as_str().into(),
         model: Some(ModelReport {
             name: Some(st.model_name.clone()),

@@ -30,16 +30,8 @@ pub struct BlockPool {
     pub block_bytes: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-pub struct PoolStats {
-    pub blocks_total: u32,
-    pub blocks_free: u32,
-    pub block_tokens: u32,
-    pub block_bytes: u64,
-    pub capacity_bytes: u64,
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-}
+/// The pool's state as the lease report carries it (one type for the wire and the pool).
+pub use kvgate_core::wire::PoolReport as PoolStats;
 
 /// Blocks held by one sequence; returned to the pool on drop.
 #[derive(Debug)]
