@@ -72,7 +72,7 @@ wasm: setup-rust
 # Every Envoy bootstrap that ships passes `envoy --mode validate` (the filter configs and the
 # compose/Istio files are loaded by tests/test_configs.py).
 validate: wasm setup-venv
-	for c in envoy/envoy.yaml envoy/gateway.yaml; do $(ENVOY) --mode validate -c $$c -l error || exit 1; done
+	for c in envoy/envoy.yaml envoy/gateway.yaml envoy/fleet.yaml; do $(ENVOY) --mode validate -c $$c -l error || exit 1; done
 
 # The filter in a real Envoy (tests/test_gateway.py), and a quick soak with client aborts.
 test-gateway: wasm setup-venv

@@ -24,6 +24,8 @@ BACKEND = ROOT / "target" / "release" / "kvgate-backend"
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 BLOCK_BYTES = 16 * 46_080  # SmolLM2-135M, f32 KV, 16-token blocks
 SHIPPED = ROOT / "envoy" / "envoy.yaml"
+FLEET = ROOT / "envoy" / "fleet.yaml"
+FLEET_FILTER = ROOT / "envoy" / "fleet-filter.yaml"
 
 
 def free_port():
@@ -44,6 +46,30 @@ def wasm_filter(bootstrap):
 def shipped_plugin_config():
     f = wasm_filter(shipped_bootstrap())
     return json.loads(f["typed_config"]["config"]["configuration"]["value"])
+
+
+def fleet_filter():
+    """The wasm filter's typed_config that envoy/fleet-filter.yaml delivers by ECDS."""
+    return yaml.safe_load(FLEET_FILTER.read_text())["resources"][0]["typed_config"]
+
+
+def fleet_bootstrap():
+    """envoy/fleet.yaml (one gateway, several backends, override_host on the backend cluster) with
+    the filter of envoy/fleet-filter.yaml inline, the shape `Envoy` rewrites."""
+    boot = yaml.safe_load(FLEET.read_text())
+    f = wasm_filter(boot)
+    f.clear()
+    f.update({"name": "kvgate", "typed_config": fleet_filter()})
+    return boot
+
+
+def fleet_plugin_config():
+    return json.loads(fleet_filter()["config"]["configuration"]["value"])
+
+
+def endpoint_address(port):
+    """How the fleet's cluster and the filter's `backend.endpoints` name a local backend."""
+    return f"127.0.0.1:{port}"
 
 
 class Process:
@@ -88,7 +114,10 @@ class Process:
 class Envoy(Process):
     name = "envoy"
 
-    def __init__(self, workdir, upstream_port, plugin_config, concurrency=2, ecds=False):
+    def __init__(self, workdir, upstream_port, plugin_config, concurrency=2, ecds=False, bootstrap=None):
+        """`upstream_port`: one port, or a list of them (every host of the backend cluster, as in
+        envoy/fleet.yaml). `bootstrap`: the shipped envoy/envoy.yaml unless given (e.g.
+        `fleet_bootstrap()`)."""
         self.workdir = Path(workdir)
         self.port = free_port()
         self.admin_port = free_port()
@@ -98,13 +127,15 @@ class Envoy(Process):
         self.log_path = self.workdir / "envoy.log"
         self.proc = None
         self.plugin_config = plugin_config
-        boot = shipped_bootstrap()
+        boot = bootstrap or shipped_bootstrap()
         boot["admin"]["address"]["socket_address"]["port_value"] = self.admin_port
         listener = boot["static_resources"]["listeners"][0]
         listener["address"]["socket_address"]["port_value"] = self.port
         cluster = boot["static_resources"]["clusters"][0]
-        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
-            "socket_address"]["port_value"] = upstream_port
+        ports = upstream_port if isinstance(upstream_port, (list, tuple)) else [upstream_port]
+        cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+            for p in ports]
         f = wasm_filter(boot)
         f["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(WASM)
         self.filter_template = copy.deepcopy(f)
@@ -164,6 +195,11 @@ class Envoy(Process):
         r.raise_for_status()
         return r.json()
 
+    def endpoint(self, address, status=None):
+        """One endpoint's entry of the status page (a fleet gateway), or None when not listed."""
+        s = status or self.status()
+        return next((e for e in s.get("endpoints", []) if e["address"] == address), None)
+
     def stats(self):
         """kvgate's Envoy stats (admin /stats; Envoy files wasm metrics under `wasmcustom.`)."""
         text = requests.get(self.admin + "/stats?filter=^wasmcustom\\.kvgate", timeout=5).text
@@ -197,12 +233,13 @@ class Backend(Process):
 
     name = "backend"
 
-    def __init__(self, workdir, *args, port=None):
+    def __init__(self, workdir, *args, port=None, secret=None):
         self.workdir = Path(workdir)
         self.port = port or free_port()
         # The gateway's credential for the admission API and lease headers (what the filter
-        # sends as x-kvgate-secret; the stack fixture gives it to the filter too).
-        self.secret = f"test-secret-{self.port}"
+        # sends as x-kvgate-secret; the stack fixture gives it to the filter too). Backends
+        # behind one gateway share one (the filter sends one secret to every endpoint).
+        self.secret = secret or f"test-secret-{self.port}"
         secret_file = self.workdir / f"admission-secret-{self.port}"
         secret_file.write_text(self.secret + "\n")
         self.args = [str(BACKEND), "--model", str(MODEL), "--port", str(self.port),
@@ -213,6 +250,16 @@ class Backend(Process):
     @property
     def url(self):
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self):
+        return endpoint_address(self.port)
+
+    def kill(self):
+        """SIGKILL: the backend dies with whatever it was doing (no graceful end of streams)."""
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
 
     def start(self, timeout=60):
         return self.launch(self.args, lambda: requests.get(self.url + "/health", timeout=1).status_code == 200, timeout)

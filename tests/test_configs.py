@@ -6,9 +6,9 @@ from pathlib import Path
 
 import yaml
 
-from harness import ENVOY, ROOT, Envoy
+from harness import ENVOY, ROOT, Envoy, fleet_bootstrap, fleet_plugin_config, free_port
 
-SHIPPED_FILTERS = ["envoy/kvgate-filter.yaml", "envoy/compose/kvgate-filter.yaml"]
+SHIPPED_FILTERS = ["envoy/kvgate-filter.yaml", "envoy/compose/kvgate-filter.yaml", "envoy/fleet-filter.yaml"]
 
 
 def plugin_json(path):
@@ -28,10 +28,35 @@ def test_each_shipped_plugin_configuration_is_accepted(tmp_path, wasm, upstream)
         try:
             e.start()
             s = e.status()
-            assert s["capacity_bytes"] == int(cfg["kv_budget_bytes"] * cfg["safety_fraction"]), name
+            usable = int(cfg["kv_budget_bytes"] * cfg["safety_fraction"])
+            endpoints = cfg["backend"].get("endpoints", [])
+            if endpoints:
+                # A fleet: one ledger per endpoint, each priced against the (fallback) budget.
+                assert [x["address"] for x in s["endpoints"]] == endpoints, name
+                assert all(x["capacity_bytes"] == usable for x in s["endpoints"]), name
+            else:
+                assert s["capacity_bytes"] == usable, name
             assert set(s["classes"]) == set(cfg["policy"]["classes"]), name
         finally:
             e.stop()
+
+
+def test_fleet_gateway_starts_with_its_endpoints(tmp_path, wasm):
+    """envoy/fleet.yaml with envoy/fleet-filter.yaml (by ECDS, as shipped) on free ports, its two
+    backends nowhere: Envoy loads the override_host cluster and the header_mutation chain, the
+    filter lists both endpoints, and both are reported down."""
+    ports = [free_port(), free_port()]
+    cfg = fleet_plugin_config()
+    cfg["backend"] = {**cfg["backend"], "endpoints": [f"127.0.0.1:{p}" for p in ports],
+                      "poll_ms": 200, "timeout_ms": 300, "down_after_failures": 1}
+    e = Envoy(tmp_path, ports, cfg, ecds=True, bootstrap=fleet_bootstrap())
+    try:
+        e.start()
+        s = e.wait_for(lambda s: [x["up"] for x in s["endpoints"]] == [False, False], what="both endpoints down")
+        assert [x["address"] for x in s["endpoints"]] == cfg["backend"]["endpoints"]
+        assert s["committed_bytes"] == 0 and s["level"] == "red"
+    finally:
+        e.stop()
 
 
 def test_compose_gateway_validates_with_its_mounts(tmp_path, wasm):
