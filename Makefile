@@ -104,8 +104,13 @@ demo: setup wasm backend-build
 	$(PY) tools/stack.py demo
 
 # Start / stop the stack in the background (gateway :10000, admin :9901, backend :8000).
+# BACKENDS=N GATEWAYS=M: a fleet, backends on :8000, :8001, ..., gateways on :10000, :10001, ...
+# (admin :9901, :9902, ...), each gateway in front of every backend (envoy/fleet.yaml and
+# envoy/fleet-filter.yaml, generated per gateway into .run/). `make down` stops all of them.
+BACKENDS ?= 1
+GATEWAYS ?= 1
 up: setup wasm backend-build
-	$(PY) tools/stack.py up
+	$(PY) tools/stack.py up --backends $(BACKENDS) --gateways $(GATEWAYS)
 down:
 	$(PY) tools/stack.py down
 

@@ -2,12 +2,17 @@
 """Run the kvgate stack on this machine: the backend (default model) and Envoy with the filter.
 
   stack.py up     start both in the background (gateway :10000, admin :9901, backend :8000)
-  stack.py down   stop what `up` started
+  stack.py up --backends N --gateways M
+                  a fleet: backends on :8000, :8001, ... and gateways on :10000, :10001, ...
+                  (admin :9901, :9902, ...), each gateway in front of every backend
+  stack.py down   stop everything `up` started
   stack.py demo   up, the adversarial traffic mix with a live line per second, summary, down
 
-Logs and pid files live in .run/. Paths are relative to the repository root.
+Logs and pid files live in .run/ (the fleet's generated Envoy configs too). Paths are relative to
+the repository root.
 """
 
+import argparse
 import json
 import os
 import random
@@ -24,7 +29,8 @@ from urllib import request as urlrequest
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / ".run"
 GATEWAY, ADMIN, BACKEND = "http://127.0.0.1:10000", "http://127.0.0.1:9901", "http://127.0.0.1:8000"
-KV_BYTES = 268435456  # the backend's KV pool; envoy/kvgate-filter.yaml prices against the same
+KV_BYTES = 268435456  # each backend's KV pool; envoy/kvgate-filter.yaml and envoy/fleet-filter.yaml price against the same
+BACKEND_PORT, GATEWAY_PORT, ADMIN_PORT, BASE_ID = 8000, 10000, 9901, 7
 MODEL = "smollm2-135m-instruct"
 
 
@@ -67,25 +73,91 @@ def wait(url, proc, name, timeout=90):
     sys.exit(f"{name} not ready after {timeout}s; see {RUN / (name + '.log')}")
 
 
-def up(admission="reserve"):
-    for url, what in ((BACKEND + "/health", "backend :8000"), (ADMIN + "/ready", "Envoy admin :9901")):
+def up(admission="reserve", backends=1, gateways=1):
+    """One backend behind envoy/gateway.yaml, or with several backends or gateways a fleet:
+    every gateway runs envoy/fleet.yaml + envoy/fleet-filter.yaml, generated into .run/ with
+    its own ports, its own `--base-id`, its own `gateway_id`, and every backend as an endpoint."""
+    if backends < 1 or gateways < 1:
+        sys.exit("BACKENDS and GATEWAYS must be at least 1")
+    fleet = backends > 1 or gateways > 1
+    bports = [BACKEND_PORT + i for i in range(backends)]
+    gports = [(GATEWAY_PORT + j, ADMIN_PORT + j) for j in range(gateways)]
+    for url, what in ([(f"http://127.0.0.1:{p}/health", f"a backend :{p}") for p in bports]
+                      + [(f"http://127.0.0.1:{a}/ready", f"Envoy admin :{a}") for _, a in gports]):
         if alive(url):
             sys.exit(f"{what} is already answering: run `make down` first")
-    b = start("backend", [str(ROOT / "target/release/kvgate-backend"), "--port", "8000",
-                          "--kv-cache-bytes", str(KV_BYTES), "--admission", admission])
-    wait(BACKEND + "/health", b, "backend")
-    e = start("envoy", [str(ROOT / ".venv/bin/envoy"), "-c", "envoy/gateway.yaml", "--concurrency", "2",
-                        "--base-id", "7", "-l", "warning"])
-    wait(ADMIN + "/ready", e, "envoy")
-    wait(GATEWAY + "/kvgate/status", e, "envoy")
-    print(f"kvgate up: gateway {GATEWAY}  admin {ADMIN}  backend {BACKEND} (admission {admission}); logs in .run/")
+    procs = []
+    for i, port in enumerate(bports):
+        name = "backend" if i == 0 else f"backend-{i}"
+        procs.append((start(name, [str(ROOT / "target/release/kvgate-backend"), "--port", str(port),
+                                   "--kv-cache-bytes", str(KV_BYTES), "--admission", admission]), name, port))
+    for p, name, port in procs:  # the backends load the model side by side
+        wait(f"http://127.0.0.1:{port}/health", p, name)
+    for j, (port, admin) in enumerate(gports):
+        name = "envoy" if j == 0 else f"envoy-{j}"
+        config = fleet_configs(j, port, admin, bports) if fleet else "envoy/gateway.yaml"
+        e = start(name, [str(ROOT / ".venv/bin/envoy"), "-c", config, "--concurrency", "2",
+                         "--base-id", str(BASE_ID + j), "-l", "warning"])
+        wait(f"http://127.0.0.1:{admin}/ready", e, name)
+        wait(f"http://127.0.0.1:{port}/kvgate/status", e, name)
+    if not fleet:
+        print(f"kvgate up: gateway {GATEWAY}  admin {ADMIN}  backend {BACKEND} (admission {admission}); logs in .run/")
+        return
+    print(f"kvgate fleet up (admission {admission}); logs and configs in .run/")
+    for j, (port, admin) in enumerate(gports):
+        print(f"  gateway {j}: http://127.0.0.1:{port}  admin http://127.0.0.1:{admin}  "
+              f"(gateway_id {j}; filter config .run/fleet-filter-{j}.yaml, edit it live)")
+    for port in bports:
+        print(f"  backend: http://127.0.0.1:{port}  (/health, /metrics)")
+
+
+def fleet_configs(j, port, admin, backend_ports):
+    """Gateway j's bootstrap and filter configuration, from envoy/fleet.yaml and
+    envoy/fleet-filter.yaml: its ports, the ECDS file it watches, every backend in the cluster
+    and in the filter's endpoint list, and its own gateway_id (unique lease ids across gateways).
+    Returns the bootstrap's path, relative to the repository root (Envoy runs there)."""
+    import yaml  # the project venv has it (tests/requirements.txt); only the fleet needs it
+
+    class Dumper(yaml.SafeDumper):  # the filter's JSON as a readable block, as in the shipped file
+        pass
+    Dumper.add_representer(str, lambda d, v: d.represent_scalar(
+        "tag:yaml.org,2002:str", v, style="|" if "\n" in v else None))
+    dump = lambda doc: yaml.dump(doc, Dumper=Dumper, sort_keys=False, width=100)  # noqa: E731
+
+    endpoints = [f"127.0.0.1:{p}" for p in backend_ports]
+    boot = yaml.safe_load((ROOT / "envoy/fleet.yaml").read_text())
+    boot["node"]["id"] = f"kvgate-gateway-{j}"
+    boot["admin"]["address"]["socket_address"]["port_value"] = admin
+    listener = boot["static_resources"]["listeners"][0]
+    listener["address"]["socket_address"]["port_value"] = port
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    kvgate = next(f for f in hcm["http_filters"] if f["name"] == "kvgate")
+    ecds_path = f".run/fleet-filter-{j}.yaml"
+    kvgate["config_discovery"]["config_source"]["path_config_source"]["path"] = ecds_path
+    cluster = next(c for c in boot["static_resources"]["clusters"] if c["name"] == "kvgate_backend")
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"] = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+        for p in backend_ports]
+    doc = yaml.safe_load((ROOT / "envoy/fleet-filter.yaml").read_text())
+    wasm = doc["resources"][0]["typed_config"]["config"]
+    cfg = json.loads(wasm["configuration"]["value"])
+    cfg["gateway_id"] = j
+    cfg["backend"]["endpoints"] = endpoints
+    wasm["configuration"]["value"] = json.dumps(cfg, indent=2) + "\n"
+    RUN.mkdir(exist_ok=True)
+    note = "# Generated by `make up` from envoy/{} for gateway {}; `make up` rewrites it.\n"
+    (ROOT / ecds_path).write_text(note.format("fleet-filter.yaml", j) + "# Edit live: write a new file, then "
+                                  "`mv` it over this one (ECDS).\n" + dump(doc))
+    path = RUN / f"gateway-{j}.yaml"
+    path.write_text(note.format("fleet.yaml", j) + dump(boot))
+    return str(path.relative_to(ROOT))
 
 
 def down():
-    for name in ("envoy", "backend"):
-        pid_file = RUN / f"{name}.pid"
-        if not pid_file.exists():
-            continue
+    """Stop every gateway, then every backend, that `up` started (by their pid files)."""
+    names = sorted(RUN.glob("envoy*.pid")) + sorted(RUN.glob("backend*.pid")) if RUN.exists() else []
+    for pid_file in names:
+        name = pid_file.stem
         pid = int(pid_file.read_text())
         try:
             os.killpg(pid, signal.SIGTERM)
@@ -245,12 +317,14 @@ def demo(seconds=40, clients=5):
 
 
 if __name__ == "__main__":
-    cmd = sys.argv[1] if len(sys.argv) > 1 else "demo"
-    if cmd == "up":
-        up()
-    elif cmd == "down":
+    ap = argparse.ArgumentParser(description="Run the kvgate stack in the background.", usage=__doc__)
+    ap.add_argument("cmd", nargs="?", default="demo", choices=["up", "down", "demo"])
+    ap.add_argument("--backends", type=int, default=1, help="backends on :8000, :8001, ... (up)")
+    ap.add_argument("--gateways", type=int, default=1, help="gateways on :10000, :10001, ... (up)")
+    a = ap.parse_args()
+    if a.cmd == "up":
+        up(backends=a.backends, gateways=a.gateways)
+    elif a.cmd == "down":
         down()
-    elif cmd == "demo":
-        demo()
     else:
-        sys.exit(__doc__)
+        demo()
