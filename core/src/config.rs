@@ -59,6 +59,10 @@ pub struct RawConfig {
     /// long after twice the advertised Retry-After. 0 turns fair retries off.
     #[serde(default = "d_patience")]
     pub fair_retry_patience_ms: u64,
+    /// This gateway's number (0..=1023), put in the top bits of its lease ids so ids from several
+    /// gateways in front of one backend never collide. Absent: drawn at random at start.
+    #[serde(default)]
+    pub gateway_id: Option<u16>,
     /// Poll the backend's admission API (leases, releases, real KV use). Absent: no callout.
     #[serde(default)]
     pub backend: Option<RawBackend>,
@@ -88,6 +92,14 @@ pub struct RawBackend {
     /// lease, so the backend can refuse admission calls and lease headers from anyone else
     /// (its `--admission-secret-file`). Empty: none sent.
     pub secret: String,
+    /// The backend hosts (`ip:port`, as the cluster holds them) this gateway balances over, each
+    /// with its own ledger; the choice is sent to Envoy's `override_host` load balancer (filter
+    /// state `wasm.kvgate_endpoint`, copied into `x-kvgate-endpoint`) and the callouts to one
+    /// endpoint carry that header. Empty: one backend (or the cluster's own balancing), one
+    /// ledger.
+    pub endpoints: Vec<String>,
+    /// Which endpoint gets a request that fits on several: `most_room` or `best_fit`.
+    pub endpoint_choice: crate::fleet::Choice,
 }
 
 impl Default for RawBackend {
@@ -103,6 +115,8 @@ impl Default for RawBackend {
             drift_warn_bytes: 256 * 1024 * 1024,
             down_after_failures: 3,
             secret: String::new(),
+            endpoints: Vec::new(),
+            endpoint_choice: crate::fleet::Choice::default(),
         }
     }
 }
@@ -238,6 +252,7 @@ pub struct Config {
     pub tick_ms: u64,
     pub owner_timeout_ms: u64,
     pub fair_retry_patience_ms: u64,
+    pub gateway_id: Option<u16>,
     pub backend: Option<BackendCallout>,
     /// What the backend serves (from its descriptor): requests it would refuse are refused here,
     /// before anything is reserved. Unknown until the descriptor arrives.
@@ -441,6 +456,14 @@ impl TryFrom<RawConfig> for Config {
                     "must be at least twice poll_ms, or requests still on their way count as drift",
                 ));
             }
+            check_endpoints(&b.endpoints)?;
+        }
+        if let Some(g) = raw.gateway_id.filter(|g| *g > MAX_GATEWAY_ID) {
+            return Err(ConfigError::new(
+                "gateway_id",
+                g,
+                format!("must be in 0..={MAX_GATEWAY_ID}"),
+            ));
         }
         Ok(Config {
             pricing,
@@ -470,10 +493,51 @@ impl TryFrom<RawConfig> for Config {
             tick_ms: raw.tick_ms,
             owner_timeout_ms: raw.owner_timeout_ms,
             fair_retry_patience_ms: raw.fair_retry_patience_ms,
+            gateway_id: raw.gateway_id,
             backend: raw.backend,
             served: crate::validate::Served::default(),
         })
     }
+}
+
+/// Highest `gateway_id` (10 bits of a lease id).
+pub const MAX_GATEWAY_ID: u16 = 1023;
+
+/// Endpoints are `host:port` as Envoy's cluster holds them (an IPv6 host in brackets), each
+/// once, at most `fleet::MAX_ENDPOINTS`.
+fn check_endpoints(endpoints: &[String]) -> Result<(), ConfigError> {
+    if endpoints.len() > crate::fleet::MAX_ENDPOINTS {
+        return Err(ConfigError::new(
+            "backend.endpoints",
+            endpoints.len(),
+            format!("at most {} endpoints", crate::fleet::MAX_ENDPOINTS),
+        ));
+    }
+    for (i, e) in endpoints.iter().enumerate() {
+        let ok = e.len() <= 255
+            && e.rsplit_once(':').is_some_and(|(host, port)| {
+                !host.is_empty()
+                    && port.parse::<u16>().is_ok_and(|p| p > 0)
+                    && host
+                        .bytes()
+                        .all(|c| c.is_ascii_alphanumeric() || b".-:[]_".contains(&c))
+            });
+        if !ok {
+            return Err(ConfigError::new(
+                "backend.endpoints",
+                format!("{e:?}"),
+                "each must be host:port (the address Envoy's cluster holds)",
+            ));
+        }
+        if endpoints.get(..i).is_some_and(|seen| seen.contains(e)) {
+            return Err(ConfigError::new(
+                "backend.endpoints",
+                format!("{e:?}"),
+                "is listed twice",
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn tokenizer_spec(raw: RawTokenizer) -> Result<TokenizerSpec, ConfigError> {
@@ -561,6 +625,21 @@ mod tests {
     }
 
     #[test]
+    fn endpoints_and_gateway_id() {
+        let c = with(
+            r#""gateway_id":7,"backend":{"endpoints":["10.0.0.1:8000","[fd00::1]:8000","b.svc:80"],"endpoint_choice":"best_fit"}"#,
+        )
+        .unwrap();
+        let b = c.backend.unwrap();
+        assert_eq!(b.endpoints.len(), 3);
+        assert_eq!(b.endpoint_choice, crate::fleet::Choice::BestFit);
+        assert_eq!(c.gateway_id, Some(7));
+        let c = with(r#""backend":{}"#).unwrap();
+        assert!(c.backend.unwrap().endpoints.is_empty());
+        assert_eq!(c.gateway_id, None);
+    }
+
+    #[test]
     fn errors_name_the_field() {
         for (extra, field) in [
             (r#""safety_fraction":1.5"#, "safety_fraction"),
@@ -590,6 +669,19 @@ mod tests {
                 r#""backend":{"poll_ms":1000,"lost_grace_ms":1000}"#,
                 "backend.lost_grace_ms",
             ),
+            (
+                r#""backend":{"endpoints":["a:1","a:1"]}"#,
+                "backend.endpoints",
+            ),
+            (r#""backend":{"endpoints":["a"]}"#, "backend.endpoints"),
+            (r#""backend":{"endpoints":[":80"]}"#, "backend.endpoints"),
+            (r#""backend":{"endpoints":["a:0"]}"#, "backend.endpoints"),
+            (r#""backend":{"endpoints":["a b:80"]}"#, "backend.endpoints"),
+            (
+                r#""backend":{"endpoint_choice":"random"}"#,
+                "(plugin configuration)",
+            ),
+            (r#""gateway_id":1024"#, "gateway_id"),
         ] {
             let e = with(extra).unwrap_err();
             assert_eq!(e.field, field, "{extra}: {e}");

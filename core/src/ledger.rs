@@ -247,6 +247,30 @@ impl Ledger {
             .fold(0, u64::saturating_add)
     }
 
+    /// Add another ledger's totals, leases and claims to this one: the summary of a fleet's
+    /// ledgers for the status document (never stored, never decided on).
+    pub fn absorb(&mut self, o: &Ledger) {
+        self.capacity = self.capacity.saturating_add(o.capacity);
+        self.committed = self.committed.saturating_add(o.committed);
+        self.held_back = self.held_back.saturating_add(o.held_back);
+        self.mean_lease_ms = self.mean_lease_ms.max(o.mean_lease_ms);
+        let (a, b) = (&mut self.counters, o.counters);
+        a.admitted = a.admitted.saturating_add(b.admitted);
+        a.rejected = a.rejected.saturating_add(b.rejected);
+        a.released = a.released.saturating_add(b.released);
+        a.reaped = a.reaped.saturating_add(b.reaped);
+        self.leases.extend(o.leases.iter().cloned());
+        self.claims.extend(o.claims.iter().cloned());
+    }
+
+    /// What the claim with this key holds for its request now (0 without one).
+    pub fn held_for(&self, key: u64) -> u64 {
+        self.claims
+            .iter()
+            .find(|c| c.key == key)
+            .map_or(0, |c| c.held)
+    }
+
     pub fn claims(&self) -> &[Claim] {
         &self.claims
     }

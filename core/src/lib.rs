@@ -8,6 +8,7 @@ pub mod cap;
 pub mod codec;
 pub mod config;
 pub mod error;
+pub mod fleet;
 pub mod gate;
 pub mod ledger;
 pub mod policy;

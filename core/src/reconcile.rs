@@ -28,6 +28,9 @@ pub struct BackendReport {
     pub finished: Vec<u64>,
     pub cursor: u64,
     pub fingerprint: Option<String>,
+    /// Every live entry: its id when it is a gateway's lease id, and the bytes it holds or has
+    /// reserved there (whichever is more).
+    pub entries: Vec<(Option<u64>, u64)>,
 }
 
 impl BackendReport {
@@ -52,6 +55,11 @@ impl From<&LeaseReport> for BackendReport {
             finished: own_ids(r.finished.iter().map(|f| f.id.as_str())),
             cursor: r.cursor,
             fingerprint: r.model.as_ref().and_then(|m| m.fingerprint.clone()),
+            entries: r
+                .leases
+                .iter()
+                .map(|l| (l.id.parse().ok(), l.reserved_bytes.max(l.used_bytes)))
+                .collect(),
         }
     }
 }
@@ -62,8 +70,13 @@ pub struct Reconciled {
     pub released: Vec<Lease>,
     /// Kept, but unknown to the backend past the grace period: drift to alert on.
     pub unseen: Vec<Lease>,
-    /// Bytes now held back from admission (backend use beyond the ledger's committed bytes).
+    /// Bytes now held back from admission: the backend's use beyond the ledger's committed
+    /// bytes, or what foreign leases hold there, whichever is more.
     pub held_back: u64,
+    /// Live at the backend but not in this ledger: another gateway's requests (or ones that
+    /// bypassed the gateways), and their bytes.
+    pub foreign_leases: usize,
+    pub foreign_bytes: u64,
 }
 
 impl Reconciled {
@@ -96,7 +109,16 @@ pub fn reconcile(
         .filter(|l| !live.contains(&l.id) && l.created_ms.saturating_add(grace_ms) <= now_ms)
         .cloned()
         .collect();
-    out.held_back = report.used_bytes.saturating_sub(ledger.committed());
+    for (id, bytes) in &report.entries {
+        if id.is_none_or(|id| ledger.lease(id).is_none()) {
+            out.foreign_leases += 1;
+            out.foreign_bytes = out.foreign_bytes.saturating_add(*bytes);
+        }
+    }
+    out.held_back = report
+        .used_bytes
+        .saturating_sub(ledger.committed())
+        .max(out.foreign_bytes);
     ledger.set_held_back(out.held_back);
     out
 }
@@ -171,6 +193,41 @@ mod tests {
         assert_eq!(again.unseen.len(), 1);
         assert_eq!(l.committed(), 900);
         assert_eq!(l.counters().reaped, 0);
+    }
+
+    #[test]
+    fn another_gateways_leases_are_foreign_and_held_back() {
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 1_000, 0);
+        // Ours (1), another gateway's (77: reserved 2,500 while using 100), one that bypassed
+        // the gateways, and a backend that reserves at arrival: used covers all three.
+        let r = BackendReport::parse(
+            br#"{"pool":{"capacity_bytes":10000,"used_bytes":3900},
+                "leases":[{"id":"1","reserved_bytes":1000},{"id":"77","reserved_bytes":2500,"used_bytes":100},
+                          {"id":"internal-2","used_bytes":400}]}"#,
+        )
+        .unwrap();
+        let rec = reconcile(&mut l, &r, 10, 5_000);
+        assert_eq!((rec.foreign_leases, rec.foreign_bytes), (2, 2_900));
+        assert_eq!(rec.held_back, 2_900);
+        assert_eq!(l.free(), 10_000 - 1_000 - 2_900);
+        // A backend that does not reserve (admission none) reports less used than reserved:
+        // the foreign reservations still hold.
+        let r = BackendReport {
+            used_bytes: 1_200,
+            entries: vec![(Some(1), 1_000), (Some(77), 2_500)],
+            ..Default::default()
+        };
+        let rec = reconcile(&mut l, &r, 20, 5_000);
+        assert_eq!(rec.held_back, 2_500);
+        // The other gateway's request ended: nothing foreign, nothing held back.
+        let r = BackendReport {
+            used_bytes: 1_000,
+            entries: vec![(Some(1), 1_000)],
+            ..Default::default()
+        };
+        let rec = reconcile(&mut l, &r, 30, 5_000);
+        assert_eq!((rec.foreign_leases, rec.held_back), (0, 0));
     }
 
     #[test]

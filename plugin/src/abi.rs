@@ -32,6 +32,18 @@ extern "C" {
         buffer_data: *const u8,
         buffer_size: usize,
     ) -> Status;
+    fn proxy_set_property(
+        path_data: *const u8,
+        path_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> Status;
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> Status;
     fn proxy_send_local_response(
         status_code: u32,
         status_code_details_data: *const u8,
@@ -89,6 +101,38 @@ pub fn set_buffer(
 ) -> Result<(), Status> {
     // SAFETY: as above.
     check(unsafe { proxy_set_buffer_bytes(buffer, start, size, value.as_ptr(), value.len()) })
+}
+
+/// A property path as the ABI expects: each segment NUL-terminated.
+fn property_path(path: &[&str]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for p in path {
+        out.extend_from_slice(p.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+/// Write filter state (Envoy stores `path[0]` as `wasm.<path[0]>`, readable by other filters as
+/// `%FILTER_STATE(wasm.<name>:PLAIN)%`).
+pub fn set_property(path: &[&str], value: &[u8]) -> Result<(), Status> {
+    let p = property_path(path);
+    // SAFETY: as above.
+    check(unsafe { proxy_set_property(p.as_ptr(), p.len(), value.as_ptr(), value.len()) })
+}
+
+/// A property's bytes, `None` when absent or unreadable.
+pub fn get_property(path: &[&str]) -> Option<Vec<u8>> {
+    let p = property_path(path);
+    let mut data: *mut u8 = std::ptr::null_mut();
+    let mut size: usize = 0;
+    // SAFETY: as in `header`: the host's buffer becomes ours.
+    unsafe {
+        match proxy_get_property(p.as_ptr(), p.len(), &mut data, &mut size) {
+            Status::Ok if !data.is_null() => Some(Vec::from_raw_parts(data, size, size)),
+            _ => None,
+        }
+    }
 }
 
 /// Serialize headers as the proxy-wasm ABI expects: count, then (key len, value len) pairs, then

@@ -24,7 +24,6 @@ use crate::abi;
 use crate::host::{self, EnvoyStore};
 use crate::ticket::{Attempt, Ticket};
 use crate::worker::{Runtime, Worker};
-use crate::LEDGER_KEY;
 
 const REQ: MapType = MapType::HttpRequestHeaders;
 const RESP: MapType = MapType::HttpResponseHeaders;
@@ -84,32 +83,65 @@ impl Filter {
     }
 
     fn serve_status(&mut self, rt: &Runtime) -> Action {
-        let ledger = match store::read(&EnvoyStore, LEDGER_KEY) {
-            Ok(l) => l,
-            Err(e) => {
-                let err = crate::ticket::ledger_error(&e, rt);
-                return self.reject(rt, &err);
+        let mut total: Option<kvgate_core::Ledger> = None;
+        let mut endpoints = Vec::new();
+        for e in self.worker.endpoints() {
+            let ledger = match store::read(&EnvoyStore, &e.ledger_key) {
+                Ok(l) => l,
+                Err(err) => {
+                    let err = crate::ticket::ledger_error(&err, rt);
+                    return self.reject(rt, &err);
+                }
+            };
+            e.observe(&ledger);
+            let h = e.health();
+            if let Some(a) = &e.address {
+                endpoints.push(json!({
+                    "address": a, "up": !h.down(), "polled": h.polled, "full": h.full,
+                    "other_model": h.mismatch,
+                    "committed_bytes": ledger.committed(), "capacity_bytes": ledger.capacity(),
+                    "free_bytes": ledger.free(), "held_back_bytes": ledger.held_back(),
+                    "foreign_bytes": h.foreign_bytes, "foreign_leases": h.foreign_leases,
+                    "live_leases": ledger.leases().len(),
+                    "level": e.level(&ledger, &rt.cfg).as_str(),
+                    "backend_used_bytes": h.used_bytes, "consecutive_failures": h.failures,
+                }));
             }
+            match &mut total {
+                Some(t) => t.absorb(&ledger),
+                None => total = Some(ledger),
+            }
+        }
+        let Some(total) = total else {
+            return Action::Continue;
         };
-        let mut doc = status_json(&ledger, &rt.cfg, rt.counter.name());
-        let b = self.worker.backend();
+        let mut doc = status_json(&total, &rt.cfg, rt.counter.name());
         if let Some(o) = doc.as_object_mut() {
-            o.insert(
-                "level".into(),
-                self.worker.level(&ledger, &rt.cfg).as_str().into(),
-            );
+            o.insert("level".into(), self.worker.level(&rt.cfg).as_str().into());
             o.insert("queued".into(), self.worker.metrics.queued.get().into());
-            if rt.cfg.backend.is_some() {
-                o.insert(
-                    "backend".into(),
-                    json!({
-                        "polled": b.polled, "up": b.up, "consecutive_failures": b.failures,
-                        "used_bytes": b.used_bytes, "capacity_bytes": b.capacity_bytes,
-                        "drift_bytes": i64::try_from(b.drift_bytes).unwrap_or(i64::MAX),
-                        "unseen_bytes": b.unseen_bytes,
-                        "last_ok_ms": b.last_ok_ms,
-                    }),
-                );
+            match (rt.cfg.backend.is_some(), endpoints.is_empty()) {
+                (true, true) => {
+                    let b = self
+                        .worker
+                        .endpoints()
+                        .first()
+                        .map(|e| e.health())
+                        .unwrap_or_default();
+                    o.insert(
+                        "backend".into(),
+                        json!({
+                            "polled": b.polled, "up": b.up, "consecutive_failures": b.failures,
+                            "used_bytes": b.used_bytes, "capacity_bytes": b.capacity_bytes,
+                            "drift_bytes": i64::try_from(b.drift_bytes).unwrap_or(i64::MAX),
+                            "unseen_bytes": b.unseen_bytes, "foreign_bytes": b.foreign_bytes,
+                            "last_ok_ms": b.last_ok_ms,
+                        }),
+                    );
+                }
+                (true, false) => {
+                    o.insert("endpoints".into(), endpoints.into());
+                }
+                _ => {}
             }
         }
         let headers = [
@@ -178,6 +210,7 @@ impl Filter {
             granted: Cell::new(None),
             level: Cell::new(None),
             pending_cancels: Cell::new(0),
+            endpoint: RefCell::new(None),
         });
         self.ticket = Some(Rc::clone(&ticket));
         match ticket.attempt(&self.worker, &rt) {
@@ -220,6 +253,41 @@ impl Filter {
         }
     }
 
+    /// An admitted request's response has begun: check that Envoy sent it to the endpoint it was
+    /// reserved on, and take a refusal by the backend itself (its own 429: two gateways raced
+    /// for its last blocks) as the end of the reservation. The backend's answer, with its
+    /// Retry-After, goes to the client as it is.
+    fn check_upstream(&mut self, rt: &Runtime, t: &Ticket) {
+        let Some(e) = t.endpoint() else { return };
+        if let Some(want) = &e.address {
+            let got = abi::get_property(&["upstream", "address"]);
+            if got.as_deref() != Some(want.as_bytes()) {
+                self.worker.metrics.upstream_mismatch.inc();
+                host::warn(&format!(
+                    "kvgate: lease reserved at {want} was sent to {}; is {want} a host of cluster {} with the override_host balancer?",
+                    got.as_deref().map_or("no upstream".into(), String::from_utf8_lossy),
+                    rt.cfg.backend.as_ref().map_or("", |b| b.cluster.as_str()),
+                ));
+            }
+        }
+        if abi::header(RESP, ":status").as_deref() == Some("429") {
+            self.worker.metrics.backend_refused.inc();
+            if let Some(m) = &e.metrics {
+                m.backend_refused.inc();
+            }
+            let mut h = e.health();
+            if !h.full {
+                h.full = true;
+                e.set_health(&h);
+            }
+            host::info(&format!(
+                "kvgate: the backend {} refused an admitted request (429); its reservation ends and it gets nothing new until its next poll",
+                e.name(&rt.cfg)
+            ));
+            t.release(&self.worker);
+        }
+    }
+
     fn end_of_stream(&mut self) {
         if self.queued {
             self.queued = false;
@@ -234,8 +302,10 @@ impl Filter {
         if let Some(t) = self.ticket.take() {
             // Cut short (client gone, reset) while the backend may still be decoding: tell it to
             // stop now, or it would hold KV the ledger no longer counts.
-            if let (Some(g), Some(rt), false) = (t.granted.get(), &self.rt, self.response_done) {
-                let _ = crate::ticket::cancel_lease(rt, g.lease);
+            if let (Some(g), Some(rt), Some(e), false) =
+                (t.granted.get(), &self.rt, t.endpoint(), self.response_done)
+            {
+                let _ = crate::ticket::cancel_lease(rt, &e, g.lease);
             }
             t.release(&self.worker);
         }
@@ -308,17 +378,9 @@ impl HttpContext for Filter {
             );
             return self.reject(&rt, &e);
         }
-        // A model server known to be down or hung gets nothing new: answer at once.
-        if rt.cfg.backend.is_some() {
-            let b = self.worker.backend();
-            if b.polled && !b.up {
-                let e = ApiError::new(
-                    ErrorKind::BackendUnavailable,
-                    "The model server is not answering the gateway; nothing was sent to it. Retry after the time in the Retry-After header.",
-                )
-                .with_retry_after_ms(rt.cfg.retry_after.max_ms.min(5_000));
-                return self.reject(&rt, &e);
-            }
+        // Model servers known to be down or hung get nothing new: answer at once.
+        if rt.cfg.backend.is_some() && self.worker.all_down() {
+            return self.reject(&rt, &crate::ticket::no_endpoint(&rt));
         }
         if end_of_stream {
             let e = ApiError::new(
@@ -447,6 +509,11 @@ impl HttpContext for Filter {
         let Some(rt) = self.rt.clone() else {
             return Action::Continue;
         };
+        if let Some(t) = self.ticket.clone() {
+            if t.granted.get().is_some() {
+                self.check_upstream(&rt, &t);
+            }
+        }
         let _ = abi::set_header(RESP, "x-kvgate-level", self.current_level(&rt).as_str());
         if let Some(g) = self.ticket.as_ref().and_then(|t| t.granted.get()) {
             let _ = abi::set_header(RESP, "x-kvgate-lease", &g.lease.to_string());
@@ -467,9 +534,7 @@ impl HttpContext for Filter {
     }
 }
 
-/// The level callers see, read from the ledger now.
+/// The level callers see (the fleet's).
 pub fn level_now(worker: &Worker, rt: &Runtime) -> Level {
-    store::read(&EnvoyStore, LEDGER_KEY)
-        .map(|l| worker.level(&l, &rt.cfg))
-        .unwrap_or(Level::Red)
+    worker.level(&rt.cfg)
 }

@@ -102,8 +102,11 @@ impl Metric {
 
 /// A callout to the backend's admission API; the answer comes to the current (effective)
 /// context's `on_http_call_response` under the returned token.
+/// With an `endpoint`, the call carries `x-kvgate-endpoint` so the cluster's override_host
+/// balancer sends it to that host.
 pub fn call_backend(
     b: &kvgate_core::config::BackendCallout,
+    endpoint: Option<&str>,
     method: &str,
     path: &str,
 ) -> Result<u32, Status> {
@@ -112,6 +115,9 @@ pub fn call_backend(
         (":path", path),
         (":authority", b.authority.as_str()),
     ];
+    if let Some(e) = endpoint {
+        headers.push(("x-kvgate-endpoint", e));
+    }
     if !b.secret.is_empty() {
         headers.push(("x-kvgate-secret", b.secret.as_str()));
     }

@@ -6,17 +6,18 @@ use std::time::Duration;
 
 use kvgate_core::config::Config;
 use kvgate_core::reconcile::{drift, reconcile, BackendReport, Descriptor};
+use kvgate_core::spec::usable_capacity;
 use kvgate_core::store::{self, StoreError};
 use kvgate_core::{ApiError, ErrorKind, Ledger, TokenCounter};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 
-use crate::filter::{level_now, reply_error, Filter};
+use crate::filter::{reply_error, Filter};
 use crate::host::{self, EnvoyStore};
 use crate::ticket::Attempt;
-use crate::worker::{Runtime, Worker};
-use crate::{CAS_ATTEMPTS, LEDGER_KEY};
+use crate::worker::{BackendHealth, Endpoint, Runtime, Worker};
+use crate::CAS_ATTEMPTS;
 
 /// The tick: fast enough for queued requests to move when budget frees.
 const TICK: Duration = Duration::from_millis(100);
@@ -24,16 +25,38 @@ const TICK: Duration = Duration::from_millis(100);
 pub struct Root {
     worker: Rc<Worker>,
     next_reap_ms: u64,
-    next_poll_ms: u64,
-    poll_in_flight: Option<u32>,
-    cursor: u64,
+    /// One poll state per endpoint, in the endpoints' order.
+    polls: Vec<Poll>,
     /// The configuration as written (before a backend descriptor is applied to it).
     configured: Option<Config>,
-    /// `"model": "from_backend"`: the next poll asks for the descriptor.
+    /// `"model": "from_backend"`: a poll asks for the descriptor (one at a time).
     want_descriptor: bool,
     descriptor_fingerprint: Option<String>,
+}
+
+/// The lease poll of one endpoint.
+struct Poll {
+    address: Option<String>,
+    in_flight: Option<u32>,
+    /// The poll in flight asked for the descriptor (`include=tokenizer`).
+    asked_descriptor: bool,
+    next_ms: u64,
+    cursor: u64,
     /// Unseen leases already logged (one warning per lease, not one per poll).
     unseen_warned: Vec<u64>,
+}
+
+impl Poll {
+    fn new(address: Option<String>) -> Poll {
+        Poll {
+            address,
+            in_flight: None,
+            asked_descriptor: false,
+            next_ms: 0,
+            cursor: 0,
+            unseen_warned: Vec::new(),
+        }
+    }
 }
 
 impl Root {
@@ -41,13 +64,10 @@ impl Root {
         Root {
             worker: Rc::new(Worker::new()),
             next_reap_ms: 0,
-            next_poll_ms: 0,
-            poll_in_flight: None,
-            cursor: 0,
+            polls: Vec::new(),
             configured: None,
             want_descriptor: false,
             descriptor_fingerprint: None,
-            unseen_warned: Vec::new(),
         }
     }
 
@@ -61,36 +81,50 @@ impl Root {
         let capacity = cfg.pricing.capacity_bytes;
         // Alive before any lease can carry this owner.
         crate::worker::beat(host::now_ms());
-        // Lease ids are drawn by the filter, so the ledger's own counter is unused. An unreadable
-        // ledger is kept as it is (it may hold live leases): the configuration is accepted, and
-        // every admission answers 503 kvgate_ledger_unavailable until an operator acts.
-        let seeded = match store::seed(&EnvoyStore, LEDGER_KEY, || Ledger::new(capacity, 1)) {
-            Ok(s) => s,
-            Err(e @ StoreError::Corrupt(_)) => {
-                self.worker.metrics.ledger_errors.inc();
-                host::log(
-                    LogLevel::Critical,
-                    &format!("kvgate: admission stopped: {e}; it is kept, not replaced, since it may hold live leases; start a new ledger with a new vm_id"),
-                );
-                false
+        self.worker.configure_endpoints(&cfg);
+        let endpoints = self.worker.endpoints();
+        let (mut created, mut kept) = (0, 0);
+        for e in &endpoints {
+            // Lease ids are drawn by the filter, so the ledger's own counter is unused. An
+            // unreadable ledger is kept as it is (it may hold live leases): the configuration is
+            // accepted, and admission there answers 503 kvgate_ledger_unavailable.
+            match store::seed(&EnvoyStore, &e.ledger_key, || Ledger::new(capacity, 1)) {
+                Ok(true) => created += 1,
+                Ok(false) => {}
+                Err(err @ StoreError::Corrupt(_)) => {
+                    self.worker.metrics.ledger_errors.inc();
+                    host::log(
+                        LogLevel::Critical,
+                        &format!("kvgate: admission stopped at {}: {err}; it is kept, not replaced, since it may hold live leases; start a new ledger with a new vm_id", e.name(&cfg)),
+                    );
+                    continue;
+                }
+                Err(err) => return Err(err.to_string()),
             }
-            Err(e) => return Err(e.to_string()),
-        };
-        let kept = match store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
-            l.set_capacity(capacity)
-        }) {
-            Ok((_, ledger)) => {
-                self.worker
-                    .metrics
-                    .observe(&ledger, ledger.level(&cfg.levels));
-                ledger.leases().len()
+            match store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
+                l.set_capacity(capacity)
+            }) {
+                Ok((_, ledger)) => {
+                    e.observe(&ledger);
+                    kept += ledger.leases().len();
+                }
+                Err(StoreError::Corrupt(_)) => {}
+                Err(err) => return Err(err.to_string()),
             }
-            Err(StoreError::Corrupt(_)) => 0,
-            Err(e) => return Err(e.to_string()),
-        };
+        }
+        self.worker.metrics.observe(&self.worker, &cfg);
+        // Polls of endpoints that stay keep their cursor.
+        let mut old = std::mem::take(&mut self.polls);
+        self.polls = endpoints
+            .iter()
+            .map(|e| match old.iter().position(|p| p.address == e.address) {
+                Some(i) => old.swap_remove(i),
+                None => Poll::new(e.address.clone()),
+            })
+            .collect();
         hostcalls::set_tick_period(TICK).map_err(|s| format!("set_tick_period failed: {s:?}"))?;
         host::info(&format!(
-            "kvgate {} ({}) configured: capacity {} B ({} B x {}), {} B/token, context {}, tokenizer {}, model fingerprint {:016x}, backend callout {}, ledger {} with {} live leases",
+            "kvgate {} ({}) configured: capacity {} B ({} B x {}) per endpoint, {} B/token, context {}, tokenizer {}, model fingerprint {:016x}, backend callout {}, {} endpoint(s), {} ledger(s) created, {} live leases kept",
             kvgate_core::VERSION,
             option_env!("KVGATE_GIT_HASH").unwrap_or("unknown"),
             capacity,
@@ -101,18 +135,22 @@ impl Root {
             counter.name(),
             cfg.pricing.spec.fingerprint(),
             cfg.backend.as_ref().map_or("off".to_string(), |b| format!("{} every {} ms", b.cluster, b.poll_ms)),
-            if seeded { "created" } else { "kept" },
+            endpoints.len(),
+            created,
             kept,
         ));
         self.want_descriptor = cfg.from_backend;
-        self.next_poll_ms = 0;
+        for p in &mut self.polls {
+            p.next_ms = 0;
+        }
         self.configured = Some(cfg.clone());
         *self.worker.runtime.borrow_mut() = Some(Rc::new(Runtime { cfg, counter }));
         Ok(())
     }
 
-    /// Price with the served model's own spec, budget and tokenizer from now on.
-    fn apply_descriptor(&mut self, d: Descriptor) -> Result<(), String> {
+    /// Price with the served model's own spec, budget and tokenizer from now on. The endpoint
+    /// that sent it takes its capacity now; the others at their next poll.
+    fn apply_descriptor(&mut self, d: Descriptor, endpoint: &Endpoint) -> Result<(), String> {
         let Some(base) = &self.configured else {
             return Ok(());
         };
@@ -122,12 +160,14 @@ impl Root {
             .map_err(|e| e.to_string())?;
         let counter = Rc::new(TokenCounter::new(&cfg.tokenizer).map_err(|e| e.to_string())?);
         let capacity = cfg.pricing.capacity_bytes;
-        store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+        let (_, ledger) = store::transact(&EnvoyStore, &endpoint.ledger_key, CAS_ATTEMPTS, |l| {
             l.set_capacity(capacity)
         })
         .map_err(|e| e.to_string())?;
+        endpoint.observe(&ledger);
         host::info(&format!(
-            "kvgate: model descriptor from the backend: fingerprint {} ({} layers, {} KV heads x {}, context {}), KV budget {} B (capacity {} B), its own tokenizer; built in {} ms",
+            "kvgate: model descriptor from the backend {}: fingerprint {} ({} layers, {} KV heads x {}, context {}), KV budget {} B (capacity {} B), its own tokenizer; built in {} ms",
+            endpoint.name(&cfg),
             d.fingerprint,
             d.spec.layers,
             d.spec.kv_heads,
@@ -145,8 +185,9 @@ impl Root {
 
     /// Reclaim the leases of workers that are gone (heartbeat older than `owner_timeout_ms`):
     /// their requests can no longer end by themselves. A live worker's lease is never touched.
-    fn reap(&self, rt: &Runtime, now: u64) -> Result<(), StoreError> {
-        let ledger = store::read(&EnvoyStore, LEDGER_KEY)?;
+    fn reap(&self, rt: &Runtime, endpoint: &Endpoint, now: u64) -> Result<(), StoreError> {
+        let key = endpoint.ledger_key.as_str();
+        let ledger = store::read(&EnvoyStore, key)?;
         let timeout = rt.cfg.owner_timeout_ms;
         let gone: Vec<u64> = ledger
             .owners()
@@ -157,14 +198,13 @@ impl Root {
             && ledger.next_deadline().is_none_or(|d| d > now)
             && ledger.next_claim_expiry().is_none_or(|d| d > now)
         {
-            self.worker
-                .metrics
-                .observe(&ledger, self.worker.level(&ledger, &rt.cfg));
+            endpoint.observe(&ledger);
             return Ok(());
         }
-        let (reaped, ledger) = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+        let (reaped, ledger) = store::transact(&EnvoyStore, key, CAS_ATTEMPTS, |l| {
             l.reap(now, |o| !gone.contains(&o))
         })?;
+        endpoint.observe(&ledger);
         for lease in &reaped {
             if lease.owner == 0 {
                 host::warn(&format!(
@@ -182,9 +222,6 @@ impl Root {
             }
         }
         self.worker.metrics.reaped.add(reaped.len() as u64);
-        self.worker
-            .metrics
-            .observe(&ledger, self.worker.level(&ledger, &rt.cfg));
         Ok(())
     }
 
@@ -204,7 +241,7 @@ impl Root {
                 ),
             )
             .with_retry_after_ms(rt.cfg.retry_after.min_ms);
-            reply_error(&self.worker, &err, level_now(&self.worker, rt));
+            reply_error(&self.worker, &err, self.worker.level(&rt.cfg));
         }
         loop {
             let Some(ticket) = self
@@ -234,99 +271,143 @@ impl Root {
                 Attempt::Rejected(e) => {
                     self.worker.queue.borrow_mut().pop_front();
                     self.worker.metrics.queued.add_signed(-1);
-                    reply_error(&self.worker, &e, level_now(&self.worker, rt));
+                    reply_error(&self.worker, &e, self.worker.level(&rt.cfg));
                 }
             }
         }
     }
 
-    fn poll_backend(&mut self, rt: &Runtime, now: u64) {
+    fn poll_backends(&mut self, rt: &Runtime, now: u64) {
         let Some(b) = &rt.cfg.backend else { return };
-        if self.poll_in_flight.is_some() || now < self.next_poll_ms {
-            return;
-        }
-        self.next_poll_ms = now + b.poll_ms;
-        let include = if self.want_descriptor {
-            "&include=tokenizer"
-        } else {
-            ""
-        };
-        let path = format!("{}?since={}{include}", b.leases_path, self.cursor);
-        match host::call_backend(b, "GET", &path) {
-            Ok(token) => self.poll_in_flight = Some(token),
-            Err(s) => self.poll_failed(rt, &format!("dispatch failed: {s:?}")),
+        // One poll at a time carries the (large) descriptor.
+        let mut asking = self.polls.iter().any(|p| p.asked_descriptor);
+        for i in 0..self.polls.len() {
+            let Some(p) = self.polls.get_mut(i) else {
+                continue;
+            };
+            if p.in_flight.is_some() || now < p.next_ms {
+                continue;
+            }
+            p.next_ms = now + b.poll_ms;
+            let ask = self.want_descriptor && !asking;
+            let include = if ask { "&include=tokenizer" } else { "" };
+            let path = format!("{}?since={}{include}", b.leases_path, p.cursor);
+            match host::call_backend(b, p.address.as_deref(), "GET", &path) {
+                Ok(token) => {
+                    p.in_flight = Some(token);
+                    p.asked_descriptor = ask;
+                    asking |= ask;
+                }
+                Err(s) => self.poll_failed(rt, i, &format!("dispatch failed: {s:?}")),
+            }
         }
     }
 
-    fn poll_failed(&self, rt: &Runtime, why: &str) {
+    fn endpoint_of(&self, i: usize) -> Option<Rc<Endpoint>> {
+        let p = self.polls.get(i)?;
+        self.worker.endpoint(p.address.as_deref())
+    }
+
+    fn poll_failed(&mut self, rt: &Runtime, i: usize, why: &str) {
         let Some(b) = &rt.cfg.backend else { return };
+        if let Some(p) = self.polls.get_mut(i) {
+            p.asked_descriptor = false;
+        }
+        let Some(e) = self.endpoint_of(i) else { return };
         self.worker.metrics.backend_poll_failures.inc();
-        let mut h = self.worker.backend();
+        let mut h = e.health();
         h.polled = true;
         h.failures += 1;
         // One line when it goes down (also when it was never up), not one per failed poll.
         if h.failures == b.down_after_failures {
             host::warn(&format!(
-                "kvgate: backend {} is down after {} failed polls: {why}",
-                b.cluster, h.failures
+                "kvgate: backend {} is down after {} failed polls: {why}; no new request goes there, its leases end with their requests",
+                e.name(&rt.cfg),
+                h.failures
             ));
         }
         if h.failures >= b.down_after_failures {
             h.up = false;
-            self.worker.metrics.backend_up.set(0);
         }
-        self.worker.set_backend(&h);
-        // The level gauge follows at once (red while down), not at the next reaper pass.
-        if let Ok(ledger) = store::read(&EnvoyStore, LEDGER_KEY) {
-            self.worker
-                .metrics
-                .observe(&ledger, self.worker.level(&ledger, &rt.cfg));
-        }
+        e.set_health(&h);
+        self.observe_backends(rt);
     }
 
-    fn poll_answered(&mut self, rt: &Runtime, body_size: usize) {
+    /// The fleet-wide backend gauges, from every endpoint's health.
+    fn observe_backends(&self, rt: &Runtime) {
+        let (mut up, mut used, mut drift) = (false, 0u64, 0u64);
+        for e in self.worker.endpoints() {
+            let h = e.health();
+            up |= !h.down();
+            used = used.saturating_add(h.used_bytes);
+            drift = drift
+                .saturating_add(u64::try_from(h.drift_bytes.unsigned_abs()).unwrap_or(u64::MAX));
+        }
+        let m = &self.worker.metrics;
+        m.backend_up.set(u64::from(up));
+        m.backend_used_bytes.set(used);
+        m.drift_bytes.set(drift);
+        m.observe(&self.worker, &rt.cfg);
+    }
+
+    fn poll_answered(&mut self, rt: &Runtime, i: usize, body_size: usize) {
         let Some(b) = &rt.cfg.backend else { return };
+        let Some(e) = self.endpoint_of(i) else { return };
         let status = abi_status();
         let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
             .ok()
             .flatten()
             .unwrap_or_default();
         if status != Some(200) {
-            return self.poll_failed(rt, &format!("status {status:?}"));
+            return self.poll_failed(rt, i, &format!("status {status:?}"));
         }
         let report = match BackendReport::parse(&body) {
             Ok(r) => r,
-            Err(e) => return self.poll_failed(rt, &e),
+            Err(err) => return self.poll_failed(rt, i, &err),
         };
-        self.follow_descriptor(&body, &report);
+        let mismatch = self.follow_descriptor(i, &e, &body, &report);
+        // The runtime may have changed (a descriptor applied).
+        let Some(rt) = self.worker.runtime() else {
+            return;
+        };
+        // Each endpoint's capacity follows its own pool once the model is known.
+        let capacity = (rt.cfg.from_backend && self.descriptor_fingerprint.is_some())
+            .then(|| usable_capacity(report.capacity_bytes, rt.cfg.pricing.safety_fraction));
         let now = host::now_ms();
-        let done = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+        let done = store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
+            if let Some(c) = capacity {
+                l.set_capacity(c);
+            }
             reconcile(l, &report, now, b.lost_grace_ms)
         });
         let (rec, ledger) = match done {
             Ok(v) => v,
-            Err(e) => {
+            Err(err) => {
                 self.worker.metrics.ledger_errors.inc();
-                return host::warn(&format!("kvgate: reconcile: {e}"));
+                return host::warn(&format!("kvgate: reconcile at {}: {err}", e.name(&rt.cfg)));
             }
         };
-        self.cursor = report.cursor;
+        e.observe(&ledger);
+        let Some(p) = self.polls.get_mut(i) else {
+            return;
+        };
+        p.cursor = report.cursor;
         // One line per lease when it first counts as unseen; it stays in the ledger.
-        let mut warned = std::mem::take(&mut self.unseen_warned);
-        warned.retain(|id| rec.unseen.iter().any(|l| l.id == *id));
+        p.unseen_warned
+            .retain(|id| rec.unseen.iter().any(|l| l.id == *id));
         for l in &rec.unseen {
-            if !warned.contains(&l.id) {
-                warned.push(l.id);
+            if !p.unseen_warned.contains(&l.id) {
+                p.unseen_warned.push(l.id);
                 host::warn(&format!(
-                    "kvgate: drift: lease {} ({} B, class {}) is unknown to the backend {} ms after admission; kept until its request ends",
+                    "kvgate: drift: lease {} ({} B, class {}) is unknown to the backend {} {} ms after admission; kept until its request ends",
                     l.id,
                     l.bytes,
                     l.class,
+                    e.name(&rt.cfg),
                     now.saturating_sub(l.created_ms)
                 ));
             }
         }
-        self.unseen_warned = warned;
         self.worker
             .metrics
             .released_by_backend
@@ -337,67 +418,99 @@ impl Root {
             .set(rec.unseen.len() as u64);
         self.worker.metrics.unseen_bytes.set(rec.unseen_bytes());
         let d = drift(&ledger, &report);
-        let was_over =
-            self.worker.backend().drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);
+        let before = e.health();
+        let was_over = before.drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);
         // Edge-triggered: one line when the gap crosses the threshold, not one per poll.
         if d.unsigned_abs() > u128::from(b.drift_warn_bytes) && !was_over {
             host::warn(&format!(
-                "kvgate: drift {d} B between the ledger ({} B committed) and the backend ({} B used) exceeds {} B",
+                "kvgate: drift {d} B between the ledger ({} B committed) and the backend {} ({} B used) exceeds {} B",
                 ledger.committed(),
+                e.name(&rt.cfg),
                 report.used_bytes,
                 b.drift_warn_bytes
             ));
         }
-        let before = self.worker.backend();
-        if !before.up && before.polled {
-            host::info(&format!("kvgate: backend {} is up again", b.cluster));
+        if before.down() {
+            host::info(&format!("kvgate: backend {} is up again", e.name(&rt.cfg)));
         }
-        let h = crate::worker::BackendHealth {
+        e.set_health(&BackendHealth {
             polled: true,
             up: true,
+            full: false,
+            mismatch,
             failures: 0,
             used_bytes: report.used_bytes,
             capacity_bytes: report.capacity_bytes,
             drift_bytes: d,
             last_ok_ms: now,
             unseen_bytes: rec.unseen_bytes(),
-        };
-        self.worker.set_backend(&h);
-        let m = &self.worker.metrics;
-        m.backend_up.set(1);
-        m.backend_used_bytes.set(report.used_bytes);
-        m.drift_bytes
-            .set(u64::try_from(d.unsigned_abs()).unwrap_or(u64::MAX));
-        m.observe(&ledger, self.worker.level(&ledger, &rt.cfg));
+            foreign_bytes: rec.foreign_bytes,
+            foreign_leases: rec.foreign_leases as u64,
+        });
+        self.observe_backends(&rt);
     }
 }
 
 impl Root {
-    /// `"model": "from_backend"`: take the descriptor when asked for, and ask again when the
-    /// backend's fingerprint changes (live leases keep the fingerprint that priced them).
-    fn follow_descriptor(&mut self, body: &[u8], report: &BackendReport) {
+    /// `"model": "from_backend"`: take the descriptor when a poll asked for it. Returns whether
+    /// this endpoint serves another model than the one priced with: with one endpoint that
+    /// means fetching its descriptor again (live leases keep the fingerprint that priced them);
+    /// in a fleet the endpoint is left out of the choice, and the descriptor is fetched again
+    /// only when no endpoint serves the priced model any more.
+    fn follow_descriptor(
+        &mut self,
+        i: usize,
+        e: &Endpoint,
+        body: &[u8],
+        report: &BackendReport,
+    ) -> bool {
         if !self.configured.as_ref().is_some_and(|c| c.from_backend) {
-            return;
+            return false;
         }
-        if self.want_descriptor {
-            match Descriptor::parse(body) {
-                Ok(Some(d)) => {
-                    if let Err(e) = self.apply_descriptor(d) {
-                        host::warn(&format!("kvgate: model descriptor refused: {e}"));
+        if let Some(p) = self.polls.get_mut(i) {
+            if std::mem::take(&mut p.asked_descriptor) {
+                match Descriptor::parse(body) {
+                    Ok(Some(d)) => {
+                        if let Err(err) = self.apply_descriptor(d, e) {
+                            host::warn(&format!("kvgate: model descriptor refused: {err}"));
+                        }
                     }
+                    Ok(None) => {}
+                    Err(err) => host::warn(&format!("kvgate: model descriptor unreadable: {err}")),
                 }
-                Ok(None) => {}
-                Err(e) => host::warn(&format!("kvgate: model descriptor unreadable: {e}")),
+                return false;
             }
-        } else if report.fingerprint.is_some() && report.fingerprint != self.descriptor_fingerprint
-        {
-            host::info(&format!(
-                "kvgate: the backend's model fingerprint changed ({:?} -> {:?}); fetching its descriptor",
-                self.descriptor_fingerprint, report.fingerprint
-            ));
-            self.want_descriptor = true;
-            self.next_poll_ms = 0;
         }
+        let differs = report.fingerprint.is_some()
+            && self.descriptor_fingerprint.is_some()
+            && report.fingerprint != self.descriptor_fingerprint;
+        if !differs {
+            return false;
+        }
+        let others_serve_it = self.worker.endpoints().iter().any(|o| {
+            let h = o.health();
+            o.address != e.address && !h.down() && !h.mismatch && h.polled
+        });
+        if !e.health().mismatch {
+            host::info(&format!(
+                "kvgate: the backend {} serves model fingerprint {:?}, not {:?}{}",
+                e.address.as_deref().unwrap_or("backend"),
+                report.fingerprint,
+                self.descriptor_fingerprint,
+                if others_serve_it {
+                    "; left out of the choice"
+                } else {
+                    "; fetching its descriptor"
+                }
+            ));
+        }
+        if !others_serve_it && !self.want_descriptor {
+            self.want_descriptor = true;
+            if let Some(p) = self.polls.get_mut(i) {
+                p.next_ms = 0;
+            }
+        }
+        others_serve_it
     }
 }
 
@@ -413,14 +526,16 @@ impl Context for Root {
         body_size: usize,
         _trailers: usize,
     ) {
-        if self.poll_in_flight != Some(token) {
+        let Some(i) = self.polls.iter().position(|p| p.in_flight == Some(token)) else {
             // A preemption cancel sent while the tick admitted from the queue.
             self.worker.cancel_answered(token);
             return;
+        };
+        if let Some(p) = self.polls.get_mut(i) {
+            p.in_flight = None;
         }
-        self.poll_in_flight = None;
         if let Some(rt) = self.worker.runtime() {
-            self.poll_answered(&rt, body_size);
+            self.poll_answered(&rt, i, body_size);
         }
     }
 }
@@ -453,18 +568,21 @@ impl RootContext for Root {
         };
         let now = host::now_ms();
         crate::worker::beat(now);
-        self.worker.refresh_backend();
+        self.worker.refresh_endpoints();
         if now >= self.next_reap_ms {
             self.next_reap_ms = now + rt.cfg.tick_ms;
-            if let Err(e) = self.reap(&rt, now) {
-                self.worker.metrics.ledger_errors.inc();
-                host::warn(&format!("kvgate: reaper: {e}"));
+            for e in self.worker.endpoints() {
+                if let Err(err) = self.reap(&rt, &e, now) {
+                    self.worker.metrics.ledger_errors.inc();
+                    host::warn(&format!("kvgate: reaper at {}: {err}", e.name(&rt.cfg)));
+                }
             }
+            self.worker.metrics.observe(&self.worker, &rt.cfg);
         }
         if !self.worker.queue.borrow().is_empty() {
             self.drain_queue(&rt, now);
         }
-        self.poll_backend(&rt, now);
+        self.poll_backends(&rt, now);
     }
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {

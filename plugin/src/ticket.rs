@@ -6,6 +6,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
+use kvgate_core::fleet::{self, Placed, View};
 use kvgate_core::gate::{self, Decision, Priced};
 use kvgate_core::retry::splitmix64;
 use kvgate_core::store;
@@ -15,8 +16,8 @@ use serde_json::{Map, Value};
 
 use crate::abi;
 use crate::host::{self, EnvoyStore};
-use crate::worker::{Runtime, Worker};
-use crate::{CAS_ATTEMPTS, LEDGER_KEY};
+use crate::worker::{Endpoint, Runtime, Worker};
+use crate::CAS_ATTEMPTS;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Granted {
@@ -39,6 +40,8 @@ pub struct Ticket {
     pub level: Cell<Option<kvgate_core::Level>>,
     /// Preemption cancels still in flight; the request goes on when they are answered.
     pub pending_cancels: Cell<u32>,
+    /// Where the lease was reserved.
+    pub endpoint: RefCell<Option<Rc<Endpoint>>>,
 }
 
 pub enum Attempt {
@@ -50,46 +53,96 @@ pub enum Attempt {
 }
 
 impl Ticket {
-    /// Decide and reserve (one CAS). On admission the body is rewritten with the granted cap and
-    /// the preempted leases are cancelled at the backend. The effective context must be this
-    /// ticket's stream.
+    /// Decide and reserve (one CAS on the chosen endpoint's ledger; see `kvgate_core::fleet`).
+    /// On admission the body is rewritten with the granted cap, the endpoint is named to Envoy's
+    /// load balancer, and the preempted leases are cancelled at that endpoint. The effective
+    /// context must be this ticket's stream.
     pub fn attempt(self: &Rc<Self>, worker: &Worker, rt: &Runtime) -> Attempt {
         let now = host::now_ms();
         let seed = splitmix64(host::now_nanos() ^ self.lease_id);
-        let decided = store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
-            gate::decide(
-                l,
-                &rt.cfg,
-                &self.class,
-                &self.priced,
-                gate::Holder {
-                    lease_id: Some(self.lease_id),
-                    owner: crate::worker::owner_id(),
-                    claim: self.claim,
-                },
-                now,
-                seed,
-            )
-        });
-        let (decision, ledger) = match decided {
-            Ok(v) => v,
-            Err(e) => {
+        let endpoints = worker.endpoints();
+        let mut views: Vec<View> = endpoints.iter().map(|e| e.view.get()).collect();
+        let rule = rt
+            .cfg
+            .backend
+            .as_ref()
+            .map_or_else(Default::default, |b| b.endpoint_choice);
+        let holder = gate::Holder {
+            lease_id: Some(self.lease_id),
+            owner: crate::worker::owner_id(),
+            claim: self.claim,
+        };
+        // The plain pass: no degrade, no preemption; a request that does not fit changes nothing.
+        let plain_class = ClassPolicy {
+            action: kvgate_core::Action::Reject,
+            preempts: Vec::new(),
+            ..self.class.clone()
+        };
+        let need = self.priced.price.bytes;
+        let claim_key = self.claim.map(|c| c.key);
+        let decided = fleet::admit(
+            &EnvoyStore,
+            |i| {
+                endpoints
+                    .get(i)
+                    .map_or_else(String::new, |e| e.ledger_key.clone())
+            },
+            &mut views,
+            need,
+            rule,
+            claim_key,
+            CAS_ATTEMPTS,
+            |l| {
+                let own = claim_key.map_or(0, |k| l.held_for(k));
+                if l.free().saturating_add(own) < need {
+                    return None;
+                }
+                let before = l.clone();
+                match gate::decide(l, &rt.cfg, &plain_class, &self.priced, holder, now, seed) {
+                    d @ Decision::Admitted { .. } => Some(d),
+                    Decision::Rejected(_) => {
+                        *l = before;
+                        None
+                    }
+                }
+            },
+            |l| gate::decide(l, &rt.cfg, &self.class, &self.priced, holder, now, seed),
+        );
+        for (e, v) in endpoints.iter().zip(&views) {
+            e.view.set(View {
+                eligible: e.view.get().eligible,
+                ..*v
+            });
+        }
+        worker.metrics.observe(worker, &rt.cfg);
+        let level = worker.level(&rt.cfg);
+        self.level.set(Some(level));
+        let (endpoint, decision, ledger) = match decided {
+            Ok(Placed::At { index, out, ledger }) => {
+                let Some(e) = endpoints.get(index) else {
+                    return Attempt::Rejected(ApiError::new(
+                        ErrorKind::Internal,
+                        "kvgate lost track of a backend endpoint; nothing was reserved. Retry.",
+                    ));
+                };
+                (Rc::clone(e), out, ledger)
+            }
+            Ok(Placed::Nowhere) => return Attempt::Rejected(no_endpoint(rt)),
+            Err((_, e)) => {
                 worker.metrics.ledger_errors.inc();
                 return Attempt::Rejected(ledger_error(&e, rt));
             }
         };
-        let level = worker.level(&ledger, &rt.cfg);
-        self.level.set(Some(level));
-        worker.metrics.observe(&ledger, level);
         match decision {
             Decision::Rejected(err) => {
                 host::info(&format!(
-                    "kvgate: rejected ({}) class {} need {} B, committed {} B of {} B, retry after {} ms",
+                    "kvgate: rejected ({}) class {} need {} B, committed {} B of {} B at {}, retry after {} ms",
                     err.kind.code(),
                     self.class.name,
                     self.priced.price.bytes,
                     ledger.committed(),
                     ledger.capacity(),
+                    endpoint.name(&rt.cfg),
                     err.retry_after_ms.unwrap_or(0),
                 ));
                 Attempt::Rejected(err)
@@ -105,22 +158,33 @@ impl Ticket {
                     cap,
                     degraded_from,
                 }));
+                *self.endpoint.borrow_mut() = Some(Rc::clone(&endpoint));
                 worker.metrics.admitted.inc();
+                if let Some(m) = &endpoint.metrics {
+                    m.admitted.inc();
+                }
                 if degraded_from.is_some() {
                     worker.metrics.degraded.inc();
                 }
                 let new_body = write_cap(&mut self.body.borrow_mut(), cap);
-                if let Err(s) =
+                let routed = match &endpoint.address {
+                    // Envoy's override_host balancer picks this host (header_mutation copies the
+                    // filter state into x-kvgate-endpoint after the buffer filter).
+                    Some(a) => abi::set_property(&["kvgate_endpoint"], a.as_bytes()),
+                    None => Ok(()),
+                };
+                let rewritten = routed.and_then(|()| {
                     abi::set_buffer(BufferType::HttpRequestBody, 0, self.body_size, &new_body)
-                {
+                });
+                if let Err(s) = rewritten {
                     // Half-admitted is not allowed: give the reservation back and fail clearly.
                     self.release(worker);
                     return Attempt::Rejected(ApiError::new(
                         ErrorKind::Internal,
-                        format!("kvgate could not rewrite the request body ({s:?})."),
+                        format!("kvgate could not forward the admitted request ({s:?})."),
                     ));
                 }
-                let cancels = self.cancel_at_backend(worker, rt, &preempted);
+                let cancels = self.cancel_at_backend(worker, rt, &endpoint, &preempted);
                 self.pending_cancels.set(cancels);
                 Attempt::Admitted {
                     ready: cancels == 0,
@@ -131,15 +195,25 @@ impl Ticket {
 
     /// Ask the backend to stop the preempted sequences now; their streams end with an explicit
     /// error the client can retry. Returns the number of cancels in flight.
-    fn cancel_at_backend(self: &Rc<Self>, worker: &Worker, rt: &Runtime, victims: &[Lease]) -> u32 {
+    fn cancel_at_backend(
+        self: &Rc<Self>,
+        worker: &Worker,
+        rt: &Runtime,
+        endpoint: &Endpoint,
+        victims: &[Lease],
+    ) -> u32 {
         let mut sent = 0;
         for v in victims {
             worker.metrics.preempted.inc();
             host::info(&format!(
-                "kvgate: preempting lease {} ({} B, class {}) for class {}",
-                v.id, v.bytes, v.class, self.class.name
+                "kvgate: preempting lease {} ({} B, class {}) for class {} at {}",
+                v.id,
+                v.bytes,
+                v.class,
+                self.class.name,
+                endpoint.name(&rt.cfg)
             ));
-            if let Some(token) = cancel_lease(rt, v.id) {
+            if let Some(token) = cancel_lease(rt, endpoint, v.id) {
                 worker.cancels.borrow_mut().insert(token, Rc::clone(self));
                 sent += 1;
             }
@@ -147,23 +221,33 @@ impl Ticket {
         sent
     }
 
+    /// The endpoint this ticket's lease is on (once admitted).
+    pub fn endpoint(&self) -> Option<Rc<Endpoint>> {
+        self.endpoint.borrow().clone()
+    }
+
     /// Give the reservation back (end of stream, or a failure after admission). Idempotent.
     pub fn release(&self, worker: &Worker) {
         let Some(g) = self.granted.take() else { return };
+        let Some(endpoint) = self.endpoint() else {
+            return;
+        };
         let now = host::now_ms();
-        match store::transact(&EnvoyStore, LEDGER_KEY, CAS_ATTEMPTS, |l| {
+        match store::transact(&EnvoyStore, &endpoint.ledger_key, CAS_ATTEMPTS, |l| {
             l.release(g.lease, now)
         }) {
-            Ok((kvgate_core::ReleaseOutcome::Released(_), ledger)) => {
-                worker.metrics.released.inc();
+            Ok((outcome, ledger)) => {
+                endpoint.observe(&ledger);
+                if matches!(outcome, kvgate_core::ReleaseOutcome::Released(_)) {
+                    worker.metrics.released.inc();
+                } else {
+                    // Already released by the backend's report, reaped, or preempted.
+                    worker.metrics.release_unknown.inc();
+                }
                 if let Some(rt) = worker.runtime() {
-                    worker
-                        .metrics
-                        .observe(&ledger, worker.level(&ledger, &rt.cfg));
+                    worker.metrics.observe(worker, &rt.cfg);
                 }
             }
-            // Already released by the backend's report, reaped, or preempted: nothing to do.
-            Ok((kvgate_core::ReleaseOutcome::Unknown, _)) => worker.metrics.release_unknown.inc(),
             Err(e) => {
                 worker.metrics.ledger_errors.inc();
                 host::warn(&format!(
@@ -175,12 +259,21 @@ impl Ticket {
     }
 }
 
+/// No endpoint can take requests now (every one down, or serving another model).
+pub fn no_endpoint(rt: &Runtime) -> ApiError {
+    ApiError::new(
+        ErrorKind::BackendUnavailable,
+        "No model server is answering the gateway; nothing was sent. Retry after the time in the Retry-After header.",
+    )
+    .with_retry_after_ms(rt.cfg.retry_after.max_ms.min(5_000))
+}
+
 /// `POST` the backend's cancel endpoint for a lease (when the callout is configured). Returns
 /// the callout's token when the call went out.
-pub fn cancel_lease(rt: &Runtime, id: u64) -> Option<u32> {
+pub fn cancel_lease(rt: &Runtime, endpoint: &Endpoint, id: u64) -> Option<u32> {
     let b = rt.cfg.backend.as_ref()?;
     let path = b.cancel_path.replace("{id}", &id.to_string());
-    match host::call_backend(b, "POST", &path) {
+    match host::call_backend(b, endpoint.address.as_deref(), "POST", &path) {
         Ok(token) => Some(token),
         Err(s) => {
             host::warn(&format!("kvgate: cancel of lease {id} not sent: {s:?}"));

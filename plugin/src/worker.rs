@@ -8,12 +8,14 @@ use std::rc::Rc;
 use std::sync::OnceLock;
 
 use kvgate_core::config::Config;
+use kvgate_core::fleet::{self, View};
 use kvgate_core::queue::AdmissionQueue;
 use kvgate_core::retry::splitmix64;
 use kvgate_core::{ErrorKind, Ledger, Level, TokenCounter};
 
 use crate::host::{self, Metric};
 use crate::ticket::Ticket;
+use crate::LEDGER_KEY;
 
 /// What a request needs from the configuration; replaced whole on reconfiguration.
 pub struct Runtime {
@@ -21,11 +23,16 @@ pub struct Runtime {
     pub counter: Rc<TokenCounter>,
 }
 
-/// The backend as this worker's polls last saw it.
+/// One backend endpoint as this worker's polls last saw it.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct BackendHealth {
     pub polled: bool,
     pub up: bool,
+    /// The backend refused an admitted request (its own 429) since its last poll: chosen again
+    /// after the next poll.
+    pub full: bool,
+    /// Serves another model than the descriptor this gateway prices with.
+    pub mismatch: bool,
     pub failures: u32,
     pub used_bytes: u64,
     pub capacity_bytes: u64,
@@ -33,13 +40,14 @@ pub struct BackendHealth {
     pub last_ok_ms: u64,
     /// Bytes of ledger leases the backend did not know past the grace period (drift).
     pub unseen_bytes: u64,
+    /// Bytes the backend holds for leases this gateway does not own.
+    pub foreign_bytes: u64,
+    pub foreign_leases: u64,
 }
-
-const HEALTH_KEY: &str = "kvgate.backend.v2";
 
 impl BackendHealth {
     fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(46);
+        let mut v = Vec::with_capacity(72);
         v.push(u8::from(self.polled));
         v.push(u8::from(self.up));
         v.extend_from_slice(&self.failures.to_le_bytes());
@@ -48,6 +56,10 @@ impl BackendHealth {
         v.extend_from_slice(&self.drift_bytes.to_le_bytes());
         v.extend_from_slice(&self.last_ok_ms.to_le_bytes());
         v.extend_from_slice(&self.unseen_bytes.to_le_bytes());
+        v.extend_from_slice(&self.foreign_bytes.to_le_bytes());
+        v.extend_from_slice(&self.foreign_leases.to_le_bytes());
+        v.push(u8::from(self.full));
+        v.push(u8::from(self.mismatch));
         v
     }
 
@@ -62,9 +74,127 @@ impl BackendHealth {
             drift_bytes: i128::from_le_bytes(b.get(22..38)?.try_into().ok()?),
             last_ok_ms: u64_at(38)?,
             unseen_bytes: u64_at(46)?,
+            foreign_bytes: u64_at(54)?,
+            foreign_leases: u64_at(62)?,
+            full: *b.get(70)? != 0,
+            mismatch: *b.get(71)? != 0,
         })
     }
+
+    /// Known to be unable to take new requests.
+    pub fn down(&self) -> bool {
+        self.polled && !self.up
+    }
 }
+
+/// One backend endpoint: its ledger, its health, and this worker's view of its room.
+pub struct Endpoint {
+    /// `ip:port` (the host Envoy's override_host balancer is told to pick); `None`: the one
+    /// backend behind the cluster's own balancing.
+    pub address: Option<String>,
+    pub ledger_key: String,
+    health_key: String,
+    health: Cell<BackendHealth>,
+    /// Capacity and room as this worker last saw them (stale by at most a tick; the CAS decides).
+    pub view: Cell<View>,
+    pub metrics: Option<EndpointMetrics>,
+}
+
+impl Endpoint {
+    fn new(address: Option<String>) -> Endpoint {
+        let (ledger_key, health_key, metrics) = match &address {
+            None => (LEDGER_KEY.to_string(), HEALTH_KEY.to_string(), None),
+            Some(a) => (
+                format!("{LEDGER_KEY}@{a}"),
+                format!("{HEALTH_KEY}@{a}"),
+                Some(EndpointMetrics::define(a)),
+            ),
+        };
+        let e = Endpoint {
+            address,
+            ledger_key,
+            health_key,
+            health: Cell::new(BackendHealth::default()),
+            view: Cell::new(View::default()),
+            metrics,
+        };
+        e.update_view(|_| ());
+        e.refresh();
+        e
+    }
+
+    /// The name in logs and status.
+    pub fn name<'a>(&'a self, cfg: &'a Config) -> &'a str {
+        self.address
+            .as_deref()
+            .or(cfg.backend.as_ref().map(|b| b.cluster.as_str()))
+            .unwrap_or("backend")
+    }
+
+    /// The health any worker's poll last recorded (read each tick; no host call here).
+    pub fn health(&self) -> BackendHealth {
+        self.health.get()
+    }
+
+    pub fn set_health(&self, h: &BackendHealth) {
+        self.health.set(*h);
+        if let Err(s) =
+            proxy_wasm::hostcalls::set_shared_data(&self.health_key, Some(&h.encode()), None)
+        {
+            host::warn(&format!("kvgate: cannot record backend health: {s:?}"));
+        }
+        self.update_view(|_| ());
+    }
+
+    /// Re-read the health and the room (header only) other workers last recorded.
+    pub fn refresh(&self) {
+        if let Ok((Some(bytes), _)) = proxy_wasm::hostcalls::get_shared_data(&self.health_key) {
+            if let Some(h) = BackendHealth::decode(&bytes) {
+                self.health.set(h);
+            }
+        }
+        if let Ok((Some(bytes), _)) = proxy_wasm::hostcalls::get_shared_data(&self.ledger_key) {
+            if let Some(p) = fleet::peek(&bytes) {
+                self.update_view(|v| v.observe_peek(&p));
+            }
+        }
+    }
+
+    /// Take what a ledger read or transaction showed.
+    pub fn observe(&self, ledger: &Ledger) {
+        self.update_view(|v| v.observe(ledger));
+    }
+
+    fn update_view(&self, f: impl FnOnce(&mut View)) {
+        let mut v = self.view.get();
+        f(&mut v);
+        let h = self.health.get();
+        v.eligible = !h.down() && !h.full && !h.mismatch;
+        self.view.set(v);
+    }
+
+    /// This endpoint's level: its ledger's (held-back bytes count), at least amber while the
+    /// ledger and the backend disagree past the warning threshold, red while it is down.
+    pub fn level(&self, ledger: &Ledger, cfg: &Config) -> Level {
+        let Some(callout) = &cfg.backend else {
+            return ledger.level(&cfg.levels);
+        };
+        let b = self.health();
+        if b.down() {
+            return Level::Red;
+        }
+        let drifting = b.unseen_bytes > 0
+            || b.drift_bytes.unsigned_abs() > u128::from(callout.drift_warn_bytes);
+        let l = ledger.level(&cfg.levels);
+        if drifting {
+            l.max(Level::Amber)
+        } else {
+            l
+        }
+    }
+}
+
+const HEALTH_KEY: &str = "kvgate.backend.v3";
 
 /// This worker's identity as a lease owner: one per wasm VM (an Envoy worker thread), shared by
 /// every root context the VM runs, so a reconfiguration that keeps the VM keeps the owner of the
@@ -117,10 +247,10 @@ pub struct Worker {
     /// Preemption cancels in flight, by callout token: whichever context the host delivers the
     /// answer to, it reaches the ticket that is waiting for it.
     pub cancels: RefCell<HashMap<u32, Rc<Ticket>>>,
-    /// The backend's health as last read from shared data (each tick) or written by this
-    /// worker's own poll: the request path reads this copy and makes no host call for it.
-    health: Cell<BackendHealth>,
+    /// The backend endpoints of the current configuration (one, without `backend.endpoints`).
+    endpoints: RefCell<Vec<Rc<Endpoint>>>,
     lease_seed: u64,
+    gateway_id: Cell<Option<u16>>,
     lease_counter: Cell<u64>,
 }
 
@@ -137,7 +267,8 @@ impl Worker {
             cancels: RefCell::new(HashMap::new()),
             lease_seed: h.finish(),
             lease_counter: Cell::new(0),
-            health: Cell::new(BackendHealth::default()),
+            endpoints: RefCell::new(Vec::new()),
+            gateway_id: Cell::new(None),
         }
     }
 
@@ -146,50 +277,102 @@ impl Worker {
     }
 
     /// Lease ids drawn without coordination between workers and gateways: a per-VM random seed
-    /// stepped through SplitMix64, below 2^53 so JSON clients read them exactly. A collision
-    /// among live leases is a ~n²/2^54 event, and the ledger refuses it.
+    /// stepped through SplitMix64, below 2^53 so JSON clients read them exactly. With a
+    /// configured `gateway_id` its 10 bits lead the id, so two gateways never draw the same id;
+    /// without, a collision among live leases is a ~n²/2^54 event, and the ledger refuses it.
     pub fn next_lease_id(&self) -> u64 {
         let n = self.lease_counter.get().wrapping_add(1);
         self.lease_counter.set(n);
-        (splitmix64(self.lease_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 11).max(1)
+        let r = splitmix64(self.lease_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 11;
+        match self.gateway_id.get() {
+            Some(g) => (u64::from(g) << 43) | (r >> 10).max(1),
+            None => r.max(1),
+        }
     }
 
-    /// The backend's health as the last poll of any worker saw it (Envoy shared data, so every
-    /// worker reports the same level).
-    pub fn backend(&self) -> BackendHealth {
-        self.health.get()
+    /// Take a new configuration's endpoint list and gateway id. Endpoints that stay keep their
+    /// state; every endpoint's ledger is seeded (an existing one is kept with its leases).
+    pub fn configure_endpoints(&self, cfg: &Config) {
+        self.gateway_id.set(cfg.gateway_id);
+        let wanted: Vec<Option<String>> = match cfg.backend.as_ref() {
+            Some(b) if !b.endpoints.is_empty() => b.endpoints.iter().cloned().map(Some).collect(),
+            _ => vec![None],
+        };
+        let old = self.endpoints.borrow().clone();
+        let next = wanted
+            .into_iter()
+            .map(|a| {
+                old.iter()
+                    .find(|e| e.address == a)
+                    .cloned()
+                    .unwrap_or_else(|| Rc::new(Endpoint::new(a)))
+            })
+            .collect();
+        *self.endpoints.borrow_mut() = next;
     }
 
-    /// Re-read the health any worker's poll last recorded (the root context's tick).
-    pub fn refresh_backend(&self) {
-        if let Ok((Some(bytes), _)) = proxy_wasm::hostcalls::get_shared_data(HEALTH_KEY) {
-            if let Some(h) = BackendHealth::decode(&bytes) {
-                self.health.set(h);
+    pub fn endpoints(&self) -> Vec<Rc<Endpoint>> {
+        self.endpoints.borrow().clone()
+    }
+
+    /// The endpoint at `address` (`None`: the single backend), if configured.
+    pub fn endpoint(&self, address: Option<&str>) -> Option<Rc<Endpoint>> {
+        self.endpoints
+            .borrow()
+            .iter()
+            .find(|e| e.address.as_deref() == address)
+            .cloned()
+    }
+
+    /// Re-read every endpoint's health and room (the root context's tick).
+    pub fn refresh_endpoints(&self) {
+        for e in self.endpoints.borrow().iter() {
+            e.refresh();
+        }
+    }
+
+    /// Every configured endpoint is known to be down (or serves another model): nothing new
+    /// can be sent anywhere.
+    pub fn all_down(&self) -> bool {
+        let eps = self.endpoints.borrow();
+        !eps.is_empty()
+            && eps.iter().all(|e| {
+                let h = e.health();
+                h.down() || h.mismatch
+            })
+    }
+
+    /// The level callers see: the fleet's, from every endpoint's view (no ledger read). Red when
+    /// no endpoint is up; otherwise from the fleet's used share of the up endpoints' capacity,
+    /// at least amber while an up endpoint drifts.
+    pub fn level(&self, cfg: &Config) -> Level {
+        let eps = self.endpoints.borrow();
+        let (mut capacity, mut used, mut up, mut drifting) = (0u64, 0u64, false, false);
+        for e in eps.iter() {
+            let h = e.health();
+            if h.down() {
+                continue;
+            }
+            up = true;
+            let v = e.view.get();
+            capacity = capacity.saturating_add(v.capacity);
+            used = used.saturating_add(v.capacity.saturating_sub(v.room));
+            if let Some(b) = &cfg.backend {
+                drifting |= h.unseen_bytes > 0
+                    || h.drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);
             }
         }
-    }
-
-    pub fn set_backend(&self, h: &BackendHealth) {
-        self.health.set(*h);
-        if let Err(s) = proxy_wasm::hostcalls::set_shared_data(HEALTH_KEY, Some(&h.encode()), None)
-        {
-            host::warn(&format!("kvgate: cannot record backend health: {s:?}"));
-        }
-    }
-
-    /// The level callers see: the ledger's (held-back bytes count), at least amber while the
-    /// ledger and the backend disagree past the warning threshold, red while the backend is down.
-    pub fn level(&self, ledger: &Ledger, cfg: &Config) -> Level {
-        let Some(callout) = &cfg.backend else {
-            return ledger.level(&cfg.levels);
-        };
-        let b = self.backend();
-        if b.polled && !b.up {
+        if !up || capacity == 0 {
             return Level::Red;
         }
-        let drifting = b.unseen_bytes > 0
-            || b.drift_bytes.unsigned_abs() > u128::from(callout.drift_warn_bytes);
-        let l = ledger.level(&cfg.levels);
+        let share = used as f64 / capacity as f64;
+        let l = if share >= cfg.levels.red {
+            Level::Red
+        } else if share >= cfg.levels.amber {
+            Level::Amber
+        } else {
+            Level::Green
+        };
         if drifting {
             l.max(Level::Amber)
         } else {
@@ -236,6 +419,8 @@ pub struct Metrics {
     pub backend_up: Metric,
     pub backend_used_bytes: Metric,
     pub drift_bytes: Metric,
+    pub backend_refused: Metric,
+    pub upstream_mismatch: Metric,
 }
 
 impl Metrics {
@@ -278,6 +463,8 @@ impl Metrics {
             backend_up: Metric::gauge("kvgate.backend_up"),
             backend_used_bytes: Metric::gauge("kvgate.backend_used_bytes"),
             drift_bytes: Metric::gauge("kvgate.drift_bytes"),
+            backend_refused: Metric::counter("kvgate.backend_refused"),
+            upstream_mismatch: Metric::counter("kvgate.upstream_mismatch"),
         }
     }
 
@@ -287,12 +474,56 @@ impl Metrics {
         }
     }
 
-    /// Gauges mirror the global ledger; every worker writes the same values.
-    pub fn observe(&self, ledger: &Ledger, level: Level) {
-        self.committed_bytes.set(ledger.committed());
-        self.capacity_bytes.set(ledger.capacity());
-        self.level.set(level.as_gauge());
-        self.live_leases.set(ledger.leases().len() as u64);
-        self.held_back_bytes.set(ledger.held_back());
+    /// Gauges mirror the ledgers (the fleet's totals, and each endpoint's); every worker writes
+    /// the same values. From each endpoint's view: no ledger read.
+    pub fn observe(&self, worker: &Worker, cfg: &Config) {
+        let mut t = View::default();
+        for e in worker.endpoints.borrow().iter() {
+            let v = e.view.get();
+            t.capacity = t.capacity.saturating_add(v.capacity);
+            t.committed = t.committed.saturating_add(v.committed);
+            t.held_back = t.held_back.saturating_add(v.held_back);
+            t.leases = t.leases.saturating_add(v.leases);
+            if let Some(m) = &e.metrics {
+                let h = e.health();
+                m.committed_bytes.set(v.committed);
+                m.capacity_bytes.set(v.capacity);
+                m.foreign_bytes.set(h.foreign_bytes);
+                m.up.set(u64::from(!h.down()));
+            }
+        }
+        self.committed_bytes.set(t.committed);
+        self.capacity_bytes.set(t.capacity);
+        self.level.set(worker.level(cfg).as_gauge());
+        self.live_leases.set(t.leases);
+        self.held_back_bytes.set(t.held_back);
+    }
+}
+
+/// An endpoint's own stats: `kvgate.endpoint.<address, '.' and ':' as '_'>.<name>`.
+pub struct EndpointMetrics {
+    pub committed_bytes: Metric,
+    pub capacity_bytes: Metric,
+    pub foreign_bytes: Metric,
+    pub up: Metric,
+    pub admitted: Metric,
+    pub backend_refused: Metric,
+}
+
+impl EndpointMetrics {
+    fn define(address: &str) -> EndpointMetrics {
+        let tag: String = address
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let name = |n: &str| format!("kvgate.endpoint.{tag}.{n}");
+        EndpointMetrics {
+            committed_bytes: Metric::gauge(&name("committed_bytes")),
+            capacity_bytes: Metric::gauge(&name("capacity_bytes")),
+            foreign_bytes: Metric::gauge(&name("foreign_bytes")),
+            up: Metric::gauge(&name("up")),
+            admitted: Metric::counter(&name("admitted")),
+            backend_refused: Metric::counter(&name("backend_refused")),
+        }
     }
 }

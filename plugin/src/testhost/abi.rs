@@ -191,21 +191,31 @@ pub unsafe extern "C" fn proxy_remove_header_map_value(
 
 #[no_mangle]
 pub unsafe extern "C" fn proxy_get_property(
-    _path_data: *const u8,
-    _path_size: usize,
-    _data: *mut *mut u8,
-    _size: *mut usize,
+    path_data: *const u8,
+    path_size: usize,
+    data: *mut *mut u8,
+    size: *mut usize,
 ) -> Status {
-    Status::NotFound
+    let path = string(path_data, path_size);
+    match with(|h| h.properties.get(&(h.effective, path)).cloned()) {
+        Some(v) => {
+            give(&v, data, size);
+            Status::Ok
+        }
+        None => Status::NotFound,
+    }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn proxy_set_property(
-    _path_data: *const u8,
-    _path_size: usize,
-    _value_data: *const u8,
-    _value_size: usize,
+    path_data: *const u8,
+    path_size: usize,
+    value_data: *const u8,
+    value_size: usize,
 ) -> Status {
+    let path = string(path_data, path_size);
+    let value = slice(value_data, value_size).to_vec();
+    with(|h| h.properties.insert((h.effective, path), value));
     Status::Ok
 }
 

@@ -98,6 +98,9 @@ pub struct Host {
     pub inject_cas_mismatches: u32,
     /// Every shared-data write that was stored, by key.
     pub shared_writes: HashMap<String, u32>,
+    /// Properties (filter state, and what the test sets for the filter to read, e.g.
+    /// `upstream\0address\0`) by (context, NUL-terminated path).
+    pub properties: HashMap<(u32, String), Vec<u8>>,
 }
 
 thread_local! {

@@ -1,0 +1,373 @@
+//! Several backends behind one gateway: one ledger per backend endpoint, and the choice of the
+//! endpoint a request is reserved on.
+//!
+//! Each endpoint's leases live under their own shared-data key, so one admission reads, decides
+//! and writes one ledger: its cost does not grow with the number of endpoints or with the leases
+//! of the others. What the choice needs of the others is a [`View`] per endpoint that the caller
+//! keeps (eligible, capacity, room), refreshed from each ledger it touches and from a cheap
+//! header-only [`peek`] on its tick. A stale view only costs a wasted try: the CAS on the
+//! chosen ledger decides.
+//!
+//! [`admit`] tries endpoints in two passes:
+//! 1. *plain*: the endpoints whose viewed room fits the request, in the order of the rule
+//!    ([`Choice`]), each with the class's policy switched off (no degrade, no preemption, no
+//!    claim), so a request never degrades or preempts on one endpoint while another has room.
+//!    A try that does not fit changes nothing.
+//! 2. *policy*: one endpoint, decided with the full policy (claims, degrade, preemption) and its
+//!    outcome answered as it is. It is the request's *home* (a hash of its claim key over the
+//!    eligible endpoints: a refused request keeps its place in one endpoint's line across
+//!    retries), or, without a claim, the endpoint with the most room.
+
+use serde::Deserialize;
+
+use crate::ledger::Ledger;
+use crate::store::{self, SharedStore, StoreError};
+
+/// Most endpoints one filter configuration may name.
+pub const MAX_ENDPOINTS: usize = 256;
+
+/// Which endpoint gets a request that fits on several.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Choice {
+    /// The one with the most room after the reservation: spreads load, keeps every endpoint's
+    /// headroom (and its decode batch) even.
+    #[default]
+    MostRoom,
+    /// The one with the least room that still fits: packs small requests together and keeps
+    /// large holes for large requests (fewer big requests refused while the total room would
+    /// hold them).
+    BestFit,
+}
+
+/// What the caller last knew of one endpoint. Possibly stale; never trusted for the decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct View {
+    /// Up, not marked full by a backend refusal, model known.
+    pub eligible: bool,
+    pub capacity: u64,
+    /// Bytes a request may still reserve there.
+    pub room: u64,
+    pub committed: u64,
+    pub held_back: u64,
+    pub leases: u64,
+}
+
+impl View {
+    pub fn observe(&mut self, ledger: &Ledger) {
+        self.capacity = ledger.capacity();
+        self.room = ledger.free();
+        self.committed = ledger.committed();
+        self.held_back = ledger.held_back();
+        self.leases = ledger.leases().len() as u64;
+    }
+
+    /// Take a [`peek`] (eligibility stays).
+    pub fn observe_peek(&mut self, p: &View) {
+        *self = View {
+            eligible: self.eligible,
+            ..*p
+        };
+    }
+}
+
+/// The totals of a stored ledger from its fixed header, without decoding its leases (claims are
+/// not counted: the room is an upper bound). `None` if the bytes are not a v2+ ledger.
+pub fn peek(bytes: &[u8]) -> Option<View> {
+    let u64_at = |i: usize| -> Option<u64> {
+        Some(u64::from_le_bytes(bytes.get(i..i + 8)?.try_into().ok()?))
+    };
+    if bytes.get(..4)? != b"KVGL" || *bytes.get(4)? < 2 {
+        return None;
+    }
+    let capacity = u64_at(5)?;
+    let committed = u64_at(13)?;
+    let held_back = u64_at(5 + 8 * 8)?;
+    let leases = u32::from_le_bytes(bytes.get(77..81)?.try_into().ok()?);
+    Some(View {
+        eligible: false,
+        capacity,
+        room: capacity.saturating_sub(committed).saturating_sub(held_back),
+        committed,
+        held_back,
+        leases: u64::from(leases),
+    })
+}
+
+/// The eligible endpoints whose room fits `need`, best first by `rule`.
+pub fn plan(views: &[View], need: u64, rule: Choice) -> Vec<usize> {
+    let mut fit: Vec<usize> = (0..views.len())
+        .filter(|&i| views.get(i).is_some_and(|v| v.eligible && v.room >= need))
+        .collect();
+    // Ties go to the lower index, so a fleet with equal room fills in a stable order.
+    match rule {
+        Choice::MostRoom => fit.sort_by_key(|&i| (std::cmp::Reverse(room(views, i)), i)),
+        Choice::BestFit => fit.sort_by_key(|&i| (room(views, i), i)),
+    }
+    fit
+}
+
+fn room(views: &[View], i: usize) -> u64 {
+    views.get(i).map_or(0, |v| v.room)
+}
+
+/// The endpoint a request's claim lives on: its key over the eligible endpoints that could hold
+/// it at all (capacity ≥ `need`).
+pub fn home(views: &[View], need: u64, claim_key: u64) -> Option<usize> {
+    let able: Vec<usize> = (0..views.len())
+        .filter(|&i| {
+            views
+                .get(i)
+                .is_some_and(|v| v.eligible && v.capacity >= need)
+        })
+        .collect();
+    let n = u64::try_from(able.len()).ok().filter(|n| *n > 0)?;
+    able.get(usize::try_from(claim_key % n).ok()?).copied()
+}
+
+/// The policy pass's endpoint when the request has no home: the most room among the eligible
+/// endpoints that could hold it at all, else the largest eligible one (it answers "too large").
+fn fallback(views: &[View], need: u64) -> Option<usize> {
+    let eligible = || (0..views.len()).filter(|&i| views.get(i).is_some_and(|v| v.eligible));
+    eligible()
+        .filter(|&i| views.get(i).is_some_and(|v| v.capacity >= need))
+        .max_by_key(|&i| (room(views, i), std::cmp::Reverse(i)))
+        .or_else(|| {
+            eligible()
+                .max_by_key(|&i| (views.get(i).map_or(0, |v| v.capacity), std::cmp::Reverse(i)))
+        })
+}
+
+/// Where a request was decided.
+#[derive(Debug)]
+pub enum Placed<T> {
+    /// Decided on endpoint `index` (admitted or refused, as `out` says); `ledger` is that
+    /// endpoint's ledger after the decision.
+    At {
+        index: usize,
+        out: T,
+        ledger: Ledger,
+    },
+    /// No endpoint is eligible.
+    Nowhere,
+}
+
+/// Decide a request needing `need` bytes across the endpoints (see the module's two passes;
+/// the plain pass tries the request's home first, where its claim may hold bytes for it).
+/// `plain` runs with the policy switched off and must return `None`, changing nothing, when the
+/// request does not fit; `full` runs the whole policy. Each runs inside one endpoint's CAS
+/// transaction and may run more than once. `views` are refreshed from every ledger touched.
+/// A ledger that cannot be read is skipped in the plain pass; in the policy pass its error is
+/// returned with its index.
+#[allow(clippy::too_many_arguments)]
+pub fn admit<S: SharedStore + ?Sized, T>(
+    store: &S,
+    key: impl Fn(usize) -> String,
+    views: &mut [View],
+    need: u64,
+    rule: Choice,
+    claim_key: Option<u64>,
+    attempts: u32,
+    mut plain: impl FnMut(&mut Ledger) -> Option<T>,
+    mut full: impl FnMut(&mut Ledger) -> T,
+) -> Result<Placed<T>, (usize, StoreError)> {
+    let home = claim_key.and_then(|k| home(views, need, k));
+    let order: Vec<usize> = home
+        .into_iter()
+        .chain(
+            plan(views, need, rule)
+                .into_iter()
+                .filter(|i| Some(*i) != home),
+        )
+        .collect();
+    for index in order {
+        if let Ok((out, ledger)) = store::transact(store, &key(index), attempts, &mut plain) {
+            if let Some(v) = views.get_mut(index) {
+                v.observe(&ledger);
+            }
+            if let Some(out) = out {
+                return Ok(Placed::At { index, out, ledger });
+            }
+        }
+    }
+    let Some(index) = home.or_else(|| fallback(views, need)) else {
+        return Ok(Placed::Nowhere);
+    };
+    let (out, ledger) =
+        store::transact(store, &key(index), attempts, &mut full).map_err(|e| (index, e))?;
+    if let Some(v) = views.get_mut(index) {
+        v.observe(&ledger);
+    }
+    Ok(Placed::At { index, out, ledger })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::{AdmitOutcome, AdmitRequest};
+    use crate::retry::RetryAfterConfig;
+    use crate::store::MemoryStore;
+
+    fn req(id: u64, bytes: u64) -> AdmitRequest<'static> {
+        AdmitRequest {
+            id: Some(id),
+            bytes,
+            class: "c",
+            priority: 0,
+            fingerprint: 0,
+            now_ms: 0,
+            ttl_ms: 1_000_000,
+            owner: 1,
+            claim: None,
+        }
+    }
+
+    fn fleet(capacities: &[u64]) -> (MemoryStore, Vec<View>) {
+        let s = MemoryStore::default();
+        let mut views = Vec::new();
+        for (i, c) in capacities.iter().enumerate() {
+            let l = Ledger::new(*c, 1);
+            store::seed(&s, &format!("e{i}"), || l.clone()).unwrap();
+            let mut v = View {
+                eligible: true,
+                ..View::default()
+            };
+            v.observe(&l);
+            views.push(v);
+        }
+        (s, views)
+    }
+
+    /// Admit `bytes` under `id` where it fits (plain: reserve; full: reserve or refuse).
+    fn place(
+        s: &MemoryStore,
+        views: &mut [View],
+        id: u64,
+        bytes: u64,
+        rule: Choice,
+    ) -> Option<usize> {
+        let cfg = RetryAfterConfig::default();
+        let admitted = |l: &mut Ledger| {
+            matches!(
+                l.try_admit(&req(id, bytes), &cfg, 0),
+                AdmitOutcome::Admitted { .. }
+            )
+        };
+        let placed = admit(
+            s,
+            |i| format!("e{i}"),
+            views,
+            bytes,
+            rule,
+            None,
+            8,
+            |l| (l.free() >= bytes && admitted(l)).then_some(true),
+            admitted,
+        )
+        .unwrap();
+        match placed {
+            Placed::At {
+                index, out: true, ..
+            } => Some(index),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn most_room_spreads_and_best_fit_packs() {
+        let (s, mut v) = fleet(&[1000, 1000]);
+        let got: Vec<_> = (1..=4)
+            .map(|id| place(&s, &mut v, id, 300, Choice::MostRoom))
+            .collect();
+        assert_eq!(got, [Some(0), Some(1), Some(0), Some(1)]);
+        let (s, mut v) = fleet(&[1000, 1000]);
+        let got: Vec<_> = (1..=4)
+            .map(|id| place(&s, &mut v, id, 300, Choice::BestFit))
+            .collect();
+        assert_eq!(got, [Some(0), Some(0), Some(0), Some(1)]);
+        // Best fit kept a whole endpoint's room for a big request; most room would not have.
+        assert_eq!(place(&s, &mut v, 9, 700, Choice::BestFit), Some(1));
+    }
+
+    #[test]
+    fn a_stale_view_costs_a_try_never_an_overcommit() {
+        let (s, mut v) = fleet(&[1000, 1000]);
+        // Another worker filled endpoint 0 behind this view's back.
+        store::transact(&s, "e0", 4, |l| {
+            l.try_admit(&req(50, 900), &RetryAfterConfig::default(), 0)
+        })
+        .unwrap();
+        assert_eq!(v[0].room, 1000, "stale");
+        assert_eq!(place(&s, &mut v, 1, 600, Choice::BestFit), Some(1));
+        assert_eq!(v[0].room, 100, "refreshed by the try");
+        let l0 = store::read(&s, "e0").unwrap();
+        assert_eq!(l0.committed(), 900, "the failed try changed nothing");
+        assert_eq!(l0.counters().rejected, 0);
+        // Nothing fits anywhere: the policy pass refuses on the endpoint with the most room.
+        assert_eq!(place(&s, &mut v, 2, 600, Choice::BestFit), None);
+        assert_eq!(store::read(&s, "e1").unwrap().counters().rejected, 1);
+        assert_eq!(store::read(&s, "e0").unwrap().counters().rejected, 0);
+    }
+
+    #[test]
+    fn ineligible_endpoints_are_never_chosen() {
+        let (s, mut v) = fleet(&[1000, 1000]);
+        v[0].eligible = false;
+        for id in 1..=3 {
+            assert_eq!(place(&s, &mut v, id, 300, Choice::MostRoom), Some(1));
+        }
+        assert_eq!(store::read(&s, "e0").unwrap().committed(), 0);
+        v[1].eligible = false;
+        let placed = admit(
+            &s,
+            |i| format!("e{i}"),
+            &mut v,
+            1,
+            Choice::MostRoom,
+            None,
+            8,
+            |_| Some(()),
+            |_| (),
+        )
+        .unwrap();
+        assert!(matches!(placed, Placed::Nowhere));
+    }
+
+    #[test]
+    fn a_claim_has_one_home_among_the_endpoints_that_can_hold_it() {
+        let mut v = vec![
+            View {
+                eligible: true,
+                capacity: 1000,
+                ..View::default()
+            };
+            4
+        ];
+        v[1].capacity = 10;
+        v[2].eligible = false;
+        let homes: Vec<_> = (0..6).map(|k| home(&v, 500, k)).collect();
+        assert_eq!(
+            homes,
+            [Some(0), Some(3), Some(0), Some(3), Some(0), Some(3)]
+        );
+        assert_eq!(home(&v, 5000, 1), None);
+        // Too large for all: the largest answers (it says "too large", not "full").
+        assert_eq!(fallback(&v, 5000), Some(0));
+    }
+
+    #[test]
+    fn peek_reads_room_from_the_header() {
+        let mut l = Ledger::new(1000, 1);
+        l.try_admit(&req(1, 300), &RetryAfterConfig::default(), 0);
+        l.set_held_back(100);
+        let mut v = View::default();
+        v.observe(&l);
+        assert_eq!(peek(&l.encode()), Some(v));
+        assert_eq!(
+            (v.room, v.committed, v.held_back, v.leases),
+            (600, 300, 100, 1)
+        );
+        assert_eq!(peek(b"KVGL"), None);
+        assert_eq!(peek(b"nope nope nope"), None);
+    }
+}
