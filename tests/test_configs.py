@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import ENVOY, ROOT, Envoy, fleet_bootstrap, fleet_plugin_config, free_port
+from harness import ENVOY, ROOT, WASM, Envoy, fleet_bootstrap, fleet_plugin_config, free_port
 
 SHIPPED_FILTERS = ["envoy/kvgate-filter.yaml", "envoy/compose/kvgate-filter.yaml", "envoy/fleet-filter.yaml"]
 
@@ -19,8 +19,8 @@ def plugin_json(path):
 
 def test_each_shipped_plugin_configuration_is_accepted(tmp_path, wasm, upstream):
     configs = {p: plugin_json(p) for p in SHIPPED_FILTERS}
-    istio = yaml.safe_load((ROOT / "envoy/istio/wasmplugin.yaml").read_text())
-    configs["envoy/istio/wasmplugin.yaml"] = istio["spec"]["pluginConfig"]
+    for istio_file in ("envoy/istio/wasmplugin.yaml", "envoy/istio/fleet-wasmplugin.yaml"):
+        configs[istio_file] = yaml.safe_load((ROOT / istio_file).read_text())["spec"]["pluginConfig"]
     for i, (name, cfg) in enumerate(configs.items()):
         d = tmp_path / str(i)
         d.mkdir()
@@ -59,24 +59,77 @@ def test_fleet_gateway_starts_with_its_endpoints(tmp_path, wasm):
         e.stop()
 
 
-def test_compose_gateway_validates_with_its_mounts(tmp_path, wasm):
-    text = (ROOT / "envoy/compose/gateway.yaml").read_text()
-    text = text.replace("/etc/kvgate/kvgate-filter.yaml", str(ROOT / "envoy/compose/kvgate-filter.yaml"))
-    cfg = tmp_path / "gateway.yaml"
-    cfg.write_text(text)
-    out = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(cfg), "-l", "error"],
+def validate(path):
+    out = subprocess.run([str(ENVOY), "--mode", "validate", "-c", str(path), "-l", "error"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "OK" in out.stdout
 
 
+def test_compose_gateways_validate_with_their_mounts(tmp_path, wasm):
+    for gateway, filter_config in (("gateway.yaml", "kvgate-filter.yaml"), ("fleet.yaml", "fleet-filter.yaml")):
+        text = (ROOT / "envoy/compose" / gateway).read_text()
+        text = text.replace(f"/etc/kvgate/{filter_config}", str(ROOT / "envoy/compose" / filter_config))
+        cfg = tmp_path / gateway
+        cfg.write_text(text)
+        validate(cfg)
+
+
+def cluster_hosts(bootstrap):
+    cluster = next(c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "kvgate_backend")
+    return [f"{a['address']}:{a['port_value']}" for a in
+            (e["endpoint"]["address"]["socket_address"] for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"])]
+
+
+def test_fleet_endpoints_name_the_cluster_hosts():
+    """override_host matches a host by its address: every shipped fleet's endpoint list is exactly
+    its cluster's hosts (and, in compose, the backends' fixed addresses)."""
+    for boot, filt in (("envoy/fleet.yaml", "envoy/fleet-filter.yaml"),
+                       ("envoy/compose/fleet.yaml", "envoy/compose/fleet-filter.yaml")):
+        hosts = cluster_hosts(yaml.safe_load((ROOT / boot).read_text()))
+        assert plugin_json(filt)["backend"]["endpoints"] == hosts, boot
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for a, b in (("backend", "backend-b"), ("backend-cpu", "backend-cpu-b")):
+        addrs = [compose[x]["networks"]["default"]["ipv4_address"] + ":8000" for x in (a, b)]
+        assert addrs == plugin_json("envoy/compose/fleet-filter.yaml")["backend"]["endpoints"], (a, b)
+
+
 def test_istio_resources_are_well_formed():
-    plugin = yaml.safe_load((ROOT / "envoy/istio/wasmplugin.yaml").read_text())
-    assert plugin["kind"] == "WasmPlugin" and plugin["spec"]["failStrategy"] == "FAIL_CLOSE"
+    for f in ("envoy/istio/wasmplugin.yaml", "envoy/istio/fleet-wasmplugin.yaml"):
+        plugin = yaml.safe_load((ROOT / f).read_text())
+        assert plugin["kind"] == "WasmPlugin" and plugin["spec"]["failStrategy"] == "FAIL_CLOSE", f
     buf = yaml.safe_load((ROOT / "envoy/istio/buffer-envoyfilter.yaml").read_text())
     patch = buf["configPatches"][0] if "configPatches" in buf else buf["spec"]["configPatches"][0]
     assert patch["patch"]["value"]["name"] == "envoy.filters.http.buffer"
     assert patch["patch"]["operation"] == "INSERT_BEFORE"
+
+
+def test_istio_fleet_patches_are_the_verified_chain(tmp_path):
+    """The fleet EnvoyFilter inserts buffer then header_mutation before the router, and its
+    CLUSTER patch, merged into a cluster as Istio builds it (lb_policy LEAST_REQUEST), gives a
+    bootstrap Envoy accepts: envoy/fleet.yaml with the Istio patches in place of its own."""
+    doc = yaml.safe_load((ROOT / "envoy/istio/fleet-envoyfilter.yaml").read_text())
+    patches = doc["spec"]["configPatches"]
+    filters = [p["patch"]["value"] for p in patches if p["applyTo"] == "HTTP_FILTER"]
+    assert [f["name"] for f in filters] == ["envoy.filters.http.buffer", "envoy.filters.http.header_mutation"]
+    assert all(p["patch"]["operation"] == "INSERT_BEFORE" and p["match"]["listener"]["filterChain"]["filter"]
+               ["subFilter"]["name"] == "envoy.filters.http.router" for p in patches if p["applyTo"] == "HTTP_FILTER")
+    (cluster_patch,) = [p for p in patches if p["applyTo"] == "CLUSTER"]
+    assert cluster_patch["patch"]["operation"] == "MERGE"
+    boot = fleet_bootstrap()
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    shipped = [f for f in hcm["http_filters"] if f["name"] != "kvgate"]
+    assert [f["name"] for f in shipped] == [f["name"] for f in filters] + ["envoy.filters.http.router"]
+    assert filters[1] == shipped[1], "the Istio header_mutation is envoy/fleet.yaml's"
+    hcm["http_filters"] = [hcm["http_filters"][0], *filters, shipped[-1]]
+    hcm["http_filters"][0]["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(WASM)
+    cluster = boot["static_resources"]["clusters"][0]
+    cluster.pop("load_balancing_policy")
+    cluster["lb_policy"] = "LEAST_REQUEST"
+    cluster.update(cluster_patch["patch"]["value"])
+    cfg = tmp_path / "istio-fleet.json"
+    cfg.write_text(json.dumps(boot))
+    validate(cfg)
 
 
 def test_docker_compose_file_is_valid():
@@ -86,6 +139,9 @@ def test_docker_compose_file_is_valid():
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     gpu = doc["services"]["backend"]["deploy"]["resources"]["reservations"]["devices"][0]
     assert gpu["capabilities"] == ["gpu"]
+    second = doc["services"]["backend-b"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert second["device_ids"] == ["1"], "the fleet's second GPU backend gets the second GPU"
+    assert doc["services"]["gateway-fleet"]["profiles"] == ["gpu-fleet", "cpu-fleet"]
     assert doc["services"]["backend"]["build"]["dockerfile"] == "backend/Dockerfile.cuda"
     assert doc["services"]["backend-cpu"]["build"]["dockerfile"] == "backend/Dockerfile"
     assert Path(ROOT / "backend/Dockerfile.cuda").exists() and Path(ROOT / "backend/Dockerfile").exists()
