@@ -10,9 +10,10 @@
 //!
 //! [`admit`] tries endpoints in two passes:
 //! 1. *plain*: the endpoints whose viewed room fits the request, in the order of the rule
-//!    ([`Choice`]), each with the class's policy switched off (no degrade, no preemption, no
-//!    claim), so a request never degrades or preempts on one endpoint while another has room.
-//!    A try that does not fit changes nothing.
+//!    ([`Choice`]), each with the class's policy switched off (no degrade, no preemption), so a
+//!    request never degrades or preempts on one endpoint while another has room. A try that
+//!    does not fit changes nothing. Admitted away from its home, a request's claim there (if
+//!    any) is dropped at once.
 //! 2. *policy*: one endpoint, decided with the full policy (claims, degrade, preemption) and its
 //!    outcome answered as it is. It is the request's *home* (a hash of its claim key over the
 //!    eligible endpoints: a refused request keeps its place in one endpoint's line across
@@ -51,6 +52,8 @@ pub struct View {
     pub committed: u64,
     pub held_back: u64,
     pub leases: u64,
+    /// Bytes claims set aside there (as last decoded; a peek keeps the last value).
+    pub claimed: u64,
 }
 
 impl View {
@@ -60,12 +63,14 @@ impl View {
         self.committed = ledger.committed();
         self.held_back = ledger.held_back();
         self.leases = ledger.leases().len() as u64;
+        self.claimed = ledger.claimed();
     }
 
     /// Take a [`peek`] (eligibility stays).
     pub fn observe_peek(&mut self, p: &View) {
         *self = View {
             eligible: self.eligible,
+            claimed: self.claimed,
             ..*p
         };
     }
@@ -91,6 +96,7 @@ pub fn peek(bytes: &[u8]) -> Option<View> {
         committed,
         held_back,
         leases: u64::from(leases),
+        claimed: 0,
     })
 }
 
@@ -152,8 +158,7 @@ pub enum Placed<T> {
     Nowhere,
 }
 
-/// Decide a request needing `need` bytes across the endpoints (see the module's two passes;
-/// the plain pass tries the request's home first, where its claim may hold bytes for it).
+/// Decide a request needing `need` bytes across the endpoints (see the module's two passes).
 /// `plain` runs with the policy switched off and must return `None`, changing nothing, when the
 /// request does not fit; `full` runs the whole policy. Each runs inside one endpoint's CAS
 /// transaction and may run more than once. `views` are refreshed from every ledger touched.
@@ -172,20 +177,25 @@ pub fn admit<S: SharedStore + ?Sized, T>(
     mut full: impl FnMut(&mut Ledger) -> T,
 ) -> Result<Placed<T>, (usize, StoreError)> {
     let home = claim_key.and_then(|k| home(views, need, k));
-    let order: Vec<usize> = home
-        .into_iter()
-        .chain(
-            plan(views, need, rule)
-                .into_iter()
-                .filter(|i| Some(*i) != home),
-        )
-        .collect();
-    for index in order {
+    for index in plan(views, need, rule) {
         if let Ok((out, ledger)) = store::transact(store, &key(index), attempts, &mut plain) {
             if let Some(v) = views.get_mut(index) {
                 v.observe(&ledger);
             }
             if let Some(out) = out {
+                // Admitted away from its home, where a claim of an earlier refusal may still
+                // set bytes aside for it: give them back now rather than at its expiry.
+                if let (Some(h), Some(k)) = (home.filter(|h| *h != index), claim_key) {
+                    if views.get(h).is_some_and(|v| v.claimed > 0) {
+                        if let Ok((_, l)) =
+                            store::transact(store, &key(h), attempts, |l| l.drop_claim(k))
+                        {
+                            if let Some(v) = views.get_mut(h) {
+                                v.observe(&l);
+                            }
+                        }
+                    }
+                }
                 return Ok(Placed::At { index, out, ledger });
             }
         }

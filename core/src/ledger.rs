@@ -263,6 +263,14 @@ impl Ledger {
         self.claims.extend(o.claims.iter().cloned());
     }
 
+    /// Forget the claim with this key (its request was admitted elsewhere): what it held is
+    /// free again.
+    pub fn drop_claim(&mut self, key: u64) -> bool {
+        let before = self.claims.len();
+        self.claims.retain(|c| c.key != key);
+        self.claims.len() != before
+    }
+
     /// What the claim with this key holds for its request now (0 without one).
     pub fn held_for(&self, key: u64) -> u64 {
         self.claims

@@ -180,6 +180,30 @@ impl Vm {
         }
     }
 
+    /// The upstream's response headers with `status`, from the host at `upstream` (what
+    /// `upstream.address` reads), and an end of stream.
+    pub fn respond_from(&self, s: Stream, status: u32, upstream: &str) {
+        self.enter(s.0);
+        with(|h| {
+            h.maps.insert(
+                (s.0, MapType::HttpResponseHeaders as u32),
+                vec![(":status".to_string(), status.to_string())],
+            );
+            h.properties
+                .insert((s.0, "upstream\0address\0".to_string()), upstream.into());
+        });
+        unsafe {
+            proxy_on_response_headers(s.0, 1, false);
+            proxy_on_response_body(s.0, 10, true);
+        }
+    }
+
+    /// A property the filter set on stream `s` (`path` segments joined as the ABI does).
+    pub fn property(s: Stream, path: &[&str]) -> Option<Vec<u8>> {
+        let key: String = path.iter().map(|p| format!("{p}\0")).collect();
+        with(|h| h.properties.get(&(s.0, key)).cloned())
+    }
+
     /// The end of a stream, as Envoy ends every one: log, done, delete.
     pub fn finish(&self, s: Stream) {
         self.enter(s.0);

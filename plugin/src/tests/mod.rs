@@ -19,6 +19,7 @@ use crate::testhost::{self, Stream, Vm};
 use crate::LEDGER_KEY;
 
 mod admission;
+mod fleet;
 mod tick;
 
 /// KV bytes per token of the test model (2 x 30 layers x 3 KV heads x 64 x f32).

@@ -1,0 +1,330 @@
+//! Several backend endpoints behind one filter: the choice, the routing, each endpoint's own
+//! ledger, polls and health, foreign bytes, a backend's own refusal, and a live endpoint list.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use kvgate_core::store;
+use kvgate_core::Ledger;
+use proxy_wasm::types::Action;
+use serde_json::{json, Value};
+
+use super::*;
+use crate::host::EnvoyStore;
+use crate::testhost::{Stream, Vm};
+
+const A: &str = "10.0.0.1:8000";
+const B: &str = "10.0.0.2:8000";
+
+fn fleet(endpoints: &[&str], extra: Value) -> Value {
+    let mut backend = json!({"cluster": "kvgate_backend", "endpoints": endpoints,
+                             "poll_ms": 200, "down_after_failures": 2, "lost_grace_ms": 1000});
+    for (k, v) in extra.as_object().cloned().unwrap_or_default() {
+        backend[k] = v;
+    }
+    json!({ "backend": backend })
+}
+
+fn ledger_at(address: &str) -> Ledger {
+    store::read(&EnvoyStore, &format!("{LEDGER_KEY}@{address}")).expect("a readable ledger")
+}
+
+/// Where the filter told Envoy's balancer to send stream `s`.
+fn routed_to(s: Stream) -> Option<String> {
+    Vm::property(s, &["kvgate_endpoint"]).map(|v| String::from_utf8(v).unwrap())
+}
+
+fn report(used: u64, leases: Value) -> Vec<u8> {
+    json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": used},
+           "leases": leases, "finished": [], "cursor": 1})
+    .to_string()
+    .into_bytes()
+}
+
+/// One poll round: a tick after `poll_ms`, then each endpoint's callout answered by `answer`.
+fn poll_round(vm: &Vm, answer: impl Fn(&str) -> (u32, Vec<u8>)) {
+    let before = Vm::calls().len();
+    vm.advance_ms(300);
+    vm.tick();
+    for call in Vm::calls().into_iter().skip(before) {
+        let path = call.header(":path").unwrap_or_default().to_string();
+        if !path.starts_with("/v1/admission/leases") {
+            continue;
+        }
+        let endpoint = call
+            .header("x-kvgate-endpoint")
+            .expect("a poll names its endpoint")
+            .to_string();
+        let (status, body) = answer(&endpoint);
+        vm.answer_call(call.token, status, &body);
+    }
+}
+
+#[test]
+fn requests_spread_over_the_endpoints_each_reserved_and_released_in_its_own_ledger() {
+    let mut vm = start(10_000, fleet(&[A, B], json!({})));
+    let streams: Vec<Stream> = (0..4)
+        .map(|_| {
+            let (s, a) = vm.post("/v1/completions", &[], &completion(500, Some(500)));
+            assert_eq!(a, Action::Continue);
+            s
+        })
+        .collect();
+    let routes: Vec<_> = streams.iter().map(|s| routed_to(*s).unwrap()).collect();
+    assert_eq!(
+        routes,
+        [A, B, A, B],
+        "most room first, ties to the first listed"
+    );
+    for (s, at) in streams.iter().zip(&routes) {
+        assert!(ledger_at(at).lease(lease_of(*s)).is_some());
+    }
+    assert_eq!(ledger_at(A).committed(), 2_000 * PER_TOKEN);
+    assert_eq!(ledger_at(B).committed(), 2_000 * PER_TOKEN);
+    assert_eq!(Vm::metric("kvgate.endpoint.10_0_0_1_8000.admitted"), 2);
+    assert_eq!(
+        Vm::metric("kvgate.committed_bytes"),
+        (4_000 * PER_TOKEN) as i64,
+        "the fleet's total"
+    );
+    // The status document lists each endpoint; its totals are the fleet's.
+    let st = vm.open("GET", "/kvgate/status", &[], b"");
+    vm.request_headers(st, true);
+    let doc = Vm::replies(st)[0].json();
+    assert_eq!(doc["committed_bytes"], 4_000 * PER_TOKEN);
+    assert_eq!(doc["capacity_bytes"], 20_000 * PER_TOKEN);
+    assert_eq!(doc["endpoints"][1]["address"], B);
+    assert_eq!(doc["endpoints"][1]["committed_bytes"], 2_000 * PER_TOKEN);
+    assert_eq!(doc["endpoints"][1]["up"], true);
+
+    // Envoy sent each where it was told: nothing counted as a mismatch.
+    for (s, at) in streams.iter().zip(&routes) {
+        vm.respond_from(*s, 200, at);
+        vm.finish(*s);
+    }
+    assert_eq!(Vm::metric("kvgate.upstream_mismatch"), 0);
+    assert_eq!(ledger_at(A).committed(), 0);
+    assert_eq!(ledger_at(B).committed(), 0);
+
+    // Sent elsewhere than reserved (a host missing from the cluster): counted, and still
+    // released where it was reserved.
+    let (s, _) = vm.post("/v1/completions", &[], &completion(500, Some(500)));
+    vm.respond_from(s, 200, "10.9.9.9:8000");
+    vm.finish(s);
+    assert_eq!(Vm::metric("kvgate.upstream_mismatch"), 1);
+    assert_eq!(ledger_at(A).committed() + ledger_at(B).committed(), 0);
+}
+
+#[test]
+fn a_request_goes_where_it_fits_whole_before_any_policy_applies() {
+    // Batch degrades when nothing fits; here B has room for the whole cap, so no degrade.
+    // (Without fair retries, a request that fits nowhere whole is decided where the room is
+    // largest; with them, at its home endpoint, where its place in line is kept.)
+    let mut vm = start(
+        10_000,
+        json!({
+            "fair_retry_patience_ms": 0,
+            "backend": {"cluster": "kvgate_backend", "endpoints": [A, B],
+                        "endpoint_choice": "best_fit"},
+            "policy": {"default_class": "batch",
+                       "classes": {"batch": {"action": "degrade", "min_output_tokens": 10}}},
+        }),
+    );
+    let (big, _) = vm.post("/v1/completions", &[], &completion(100, Some(8_900)));
+    assert_eq!(routed_to(big).as_deref(), Some(A));
+    let (s, a) = vm.post("/v1/completions", &[], &completion(100, Some(5_000)));
+    assert_eq!(a, Action::Continue);
+    assert_eq!(routed_to(s).as_deref(), Some(B), "fits whole on B");
+    assert_eq!(Vm::metric("kvgate.degraded"), 0);
+    // Best fit: a small one goes into A's remaining 1,000 tokens, keeping B's 4,900 whole.
+    let (small, _) = vm.post("/v1/completions", &[], &completion(100, Some(400)));
+    assert_eq!(routed_to(small).as_deref(), Some(A));
+    // Nothing fits whole anywhere now: the policy (degrade) applies on the one with most room.
+    let (d, _) = vm.post("/v1/completions", &[], &completion(100, Some(9_000)));
+    assert_eq!(routed_to(d).as_deref(), Some(B));
+    assert_eq!(Vm::metric("kvgate.degraded"), 1);
+    for s in [big, s, small, d] {
+        vm.finish(s);
+    }
+    assert_eq!(ledger_at(A).committed() + ledger_at(B).committed(), 0);
+}
+
+#[test]
+fn each_endpoint_is_polled_on_its_own_and_a_down_one_is_left_out_until_it_answers() {
+    let mut vm = start(10_000, fleet(&[A, B], json!({})));
+    let up = |_: &str| (200, report(0, json!([])));
+    poll_round(&vm, up);
+    // A long request on A, then A stops answering.
+    let (on_a, _) = vm.post("/v1/completions", &[], &completion(500, Some(500)));
+    assert_eq!(routed_to(on_a).as_deref(), Some(A));
+    let a_lease = lease_of(on_a);
+    let a_down = |e: &str| {
+        if e == A {
+            (503, Vec::new())
+        } else {
+            (200, report(0, json!([])))
+        }
+    };
+    poll_round(&vm, a_down);
+    poll_round(&vm, a_down);
+    assert!(logs()
+        .iter()
+        .any(|m| m.contains(A) && m.contains("is down after 2 failed polls")));
+    assert_eq!(Vm::metric("kvgate.endpoint.10_0_0_1_8000.up"), 0);
+    // New requests go to B only, though A has more room.
+    for _ in 0..3 {
+        let (s, a) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+        assert_eq!(a, Action::Continue);
+        assert_eq!(routed_to(s).as_deref(), Some(B));
+        vm.finish(s);
+    }
+    // The request on A ends as every request does: its lease goes then, not before.
+    assert!(ledger_at(A).lease(a_lease).is_some());
+    vm.finish(on_a);
+    assert_eq!(ledger_at(A).committed(), 0);
+    // B down too: nothing is sent anywhere, answered at once.
+    let all_down = |_: &str| (503, Vec::new());
+    poll_round(&vm, all_down);
+    poll_round(&vm, all_down);
+    let body = completion(100, Some(100));
+    let s = vm.open("POST", "/v1/completions", &[], body.as_bytes());
+    assert_eq!(
+        vm.request_headers(s, false),
+        Action::Pause,
+        "answered at the headers"
+    );
+    let r = &Vm::replies(s)[0];
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["code"], "backend_unavailable");
+    // A answers again: chosen again.
+    poll_round(&vm, |e| {
+        if e == A {
+            (200, report(0, json!([])))
+        } else {
+            (503, Vec::new())
+        }
+    });
+    let (s, a) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(a, Action::Continue);
+    assert_eq!(routed_to(s).as_deref(), Some(A));
+    vm.finish(s);
+}
+
+#[test]
+fn another_gateways_leases_are_held_back_at_their_endpoint() {
+    let mut vm = start(10_000, fleet(&[A, B], json!({})));
+    // B holds 6,000 tokens for a lease this gateway does not own.
+    let foreign = 6_000 * PER_TOKEN;
+    poll_round(&vm, |e| {
+        if e == B {
+            let leases = json!([{"id": "999", "state": "running", "reserved_bytes": foreign}]);
+            (200, report(foreign, leases))
+        } else {
+            (200, report(0, json!([])))
+        }
+    });
+    assert_eq!(ledger_at(B).held_back(), foreign);
+    assert_eq!(
+        Vm::metric("kvgate.endpoint.10_0_0_2_8000.foreign_bytes"),
+        foreign as i64
+    );
+    // A 5,500-token request fits only on A now; a second fits nowhere.
+    let (s1, a1) = vm.post("/v1/completions", &[], &completion(1_000, Some(4_500)));
+    assert_eq!(a1, Action::Continue);
+    assert_eq!(routed_to(s1).as_deref(), Some(A));
+    let (s2, a2) = vm.post("/v1/completions", &[], &completion(1_000, Some(4_500)));
+    assert_eq!(a2, Action::Pause);
+    assert_eq!(Vm::replies(s2)[0].status, 429);
+    let st = vm.open("GET", "/kvgate/status", &[], b"");
+    vm.request_headers(st, true);
+    let doc = Vm::replies(st)[0].json();
+    assert_eq!(doc["endpoints"][1]["foreign_bytes"], foreign);
+    assert_eq!(doc["endpoints"][1]["foreign_leases"], 1);
+    // The foreign request ended: B's room is back at its next poll.
+    poll_round(&vm, |_| (200, report(0, json!([]))));
+    let (s3, a3) = vm.post("/v1/completions", &[], &completion(1_000, Some(4_500)));
+    assert_eq!(a3, Action::Continue);
+    assert_eq!(routed_to(s3).as_deref(), Some(B));
+    for s in [s1, s2, s3] {
+        vm.finish(s);
+    }
+    assert_eq!(ledger_at(A).committed() + ledger_at(B).committed(), 0);
+}
+
+#[test]
+fn a_backend_refusal_ends_the_reservation_and_marks_the_endpoint_full_until_its_next_poll() {
+    let mut vm = start(10_000, fleet(&[A, B], json!({})));
+    poll_round(&vm, |_| (200, report(0, json!([]))));
+    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(routed_to(s).as_deref(), Some(A));
+    // Another gateway took A's last blocks first: A answers 429 itself.
+    vm.respond_from(s, 429, A);
+    assert_eq!(ledger_at(A).committed(), 0, "released at the refusal");
+    assert_eq!(Vm::metric("kvgate.backend_refused"), 1);
+    assert_eq!(
+        Vm::metric("kvgate.endpoint.10_0_0_1_8000.backend_refused"),
+        1
+    );
+    assert!(
+        Vm::response_header(s, "x-kvgate-lease").is_none(),
+        "the backend's answer goes out as it is"
+    );
+    vm.finish(s);
+    assert_eq!(Vm::metric("kvgate.release_unknown"), 0, "released once");
+    // A is left out until it reports again; then it is chosen again.
+    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(routed_to(s).as_deref(), Some(B));
+    vm.finish(s);
+    poll_round(&vm, |_| (200, report(0, json!([]))));
+    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(routed_to(s).as_deref(), Some(A));
+    vm.finish(s);
+}
+
+#[test]
+fn a_changed_endpoint_list_keeps_the_leases_of_endpoints_that_stay() {
+    let mut vm = start(10_000, fleet(&[A, B], json!({})));
+    let (on_a, _) = vm.post("/v1/completions", &[], &completion(500, Some(500)));
+    let (on_b, _) = vm.post("/v1/completions", &[], &completion(500, Some(500)));
+    assert_eq!(routed_to(on_a).as_deref(), Some(A));
+    assert_eq!(routed_to(on_b).as_deref(), Some(B));
+    let (la, lb) = (lease_of(on_a), lease_of(on_b));
+    let c = "10.0.0.3:8000";
+    assert!(vm.reconfigure(&config(10_000, fleet(&[A, c], json!({})))));
+    assert!(ledger_at(A).lease(la).is_some(), "A stays, with its lease");
+    // B left the list: its request still ends normally and releases where it was reserved.
+    vm.finish(on_b);
+    assert!(ledger_at(B).lease(lb).is_none());
+    // New requests go to A or C only.
+    let (s, _) = vm.post("/v1/completions", &[], &completion(500, Some(500)));
+    assert_eq!(routed_to(s).as_deref(), Some(c));
+    vm.finish(s);
+    vm.finish(on_a);
+    assert_eq!(ledger_at(A).committed(), 0);
+    // Polls go to the new list.
+    let before = Vm::calls().len();
+    vm.advance_ms(300);
+    vm.tick();
+    let polled: Vec<String> = Vm::calls()
+        .into_iter()
+        .skip(before)
+        .filter_map(|c| c.header("x-kvgate-endpoint").map(str::to_string))
+        .collect();
+    assert_eq!(polled, [A, c]);
+}
+
+#[test]
+fn lease_ids_carry_the_gateway_id() {
+    let mut vm = start(10_000, json!({"gateway_id": 5}));
+    for _ in 0..20 {
+        let (s, _) = vm.post("/v1/completions", &[], &completion(10, Some(10)));
+        let id = lease_of(s);
+        assert_eq!(id >> 43, 5);
+        assert!(id < 1 << 53);
+        vm.finish(s);
+    }
+}
