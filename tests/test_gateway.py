@@ -488,7 +488,7 @@ def test_reconfiguration_keeps_the_ledger_and_its_leases(gateway):
     t.join()
     assert res["status"] == 200
     gw.assert_drained()
-    assert "ledger kept with 1 live leases" in gw.logs()
+    assert "0 ledger(s) created, 1 live leases kept" in gw.logs()
 
 
 def gw_plugin_config():

@@ -262,7 +262,7 @@ def test_live_policy_reload_changes_behaviour_and_keeps_leases(stack):
         time.sleep(0.3)
     assert r.status_code == 200, r.text
     assert r.headers["x-kvgate-degraded"].startswith("max_tokens=600->")
-    assert "ledger kept with 1 live leases" in gw.logs(), "the reload kept the ledger and its lease"
+    assert "0 ledger(s) created, 1 live leases kept" in gw.logs(), "the reload kept the ledger and its lease"
     t.join()
     assert res["events"][-1]["choices"][0]["finish_reason"] == "length", "the old stream was not disturbed"
     drained(gw, b)

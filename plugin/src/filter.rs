@@ -534,7 +534,9 @@ impl HttpContext for Filter {
     }
 }
 
-/// The level callers see (the fleet's).
+/// The level callers see (the fleet's), for a request that made no admission of its own: from
+/// every endpoint's ledger header as it is now (a peek each, no decode).
 pub fn level_now(worker: &Worker, rt: &Runtime) -> Level {
+    worker.refresh_endpoints();
     worker.level(&rt.cfg)
 }
