@@ -5,7 +5,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BACKEND, BLOCK_BYTES, MODEL, WASM, Backend, Envoy, shipped_plugin_config  # noqa: E402
+from harness import (BACKEND, BLOCK_BYTES, MODEL, WASM, Backend, Envoy, fleet_bootstrap,  # noqa: E402
+                     fleet_plugin_config, shipped_plugin_config)
 from mock_upstream import MockUpstream  # noqa: E402
 
 
@@ -64,8 +65,8 @@ def backend(request, tmp_path):
     assert MODEL.exists(), f"{MODEL} missing: run `make setup` (make test does)"
     started = []
 
-    def make(*args):
-        b = Backend(tmp_path, *args)
+    def make(*args, secret=None):
+        b = Backend(tmp_path, *args, secret=secret)
         started.append(b)
         return b.start()
 
@@ -98,6 +99,42 @@ def stack(request, tmp_path, wasm, backend):
         e = Envoy(d, b.port, cfg, concurrency=concurrency, ecds=ecds)
         started.append(e)
         return e.start(), b
+
+    yield make
+    teardown(request, started)
+
+
+@pytest.fixture
+def fleet(request, tmp_path, wasm, backend):
+    """Several backends behind several gateways, each gateway built from envoy/fleet.yaml +
+    envoy/fleet-filter.yaml: every backend is a host of its cluster and an endpoint of its filter.
+
+    fleet(backends=2, gateways=1, blocks=64, overrides=None, *backend_flags, ecds=False)
+    -> (gateways, backends). Every backend has a pool of `blocks` KV blocks (or blocks[i], a list
+    per backend) and the same admission secret; gateway j has `gateway_id` j + 1, the first pool as
+    its per-endpoint budget until each backend's descriptor arrives, one block of scratch margin,
+    and polls every 200 ms (down after two failed polls).
+    """
+    started = []
+
+    def make(backends=2, gateways=1, blocks=64, overrides=None, *backend_flags, ecds=False):
+        secret = f"fleet-secret-{len(started)}"
+        pools = blocks if isinstance(blocks, list) else [blocks] * backends
+        bs = [backend("--kv-cache-bytes", n * BLOCK_BYTES, *backend_flags, secret=secret) for n in pools]
+        gws = []
+        for j in range(gateways):
+            cfg = fleet_plugin_config()
+            cfg.update({"kv_budget_bytes": pools[0] * BLOCK_BYTES, "scratch_margin_bytes": BLOCK_BYTES,
+                        "gateway_id": j + 1})
+            cfg["backend"] = {**cfg["backend"], "poll_ms": 200, "timeout_ms": 1000, "lost_grace_ms": 5000,
+                              "down_after_failures": 2, "endpoints": [b.address for b in bs], "secret": secret}
+            cfg.update(overrides or {})
+            d = tmp_path / f"fleet{len(started)}"
+            d.mkdir()
+            e = Envoy(d, [b.port for b in bs], cfg, ecds=ecds, bootstrap=fleet_bootstrap())
+            started.append(e)
+            gws.append(e.start())
+        return gws, bs
 
     yield make
     teardown(request, started)
