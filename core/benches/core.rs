@@ -1,12 +1,15 @@
 //! Criterion benchmarks of the request hot path's pure parts: token counting (1k and 8k
 //! tokens, each built-in encoding) and one ledger transition (decode + admit + encode, the work
 //! done inside each CAS) at 10, 100 and 1,000 live leases; the worst case per MB (no whitespace)
-//! and ordinary text, before (tiktoken-rs) and after (the capped, linear counter) in one run.
-#![allow(clippy::expect_used, clippy::indexing_slicing)]
+//! and ordinary text, before (tiktoken-rs) and after (the capped, linear counter) in one run;
+//! one admission + release across 1, 8 and 64 endpoints against one ledger without a fleet.
+#![allow(clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvgate_core::fleet;
 use kvgate_core::retry::{splitmix64, RetryAfterConfig};
-use kvgate_core::{AdmitRequest, Encoding, Ledger, TokenCounter, TokenizerSpec};
+use kvgate_core::store::{self, MemoryStore};
+use kvgate_core::{AdmitOutcome, AdmitRequest, Encoding, Ledger, TokenCounter, TokenizerSpec};
 
 const WORDS: &[&str] = &[
     "the",
@@ -176,6 +179,87 @@ fn transition(c: &mut Criterion) {
     g.finish();
 }
 
+/// One admission and its release across a fleet of 1, 8 and 64 endpoints with 10 and 1,000 live
+/// leases each (`fleet::admit`: the choice from the views, one CAS on the chosen ledger): the
+/// cost must follow the chosen ledger's size only, never the number of endpoints. The baseline
+/// in the same run is the same admit + release on one ledger of that size, without the fleet.
+fn fleet_admission(c: &mut Criterion) {
+    let mut g = c.benchmark_group("fleet_admit_release");
+    let retry = RetryAfterConfig::default();
+    let request = |id: u64| AdmitRequest {
+        id: Some(id),
+        bytes: 1 << 20,
+        class: "interactive",
+        priority: 1,
+        fingerprint: 0xabc,
+        now_ms: 5_000,
+        ttl_ms: 60_000,
+        owner: 1,
+        claim: None,
+    };
+    for leases in [10u64, 1_000] {
+        let base = ledger_with(leases);
+        // Baseline: one ledger, no fleet.
+        let one = MemoryStore::default();
+        store::seed(&one, "l", || base.clone()).expect("seed");
+        g.bench_function(
+            BenchmarkId::new(format!("{leases}_leases"), "no_fleet"),
+            |b| {
+                b.iter(|| {
+                    let (out, _) = store::transact(&one, "l", 4, |l| {
+                        l.try_admit(&request(u64::MAX - 1), &retry, 9)
+                    })
+                    .expect("admit");
+                    black_box(out);
+                    store::transact(&one, "l", 4, |l| l.release(u64::MAX - 1, 6_000))
+                        .expect("release");
+                })
+            },
+        );
+        for endpoints in [1usize, 8, 64] {
+            let s = MemoryStore::default();
+            let mut views = Vec::new();
+            for i in 0..endpoints {
+                store::seed(&s, &format!("e{i}"), || base.clone()).expect("seed");
+                let mut v = fleet::View {
+                    eligible: true,
+                    ..fleet::View::default()
+                };
+                v.observe(&base);
+                views.push(v);
+            }
+            let id = BenchmarkId::new(format!("{leases}_leases"), format!("{endpoints}_endpoints"));
+            g.bench_function(id, |b| {
+                b.iter(|| {
+                    let placed = fleet::admit(
+                        &s,
+                        |i| format!("e{i}"),
+                        &mut views,
+                        1 << 20,
+                        fleet::Choice::MostRoom,
+                        None,
+                        4,
+                        |l| match l.try_admit(&request(u64::MAX - 1), &retry, 9) {
+                            AdmitOutcome::Admitted { .. } => Some(()),
+                            AdmitOutcome::Rejected { .. } => None,
+                        },
+                        |_| (),
+                    )
+                    .expect("admit");
+                    let fleet::Placed::At { index, .. } = placed else {
+                        panic!("nowhere")
+                    };
+                    let key = format!("e{index}");
+                    let (_, l) = store::transact(&s, &key, 4, |l| l.release(u64::MAX - 1, 6_000))
+                        .expect("release");
+                    views[index].observe(&l);
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
 /// The adversarial prompts of issue 9: one megabyte with no whitespace (one regex piece).
 fn worst_case_texts() -> Vec<(&'static str, String)> {
     const MB: usize = 1 << 20;
@@ -260,6 +344,7 @@ criterion_group!(
     benches,
     counting,
     transition,
+    fleet_admission,
     worst_case,
     ordinary_before_after
 );
