@@ -59,6 +59,12 @@ pub struct RawConfig {
     /// long after twice the advertised Retry-After. 0 turns fair retries off.
     #[serde(default = "d_patience")]
     pub fair_retry_patience_ms: u64,
+    /// `enforce` (default): admit, queue, degrade, preempt and refuse. `shadow`: decide exactly
+    /// as `enforce` would and count it (`kvgate.shadow.*` stats, an `x-kvgate-shadow` response
+    /// header), but let every request through unchanged; every forwarded request is reserved at
+    /// its worst case, so the ledger shows the load as it really is.
+    #[serde(default)]
+    pub mode: Mode,
     /// This gateway's number (0..=1023), put in the top bits of its lease ids so ids from several
     /// gateways in front of one backend never collide. Absent: drawn at random at start.
     #[serde(default)]
@@ -252,6 +258,7 @@ pub struct Config {
     pub tick_ms: u64,
     pub owner_timeout_ms: u64,
     pub fair_retry_patience_ms: u64,
+    pub mode: Mode,
     pub gateway_id: Option<u16>,
     pub backend: Option<BackendCallout>,
     /// What the backend serves (from its descriptor): requests it would refuse are refused here,
@@ -492,12 +499,27 @@ impl TryFrom<RawConfig> for Config {
             context_error_status: raw.context_error_status,
             tick_ms: raw.tick_ms,
             owner_timeout_ms: raw.owner_timeout_ms,
-            fair_retry_patience_ms: raw.fair_retry_patience_ms,
+            // A shadow filter refuses nothing, so no request waits in line.
+            fair_retry_patience_ms: if raw.mode == Mode::Shadow {
+                0
+            } else {
+                raw.fair_retry_patience_ms
+            },
+            mode: raw.mode,
             gateway_id: raw.gateway_id,
             backend: raw.backend,
             served: crate::validate::Served::default(),
         })
     }
+}
+
+/// Whether the filter acts on its decisions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    #[default]
+    Enforce,
+    Shadow,
 }
 
 /// Highest `gateway_id` (10 bits of a lease id).
@@ -637,6 +659,10 @@ mod tests {
         let c = with(r#""backend":{}"#).unwrap();
         assert!(c.backend.unwrap().endpoints.is_empty());
         assert_eq!(c.gateway_id, None);
+        assert_eq!(c.mode, Mode::Enforce);
+        let c = with(r#""mode":"shadow""#).unwrap();
+        assert_eq!((c.mode, c.fair_retry_patience_ms), (Mode::Shadow, 0));
+        assert!(with(r#""mode":"dry""#).is_err());
     }
 
     #[test]

@@ -191,6 +191,45 @@ pub fn decide(
     ))
 }
 
+/// Shadow mode: what [`decide`] would do, decided on a copy of the ledger; the ledger itself
+/// records the request at its full worst case whatever the decision (it goes through
+/// unchanged, so that is what the backend may come to hold).
+pub fn shadow(
+    ledger: &mut Ledger,
+    cfg: &Config,
+    class: &ClassPolicy,
+    priced: &Priced,
+    holder: Holder,
+    now_ms: u64,
+    jitter_seed: u64,
+) -> Decision {
+    let mut scratch = ledger.clone();
+    let decision = decide(
+        &mut scratch,
+        cfg,
+        class,
+        priced,
+        Holder {
+            claim: None,
+            ..holder
+        },
+        now_ms,
+        jitter_seed,
+    );
+    ledger.record(&AdmitRequest {
+        id: holder.lease_id,
+        bytes: priced.price.bytes,
+        class: &class.name,
+        priority: class.priority,
+        fingerprint: cfg.pricing.spec.fingerprint(),
+        now_ms,
+        ttl_ms: cfg.lease_ttl.for_cap(priced.price.cap.cap),
+        owner: holder.owner,
+        claim: None,
+    });
+    decision
+}
+
 /// The youngest leases (least work lost) of the classes `class` may preempt whose bytes, with
 /// what is free for this request (`free`: its own claim included), cover `need`; `None` when
 /// even all of them would not.
@@ -282,6 +321,39 @@ mod tests {
     fn priced(c: &Config, body: &str) -> Priced {
         let (req, _) = parse_request(Endpoint::Completions, body.as_bytes()).unwrap();
         price(c, &counter(), &req).unwrap()
+    }
+
+    #[test]
+    fn shadow_decides_as_enforce_and_records_every_request_at_its_worst_case() {
+        let c = cfg("{}", 5000);
+        let class = c.policy.default_class().clone();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let p = priced(
+            &c,
+            &format!(r#"{{"prompt":{:?},"max_tokens":3000}}"#, vec![1; 200]),
+        );
+        let holder = |id| Holder {
+            lease_id: Some(id),
+            owner: 1,
+            claim: None,
+        };
+        assert!(matches!(
+            shadow(&mut l, &c, &class, &p, holder(1), 0, 1),
+            Decision::Admitted { .. }
+        ));
+        // Enforce would refuse the second; shadow says so and still records it.
+        let Decision::Rejected(e) = shadow(&mut l, &c, &class, &p, holder(2), 0, 1) else {
+            panic!("enforce would refuse")
+        };
+        assert_eq!(e.kind, ErrorKind::KvCapacityExceeded);
+        assert_eq!(l.committed(), 2 * p.price.bytes);
+        assert!(l.committed() > l.capacity());
+        l.check().unwrap();
+        let second = l.lease(2).cloned().unwrap();
+        assert_eq!(
+            l.release(2, 10),
+            crate::ledger::ReleaseOutcome::Released(second)
+        );
     }
 
     #[test]

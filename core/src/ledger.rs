@@ -263,6 +263,27 @@ impl Ledger {
         self.claims.extend(o.claims.iter().cloned());
     }
 
+    /// Shadow mode: reserve whatever the decision was, past the capacity if need be (the request
+    /// goes through; the ledger must show what the backend really holds). An id already live is
+    /// left as it is.
+    pub fn record(&mut self, req: &AdmitRequest<'_>) {
+        let Some(id) = req.id.filter(|id| *id != 0 && self.lease(*id).is_none()) else {
+            return;
+        };
+        self.committed = self.committed.saturating_add(req.bytes);
+        self.counters.admitted = self.counters.admitted.saturating_add(1);
+        self.leases.push(Lease {
+            id,
+            bytes: req.bytes,
+            class: req.class.to_string(),
+            priority: req.priority,
+            fingerprint: req.fingerprint,
+            created_ms: req.now_ms,
+            deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
+            owner: req.owner,
+        });
+    }
+
     /// Forget the claim with this key (its request was admitted elsewhere): what it held is
     /// free again.
     pub fn drop_claim(&mut self, key: u64) -> bool {

@@ -39,6 +39,10 @@ pub struct Filter {
     level: Option<Level>,
     /// The upstream response reached its end (otherwise the stream was cut short).
     response_done: bool,
+    /// A request on a guarded path (shadow mode lets its refusals through).
+    guarded: bool,
+    /// Shadow mode: a refusal this request would have had.
+    shadow_note: Option<String>,
 }
 
 struct Pending {
@@ -64,6 +68,8 @@ impl Filter {
             queued: false,
             level: None,
             response_done: false,
+            guarded: false,
+            shadow_note: None,
         }
     }
 
@@ -78,6 +84,12 @@ impl Filter {
     /// Answer locally with an error and count it. Nothing is reserved on this path.
     fn reject(&mut self, rt: &Runtime, err: &ApiError) -> Action {
         self.pending = None;
+        if self.guarded && rt.cfg.mode == kvgate_core::config::Mode::Shadow {
+            // Shadow: count it, send nothing, let the request through as it came.
+            self.worker.metrics.would_reject(err.kind);
+            self.shadow_note = Some(format!("would_reject={}", err.kind.code()));
+            return Action::Continue;
+        }
         reply_error(&self.worker, err, self.current_level(rt));
         Action::Pause
     }
@@ -211,6 +223,7 @@ impl Filter {
             level: Cell::new(None),
             pending_cancels: Cell::new(0),
             endpoint: RefCell::new(None),
+            shadow_note: RefCell::new(None),
         });
         self.ticket = Some(Rc::clone(&ticket));
         match ticket.attempt(&self.worker, &rt) {
@@ -354,6 +367,7 @@ impl HttpContext for Filter {
         let Some(endpoint) = Endpoint::from_path(&path) else {
             return Action::Continue;
         };
+        self.guarded = true;
         if method != "POST" {
             let e = ApiError::new(
                 ErrorKind::MethodNotAllowed,
@@ -515,6 +529,14 @@ impl HttpContext for Filter {
             }
         }
         let _ = abi::set_header(RESP, "x-kvgate-level", self.current_level(&rt).as_str());
+        let note = self.shadow_note.clone().or_else(|| {
+            self.ticket
+                .as_ref()
+                .and_then(|t| t.shadow_note.borrow().clone())
+        });
+        if let Some(n) = note {
+            let _ = abi::set_header(RESP, "x-kvgate-shadow", &n);
+        }
         if let Some(g) = self.ticket.as_ref().and_then(|t| t.granted.get()) {
             let _ = abi::set_header(RESP, "x-kvgate-lease", &g.lease.to_string());
             let _ = abi::set_header(RESP, "x-kvgate-max-tokens", &g.cap.to_string());

@@ -6,6 +6,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
+use kvgate_core::config::Mode;
 use kvgate_core::fleet::{self, Placed, View};
 use kvgate_core::gate::{self, Decision, Priced};
 use kvgate_core::retry::splitmix64;
@@ -42,6 +43,8 @@ pub struct Ticket {
     pub pending_cancels: Cell<u32>,
     /// Where the lease was reserved.
     pub endpoint: RefCell<Option<Rc<Endpoint>>>,
+    /// Shadow mode: what enforce would have done (the `x-kvgate-shadow` response header).
+    pub shadow_note: RefCell<Option<String>>,
 }
 
 pub enum Attempt {
@@ -80,6 +83,8 @@ impl Ticket {
         };
         let need = self.priced.price.bytes;
         let claim_key = self.claim.map(|c| c.key);
+        let shadow = rt.cfg.mode == Mode::Shadow;
+        let decide = if shadow { gate::shadow } else { gate::decide };
         let decided = fleet::admit(
             &EnvoyStore,
             |i| {
@@ -98,7 +103,7 @@ impl Ticket {
                     return None;
                 }
                 let before = l.clone();
-                match gate::decide(l, &rt.cfg, &plain_class, &self.priced, holder, now, seed) {
+                match decide(l, &rt.cfg, &plain_class, &self.priced, holder, now, seed) {
                     d @ Decision::Admitted { .. } => Some(d),
                     Decision::Rejected(_) => {
                         *l = before;
@@ -106,7 +111,7 @@ impl Ticket {
                     }
                 }
             },
-            |l| gate::decide(l, &rt.cfg, &self.class, &self.priced, holder, now, seed),
+            |l| decide(l, &rt.cfg, &self.class, &self.priced, holder, now, seed),
         );
         for (e, v) in endpoints.iter().zip(&views) {
             e.view.set(View {
@@ -133,6 +138,9 @@ impl Ticket {
                 return Attempt::Rejected(ledger_error(&e, rt));
             }
         };
+        if shadow {
+            return self.let_through(worker, &endpoint, &decision);
+        }
         match decision {
             Decision::Rejected(err) => {
                 host::info(&format!(
@@ -191,6 +199,56 @@ impl Ticket {
                 }
             }
         }
+    }
+
+    /// Shadow mode: count what enforce would have done, and forward the request as it came
+    /// (reserved at its worst case by `gate::shadow`, routed to the chosen endpoint).
+    fn let_through(
+        &self,
+        worker: &Worker,
+        endpoint: &Rc<Endpoint>,
+        decision: &Decision,
+    ) -> Attempt {
+        let note = match decision {
+            Decision::Rejected(err) => {
+                let queue = matches!(self.class.action, kvgate_core::Action::Queue { .. })
+                    && err.kind == ErrorKind::KvCapacityExceeded;
+                if queue {
+                    worker.metrics.would_queue.inc();
+                    "would_queue".to_string()
+                } else {
+                    worker.metrics.would_reject(err.kind);
+                    format!("would_reject={}", err.kind.code())
+                }
+            }
+            Decision::Admitted {
+                degraded_from: Some(asked),
+                cap,
+                ..
+            } => {
+                worker.metrics.would_degrade.inc();
+                format!("would_degrade=max_tokens:{asked}->{cap}")
+            }
+            Decision::Admitted { preempted, .. } if !preempted.is_empty() => {
+                worker.metrics.would_preempt.add(preempted.len() as u64);
+                format!("would_preempt={}", preempted.len())
+            }
+            Decision::Admitted { .. } => "would_admit".to_string(),
+        };
+        *self.shadow_note.borrow_mut() = Some(note);
+        self.granted.set(Some(Granted {
+            lease: self.lease_id,
+            cap: self.priced.price.cap.cap,
+            degraded_from: None,
+        }));
+        *self.endpoint.borrow_mut() = Some(Rc::clone(endpoint));
+        worker.metrics.admitted.inc();
+        if let Some(a) = &endpoint.address {
+            if let Err(s) = abi::set_property(&["kvgate_endpoint"], a.as_bytes()) {
+                host::warn(&format!("kvgate: cannot name the endpoint to Envoy: {s:?}"));
+            }
+        }
+        Attempt::Admitted { ready: true }
     }
 
     /// Ask the backend to stop the preempted sequences now; their streams end with an explicit

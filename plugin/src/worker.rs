@@ -411,6 +411,10 @@ pub struct Metrics {
     pub ledger_errors: Metric,
     pub backend_poll_failures: Metric,
     rejected: Vec<(ErrorKind, Metric)>,
+    would_reject: Vec<(ErrorKind, Metric)>,
+    pub would_queue: Metric,
+    pub would_degrade: Metric,
+    pub would_preempt: Metric,
     pub queued: Metric,
     pub committed_bytes: Metric,
     pub capacity_bytes: Metric,
@@ -425,7 +429,7 @@ pub struct Metrics {
 
 impl Metrics {
     fn define() -> Metrics {
-        let rejected = [
+        let kinds = [
             ErrorKind::InvalidRequest,
             ErrorKind::BodyTooLarge,
             ErrorKind::ContextLengthExceeded,
@@ -437,10 +441,15 @@ impl Metrics {
             ErrorKind::BackendUnavailable,
             ErrorKind::MethodNotAllowed,
             ErrorKind::Internal,
-        ]
-        .into_iter()
-        .map(|k| (k, Metric::counter(&format!("kvgate.rejected.{}", k.code()))))
-        .collect();
+        ];
+        let per_kind = |prefix: &str| -> Vec<(ErrorKind, Metric)> {
+            kinds
+                .iter()
+                .map(|k| (*k, Metric::counter(&format!("{prefix}.{}", k.code()))))
+                .collect()
+        };
+        let rejected = per_kind("kvgate.rejected");
+        let would_reject = per_kind("kvgate.shadow.would_reject");
         Metrics {
             admitted: Metric::counter("kvgate.admitted"),
             degraded: Metric::counter("kvgate.degraded"),
@@ -455,6 +464,10 @@ impl Metrics {
             ledger_errors: Metric::counter("kvgate.ledger_errors"),
             backend_poll_failures: Metric::counter("kvgate.backend_poll_failures"),
             rejected,
+            would_reject,
+            would_queue: Metric::counter("kvgate.shadow.would_queue"),
+            would_degrade: Metric::counter("kvgate.shadow.would_degrade"),
+            would_preempt: Metric::counter("kvgate.shadow.would_preempt"),
             queued: Metric::gauge("kvgate.queued"),
             committed_bytes: Metric::gauge("kvgate.committed_bytes"),
             capacity_bytes: Metric::gauge("kvgate.capacity_bytes"),
@@ -470,6 +483,13 @@ impl Metrics {
 
     pub fn rejected(&self, kind: ErrorKind) {
         if let Some((_, m)) = self.rejected.iter().find(|(k, _)| *k == kind) {
+            m.inc();
+        }
+    }
+
+    /// Shadow mode: a refusal that was not sent.
+    pub fn would_reject(&self, kind: ErrorKind) {
+        if let Some((_, m)) = self.would_reject.iter().find(|(k, _)| *k == kind) {
             m.inc();
         }
     }

@@ -356,3 +356,67 @@ fn the_status_endpoint_reports_the_ledger() {
     vm.finish(s);
     vm.finish(a);
 }
+
+// ---- 7. shadow mode ------------------------------------------------------------------------
+
+#[test]
+fn shadow_mode_counts_what_enforce_would_do_and_lets_everything_through_unchanged() {
+    let mut vm = start(
+        1_000,
+        json!({"mode": "shadow",
+               "policy": {"default_class": "batch",
+                          "classes": {"batch": {"action": "degrade", "min_output_tokens": 500}}}}),
+    );
+    let (first, a) = vm.post("/v1/completions", &[], &completion(100, Some(700)));
+    assert_eq!(a, Action::Continue);
+    // Enforce would refuse this one (it fits nowhere, not even degraded to 500).
+    let body = completion(100, Some(700));
+    let (second, a) = vm.post("/v1/completions", &[], &body);
+    assert_eq!(a, Action::Continue, "let through");
+    assert!(Vm::replies(second).is_empty(), "nothing answered locally");
+    assert_eq!(Vm::body(second), body.as_bytes(), "forwarded unchanged");
+    assert_eq!(
+        Vm::metric("kvgate.shadow.would_reject.kv_capacity_exceeded"),
+        1
+    );
+    assert_eq!(Vm::metric("kvgate.rejected.kv_capacity_exceeded"), 0);
+    // Both are recorded at their worst case: the ledger shows the load as it is.
+    assert_eq!(ledger().committed(), 1_600 * PER_TOKEN);
+    assert!(ledger().committed() > ledger().capacity());
+    vm.respond(first);
+    vm.respond(second);
+    assert_eq!(
+        Vm::response_header(first, "x-kvgate-shadow").as_deref(),
+        Some("would_admit")
+    );
+    assert_eq!(
+        Vm::response_header(second, "x-kvgate-shadow").as_deref(),
+        Some("would_reject=kv_capacity_exceeded")
+    );
+    vm.finish(first);
+    vm.finish(second);
+    assert_eq!(ledger().committed(), 0);
+    // Bad input goes through too, counted.
+    let (bad, a) = vm.post("/v1/completions", &[], "{not json");
+    assert_eq!(a, Action::Continue);
+    assert!(Vm::replies(bad).is_empty());
+    assert_eq!(Vm::metric("kvgate.shadow.would_reject.invalid_request"), 1);
+    vm.finish(bad);
+    // A degrade that enforce would apply is counted, the body is not rewritten.
+    let (big, _) = vm.post("/v1/completions", &[], &completion(100, Some(700)));
+    let (d, _) = vm.post("/v1/completions", &[], &completion(100, Some(700)));
+    assert_eq!(
+        Vm::metric("kvgate.shadow.would_reject.kv_capacity_exceeded"),
+        2
+    );
+    vm.finish(big);
+    vm.finish(d);
+    let (d1, _) = vm.post("/v1/completions", &[], &completion(100, Some(300)));
+    let (d2, _) = vm.post("/v1/completions", &[], &completion(100, Some(600)));
+    assert_eq!(Vm::metric("kvgate.shadow.would_degrade"), 1);
+    let fwd: Value = serde_json::from_slice(&Vm::body(d2)).unwrap();
+    assert_eq!(fwd["max_tokens"], 600);
+    vm.finish(d1);
+    vm.finish(d2);
+    assert_eq!(ledger().committed(), 0);
+}
