@@ -2,18 +2,19 @@
 //!
 //! Layout (little endian):
 //! ```text
-//! "KVGL" | version u8 = 3 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//! "KVGL" | version u8 = 4 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
 //!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64
 //!        | lease count u32
 //!        | per lease: id u64 | bytes u64 | priority u8 | fingerprint u64 | created_ms u64
-//!                     | deadline_ms u64 | owner u64 | class length u8 | class bytes (UTF-8)
+//!                     | deadline_ms u64 | owner u64 | eta_ms u64 | class length u8
+//!                     | class bytes (UTF-8)
 //!        | claim count u32
 //!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64 | active u8
 //! ```
-//! 50 bytes per lease plus its class name, 41 per claim. The decoder checks every length and the ledger
+//! 58 bytes per lease plus its class name, 41 per claim. The decoder checks every length and the ledger
 //! invariant; garbage returns an error, never a panic.
 //!
-//! Versions 1 (no `held_back`, no lease owner) and 2 (no claims) are still read, so a filter upgraded in place under
+//! Versions 1 (no `held_back`, no lease owner), 2 (no claims) and 3 (no lease eta) are still read, so a filter upgraded in place under
 //! the same `vm_id` migrates the ledger it finds instead of forgetting its leases: migrated
 //! leases have no owner and end at their deadline. An unknown version is an error, never an
 //! empty ledger.
@@ -21,12 +22,13 @@
 use crate::ledger::{Claim, Counters, Lease, Ledger, MAX_CLAIMS};
 
 const MAGIC: &[u8; 4] = b"KVGL";
-const VERSION: u8 = 3;
+const VERSION: u8 = 4;
 const CLAIM_LEN: usize = 5 * 8 + 1;
 const HEADER_LEN: usize = 4 + 1 + 9 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
 const LEASE_MIN_LEN_V1: usize = 8 + 8 + 1 + 8 + 8 + 8 + 1;
-const LEASE_MIN_LEN: usize = LEASE_MIN_LEN_V1 + 8;
+const LEASE_MIN_LEN_V2: usize = LEASE_MIN_LEN_V1 + 8;
+const LEASE_MIN_LEN: usize = LEASE_MIN_LEN_V2 + 8;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecodeError {
@@ -86,6 +88,7 @@ impl Ledger {
             out.extend_from_slice(&l.created_ms.to_le_bytes());
             out.extend_from_slice(&l.deadline_ms.to_le_bytes());
             out.extend_from_slice(&l.owner.to_le_bytes());
+            out.extend_from_slice(&l.eta_ms.to_le_bytes());
             let class = truncate_utf8(&l.class, MAX_CLASS_LEN);
             out.push(class.len() as u8);
             out.extend_from_slice(class.as_bytes());
@@ -124,7 +127,12 @@ impl Ledger {
         let held_back = if v2 { r.u64()? } else { 0 };
         let n = r.u32()? as usize;
         // Refuse lease counts the input cannot hold before allocating.
-        let min_len = if v2 { LEASE_MIN_LEN } else { LEASE_MIN_LEN_V1 };
+        let v4 = version >= 4;
+        let min_len = match (v2, v4) {
+            (_, true) => LEASE_MIN_LEN,
+            (true, false) => LEASE_MIN_LEN_V2,
+            (false, _) => LEASE_MIN_LEN_V1,
+        };
         if n > r.0.len() / min_len {
             return Err(DecodeError::Truncated);
         }
@@ -137,6 +145,7 @@ impl Ledger {
             let created_ms = r.u64()?;
             let deadline_ms = r.u64()?;
             let owner = if v2 { r.u64()? } else { 0 };
+            let eta_ms = if v4 { r.u64()? } else { 0 };
             let len = r.u8()? as usize;
             let class = std::str::from_utf8(r.take(len)?)
                 .map_err(|_| DecodeError::BadClassName)?
@@ -150,6 +159,7 @@ impl Ledger {
                 created_ms,
                 deadline_ms,
                 owner,
+                eta_ms,
             });
         }
         let mut claims = Vec::new();
@@ -311,6 +321,26 @@ mod tests {
         assert_eq!(ids, l.leases().iter().map(|x| x.id).collect::<Vec<_>>());
         // Written back, it is a current-version ledger.
         assert_eq!(old.encode()[4], VERSION);
+    }
+
+    #[test]
+    fn a_version_3_ledger_is_read_without_etas_and_an_eta_round_trips() {
+        let mut l = sample();
+        // v3 is v4 without the 8-byte eta after each lease's owner.
+        let mut v3 = l.encode();
+        v3[4] = 3;
+        let mut at = HEADER_LEN;
+        for x in l.leases() {
+            let eta_at = at + 8 + 8 + 1 + 8 + 8 + 8 + 8;
+            v3.drain(eta_at..eta_at + 8);
+            at = eta_at + 1 + x.class.len();
+        }
+        let old = Ledger::decode(&v3).unwrap();
+        assert_eq!(old, l, "etas were 0");
+        let id = l.leases()[0].id;
+        l.set_eta(id, 123_456);
+        let back = Ledger::decode(&l.encode()).unwrap();
+        assert_eq!(back.lease(id).unwrap().eta_ms, 123_456);
     }
 
     #[test]

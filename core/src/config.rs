@@ -193,6 +193,9 @@ pub struct RawRetryAfter {
     pub max_ms: u64,
     pub jitter: f64,
     pub default_lease_ms: u64,
+    /// Estimate from the live leases' progress as the backend reports it (true), or only from
+    /// the mean lifetime of past leases (false).
+    pub from_progress: bool,
 }
 
 impl Default for RawRetryAfter {
@@ -203,6 +206,7 @@ impl Default for RawRetryAfter {
             max_ms: d.max_ms,
             jitter: d.jitter,
             default_lease_ms: d.default_lease_ms,
+            from_progress: true,
         }
     }
 }
@@ -250,6 +254,8 @@ pub struct Config {
     pub levels: LevelThresholds,
     pub retry_after: RetryAfterConfig,
     pub lease_ttl: LeaseTtl,
+    /// Retry-After from the live leases' reported progress (`retry_after.from_progress`).
+    pub retry_from_progress: bool,
     pub policy: PolicyTable,
     pub guarded_paths: Vec<String>,
     pub max_body_bytes: u64,
@@ -492,6 +498,7 @@ impl TryFrom<RawConfig> for Config {
                 default_lease_ms: r.default_lease_ms,
             },
             lease_ttl: t,
+            retry_from_progress: r.from_progress,
             policy,
             guarded_paths: raw.guarded_paths,
             max_body_bytes: raw.max_body_bytes,

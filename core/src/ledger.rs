@@ -38,6 +38,9 @@ pub struct Lease {
     /// The filter worker (wasm VM instance) whose request holds this lease; its heartbeat says
     /// whether the request can still end by itself.
     pub owner: u64,
+    /// When it is expected to end, from the backend's report of its progress (0: unknown).
+    /// Only Retry-After reads it.
+    pub eta_ms: u64,
 }
 
 /// A refused request's place in line (see the module header).
@@ -281,7 +284,15 @@ impl Ledger {
             created_ms: req.now_ms,
             deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
             owner: req.owner,
+            eta_ms: 0,
         });
+    }
+
+    /// Record when a lease is expected to end (the backend's report of its progress).
+    pub fn set_eta(&mut self, id: u64, eta_ms: u64) {
+        if let Some(l) = self.leases.iter_mut().find(|l| l.id == id) {
+            l.eta_ms = eta_ms;
+        }
     }
 
     /// Forget the claim with this key (its request was admitted elsewhere): what it held is
@@ -467,6 +478,7 @@ impl Ledger {
             created_ms: req.now_ms,
             deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
             owner: req.owner,
+            eta_ms: 0,
         };
         // Admitted: its claim (if any) is spent; what it held is part of `free` above.
         if let Some(i) = own {

@@ -28,9 +28,129 @@ pub struct BackendReport {
     pub finished: Vec<u64>,
     pub cursor: u64,
     pub fingerprint: Option<String>,
-    /// Every live entry: its id when it is a gateway's lease id, and the bytes it holds or has
-    /// reserved there (whichever is more).
-    pub entries: Vec<(Option<u64>, u64)>,
+    /// Every live entry at the backend.
+    pub entries: Vec<LiveEntry>,
+    /// Output lengths of the requests that finished by themselves (stop or length) since the
+    /// cursor.
+    pub finished_outputs: Vec<u64>,
+}
+
+/// One request the backend holds now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LiveEntry {
+    /// Its id when it is a gateway's lease id.
+    pub id: Option<u64>,
+    /// What it holds or has reserved there, whichever is more.
+    pub bytes: u64,
+    /// Decoding (else waiting or just arrived).
+    pub running: bool,
+    pub prompt_tokens: u64,
+    /// Its output cap at the backend.
+    pub max_tokens: u64,
+    /// Tokens in its KV cache: prompt + output so far.
+    pub used_tokens: u64,
+}
+
+impl LiveEntry {
+    pub fn generated(&self) -> u64 {
+        self.used_tokens.saturating_sub(self.prompt_tokens)
+    }
+}
+
+/// How fast the backend's sequences progress and how long outputs usually are: what turns a
+/// lease's progress into its expected end.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    /// Output tokens per second of one decoding sequence.
+    pub tokens_per_s: f64,
+    /// Output length the finished requests usually had (their median).
+    pub typical_output: u64,
+}
+
+/// Learns [`Progress`] from successive reports of one backend: the decode rate from how far its
+/// running sequences moved between two reports, the typical output from what finished.
+#[derive(Debug, Clone, Default)]
+pub struct ProgressTracker {
+    /// Output so far of each running lease at the last report, and when.
+    last: std::collections::HashMap<u64, u64>,
+    last_ms: u64,
+    tokens_per_s: f64,
+    /// The latest output lengths, oldest first.
+    outputs: std::collections::VecDeque<u64>,
+}
+
+/// Output lengths kept for the median.
+const OUTPUTS_KEPT: usize = 128;
+/// Finished requests needed before a typical length is trusted.
+const OUTPUTS_NEEDED: usize = 5;
+
+impl ProgressTracker {
+    /// Take one report; the progress model it supports now, if any.
+    pub fn observe(&mut self, r: &BackendReport, now_ms: u64) -> Option<Progress> {
+        for o in &r.finished_outputs {
+            if self.outputs.len() == OUTPUTS_KEPT {
+                self.outputs.pop_front();
+            }
+            self.outputs.push_back(*o);
+        }
+        let dt = now_ms.saturating_sub(self.last_ms);
+        if self.last_ms > 0 && dt >= 100 {
+            let mut rates: Vec<f64> = r
+                .entries
+                .iter()
+                .filter(|e| e.running)
+                .filter_map(|e| {
+                    let before = *self.last.get(&e.id?)?;
+                    let moved = e.generated().checked_sub(before).filter(|m| *m > 0)?;
+                    Some(moved as f64 * 1000.0 / dt as f64)
+                })
+                .collect();
+            rates.sort_by(f64::total_cmp);
+            if let Some(m) = rates.get(rates.len() / 2) {
+                self.tokens_per_s = if self.tokens_per_s > 0.0 {
+                    0.7 * self.tokens_per_s + 0.3 * m
+                } else {
+                    *m
+                };
+            }
+        }
+        self.last = r
+            .entries
+            .iter()
+            .filter(|e| e.running)
+            .filter_map(|e| Some((e.id?, e.generated())))
+            .collect();
+        self.last_ms = now_ms;
+        if self.outputs.len() < OUTPUTS_NEEDED || self.tokens_per_s <= 0.0 {
+            return None;
+        }
+        let mut sorted: Vec<u64> = self.outputs.iter().copied().collect();
+        sorted.sort_unstable();
+        Some(Progress {
+            tokens_per_s: self.tokens_per_s,
+            typical_output: sorted.get(sorted.len() / 2).copied().unwrap_or(0),
+        })
+    }
+}
+
+impl Progress {
+    /// When `e` is expected to end: it stops at the typical output length unless already past
+    /// it (then at the midpoint of what its cap still allows), never past its cap. A request
+    /// not yet decoding is expected to start now (optimistic: Retry-After must not overshoot).
+    pub fn eta_ms(&self, e: &LiveEntry, now_ms: u64) -> Option<u64> {
+        if !(self.tokens_per_s.is_finite() && self.tokens_per_s > 0.0) {
+            return None;
+        }
+        let done = e.generated();
+        let cap = e.max_tokens.max(done.saturating_add(1));
+        let total = if self.typical_output > done {
+            self.typical_output.min(cap)
+        } else {
+            done.saturating_add(cap.saturating_sub(done).div_ceil(2))
+        };
+        let remaining = total.saturating_sub(done) as f64 / self.tokens_per_s * 1000.0;
+        Some(now_ms.saturating_add(remaining as u64))
+    }
 }
 
 impl BackendReport {
@@ -58,7 +178,25 @@ impl From<&LeaseReport> for BackendReport {
             entries: r
                 .leases
                 .iter()
-                .map(|l| (l.id.parse().ok(), l.reserved_bytes.max(l.used_bytes)))
+                .map(|l| LiveEntry {
+                    id: l.id.parse().ok(),
+                    bytes: l.reserved_bytes.max(l.used_bytes),
+                    running: l.state == crate::wire::LeaseState::Running,
+                    prompt_tokens: l.prompt_tokens,
+                    max_tokens: l.max_tokens,
+                    used_tokens: l.used_tokens,
+                })
+                .collect(),
+            finished_outputs: r
+                .finished
+                .iter()
+                .filter(|f| {
+                    matches!(
+                        f.reason,
+                        crate::wire::FinishReason::Stop | crate::wire::FinishReason::Length
+                    )
+                })
+                .map(|f| f.completion_tokens)
                 .collect(),
         }
     }
@@ -95,6 +233,7 @@ pub fn reconcile(
     report: &BackendReport,
     now_ms: u64,
     grace_ms: u64,
+    progress: Option<&Progress>,
 ) -> Reconciled {
     let mut out = Reconciled::default();
     for id in &report.finished {
@@ -109,10 +248,17 @@ pub fn reconcile(
         .filter(|l| !live.contains(&l.id) && l.created_ms.saturating_add(grace_ms) <= now_ms)
         .cloned()
         .collect();
-    for (id, bytes) in &report.entries {
-        if id.is_none_or(|id| ledger.lease(id).is_none()) {
-            out.foreign_leases += 1;
-            out.foreign_bytes = out.foreign_bytes.saturating_add(*bytes);
+    for e in &report.entries {
+        match e.id.filter(|id| ledger.lease(*id).is_some()) {
+            Some(id) => {
+                if let Some(eta) = progress.and_then(|p| p.eta_ms(e, now_ms)) {
+                    ledger.set_eta(id, eta);
+                }
+            }
+            None => {
+                out.foreign_leases += 1;
+                out.foreign_bytes = out.foreign_bytes.saturating_add(e.bytes);
+            }
         }
     }
     out.held_back = report
@@ -179,7 +325,7 @@ mod tests {
             used_bytes: 208,
             ..Default::default()
         };
-        let r = reconcile(&mut l, &report, 10_000, 5_000);
+        let r = reconcile(&mut l, &report, 10_000, 5_000, None);
         assert_eq!(r.released.iter().map(|x| x.id).collect::<Vec<_>>(), vec![1]);
         assert_eq!(r.unseen.iter().map(|x| x.id).collect::<Vec<_>>(), vec![3]);
         assert_eq!(r.unseen_bytes(), 300);
@@ -188,11 +334,84 @@ mod tests {
         assert_eq!(drift(&l, &report), 692);
         l.check().unwrap();
         // Idempotent: the same report again releases nothing more and removes nothing.
-        let again = reconcile(&mut l, &report, 10_000, 5_000);
+        let again = reconcile(&mut l, &report, 10_000, 5_000, None);
         assert!(again.released.is_empty());
         assert_eq!(again.unseen.len(), 1);
         assert_eq!(l.committed(), 900);
         assert_eq!(l.counters().reaped, 0);
+    }
+
+    fn entry(id: u64, bytes: u64) -> LiveEntry {
+        LiveEntry {
+            id: Some(id),
+            bytes,
+            ..LiveEntry::default()
+        }
+    }
+
+    #[test]
+    fn progress_sets_each_leases_expected_end() {
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 100, 0);
+        admit(&mut l, 2, 100, 0);
+        admit(&mut l, 3, 100, 0);
+        let p = Progress {
+            tokens_per_s: 10.0,
+            typical_output: 50,
+        };
+        let running = |id, generated: u64, cap| LiveEntry {
+            id: Some(id),
+            bytes: 100,
+            running: true,
+            prompt_tokens: 20,
+            max_tokens: cap,
+            used_tokens: 20 + generated,
+        };
+        let report = BackendReport {
+            entries: vec![running(1, 10, 1000), running(2, 80, 100), running(3, 0, 30)],
+            ..Default::default()
+        };
+        reconcile(&mut l, &report, 1_000, 5_000, Some(&p));
+        // 1: 40 more to the typical 50, at 10/s. 2: past it, half of the 20 its cap allows.
+        // 3: its cap (30) comes before the typical length.
+        assert_eq!(l.lease(1).unwrap().eta_ms, 1_000 + 4_000);
+        assert_eq!(l.lease(2).unwrap().eta_ms, 1_000 + 1_000);
+        assert_eq!(l.lease(3).unwrap().eta_ms, 1_000 + 3_000);
+        // No rate known: nothing set.
+        let mut fresh = Ledger::new(10_000, 1);
+        admit(&mut fresh, 1, 100, 0);
+        let none = Progress {
+            tokens_per_s: 0.0,
+            typical_output: 50,
+        };
+        reconcile(&mut fresh, &report, 1_000, 5_000, Some(&none));
+        assert_eq!(fresh.lease(1).unwrap().eta_ms, 0);
+    }
+
+    #[test]
+    fn the_tracker_learns_the_rate_and_the_typical_output() {
+        let mut t = ProgressTracker::default();
+        let at = |generated: u64, finished: Vec<u64>| BackendReport {
+            entries: vec![LiveEntry {
+                id: Some(1),
+                running: true,
+                prompt_tokens: 10,
+                max_tokens: 500,
+                used_tokens: 10 + generated,
+                ..LiveEntry::default()
+            }],
+            finished_outputs: finished,
+            ..Default::default()
+        };
+        assert_eq!(t.observe(&at(0, vec![]), 1_000), None);
+        // 20 tokens in 1 s, but too few finished outputs yet.
+        assert_eq!(t.observe(&at(20, vec![30, 40]), 2_000), None);
+        let p = t.observe(&at(40, vec![50, 60, 200]), 3_000).unwrap();
+        assert!((p.tokens_per_s - 20.0).abs() < 1e-9);
+        assert_eq!(p.typical_output, 50);
+        // Rates are smoothed: a slower second keeps most of the earlier estimate.
+        let p = t.observe(&at(50, vec![]), 4_000).unwrap();
+        assert!((p.tokens_per_s - 17.0).abs() < 1e-9, "{}", p.tokens_per_s);
     }
 
     #[test]
@@ -207,7 +426,7 @@ mod tests {
                           {"id":"internal-2","used_bytes":400}]}"#,
         )
         .unwrap();
-        let rec = reconcile(&mut l, &r, 10, 5_000);
+        let rec = reconcile(&mut l, &r, 10, 5_000, None);
         assert_eq!((rec.foreign_leases, rec.foreign_bytes), (2, 2_900));
         assert_eq!(rec.held_back, 2_900);
         assert_eq!(l.free(), 10_000 - 1_000 - 2_900);
@@ -215,18 +434,18 @@ mod tests {
         // the foreign reservations still hold.
         let r = BackendReport {
             used_bytes: 1_200,
-            entries: vec![(Some(1), 1_000), (Some(77), 2_500)],
+            entries: vec![entry(1, 1_000), entry(77, 2_500)],
             ..Default::default()
         };
-        let rec = reconcile(&mut l, &r, 20, 5_000);
+        let rec = reconcile(&mut l, &r, 20, 5_000, None);
         assert_eq!(rec.held_back, 2_500);
         // The other gateway's request ended: nothing foreign, nothing held back.
         let r = BackendReport {
             used_bytes: 1_000,
-            entries: vec![(Some(1), 1_000)],
+            entries: vec![entry(1, 1_000)],
             ..Default::default()
         };
-        let rec = reconcile(&mut l, &r, 30, 5_000);
+        let rec = reconcile(&mut l, &r, 30, 5_000, None);
         assert_eq!((rec.foreign_leases, rec.held_back), (0, 0));
     }
 
@@ -240,7 +459,7 @@ mod tests {
             used_bytes: 4_000,
             ..Default::default()
         };
-        let r = reconcile(&mut l, &hot, 10, 5_000);
+        let r = reconcile(&mut l, &hot, 10, 5_000, None);
         assert_eq!(r.held_back, 3_000);
         assert_eq!(l.free(), 6_000);
         let cool = BackendReport {
@@ -248,7 +467,7 @@ mod tests {
             used_bytes: 500,
             ..Default::default()
         };
-        reconcile(&mut l, &cool, 20, 5_000);
+        reconcile(&mut l, &cool, 20, 5_000, None);
         assert_eq!(l.held_back(), 0);
         assert_eq!(l.free(), 9_000);
     }

@@ -1,6 +1,8 @@
 //! Retry-After: how long until enough bytes are likely free.
 //!
-//! Each live lease is expected to end when it reaches the ledger's running mean lifetime (or its
+//! Each live lease is expected to end at its `eta_ms` when the backend's reports gave it one
+//! (its progress, its cap and the usual output length at the backend's decode rate: see
+//! `reconcile::Progress`); otherwise when it reaches the ledger's running mean lifetime (or its
 //! deadline, if that is sooner). Leases are taken in order of expected end until the bytes they
 //! free cover the deficit; the wait is that lease's expected remaining time. The result is
 //! clamped to `[min_ms, max_ms]` and then stretched by a random jitter of up to `jitter` (never
@@ -87,6 +89,9 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
         .leases()
         .iter()
         .map(|l| {
+            if l.eta_ms > 0 {
+                return (l.eta_ms.saturating_sub(now_ms), l.bytes);
+            }
             let age = now_ms.saturating_sub(l.created_ms);
             // A lease older than the mean is expected to end "soon": a quarter of the mean.
             let by_mean = mean.checked_sub(age).unwrap_or(mean / 4);
@@ -152,6 +157,23 @@ mod tests {
         let mut m = Ledger::new(100, 1);
         admit(&mut m, 100, 0, 3_000);
         assert_eq!(estimate_retry_after(&m, 10, 1_000, &cfg, 1).ms, 2_000);
+    }
+
+    #[test]
+    fn a_reported_expected_end_comes_before_the_mean() {
+        let mut l = Ledger::new(100, 1);
+        admit(&mut l, 50, 0, 1_000_000); // by the mean: ends at 10 s
+        admit(&mut l, 50, 0, 1_000_000);
+        let cfg = no_jitter();
+        assert_eq!(estimate_retry_after(&l, 40, 1_000, &cfg, 1).ms, 9_000);
+        // The backend's progress says the second ends at 18 s (a long output), the first at 3 s.
+        let ids: Vec<u64> = l.leases().iter().map(|x| x.id).collect();
+        l.set_eta(ids[0], 18_000);
+        l.set_eta(ids[1], 3_000);
+        assert_eq!(estimate_retry_after(&l, 40, 1_000, &cfg, 1).ms, 2_000);
+        assert_eq!(estimate_retry_after(&l, 80, 1_000, &cfg, 1).ms, 17_000);
+        // Past its expected end and still there: "any moment now" (the floor).
+        assert_eq!(estimate_retry_after(&l, 40, 5_000, &cfg, 1).ms, cfg.min_ms);
     }
 
     #[test]

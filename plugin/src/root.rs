@@ -5,7 +5,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use kvgate_core::config::Config;
-use kvgate_core::reconcile::{drift, reconcile, BackendReport, Descriptor};
+use kvgate_core::reconcile::{drift, reconcile, BackendReport, Descriptor, ProgressTracker};
 use kvgate_core::spec::usable_capacity;
 use kvgate_core::store::{self, StoreError};
 use kvgate_core::{ApiError, ErrorKind, Ledger, TokenCounter};
@@ -44,6 +44,8 @@ struct Poll {
     cursor: u64,
     /// Unseen leases already logged (one warning per lease, not one per poll).
     unseen_warned: Vec<u64>,
+    /// The endpoint's decode rate and usual output length (each lease's expected end).
+    progress: ProgressTracker,
 }
 
 impl Poll {
@@ -55,6 +57,7 @@ impl Poll {
             next_ms: 0,
             cursor: 0,
             unseen_warned: Vec::new(),
+            progress: ProgressTracker::default(),
         }
     }
 }
@@ -374,11 +377,16 @@ impl Root {
         let capacity = (rt.cfg.from_backend && self.descriptor_fingerprint.is_some())
             .then(|| usable_capacity(report.capacity_bytes, rt.cfg.pricing.safety_fraction));
         let now = host::now_ms();
+        let progress = self
+            .polls
+            .get_mut(i)
+            .and_then(|p| p.progress.observe(&report, now))
+            .filter(|_| rt.cfg.retry_from_progress);
         let done = store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
             if let Some(c) = capacity {
                 l.set_capacity(c);
             }
-            reconcile(l, &report, now, b.lost_grace_ms)
+            reconcile(l, &report, now, b.lost_grace_ms, progress.as_ref())
         });
         let (rec, ledger) = match done {
             Ok(v) => v,
