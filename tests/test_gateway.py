@@ -598,3 +598,28 @@ def test_a_client_that_stops_reading_does_not_hold_the_budget_past_its_generatio
         answer += chunk
     s.close()
     assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"0\r\n\r\n"), answer[-200:]
+
+
+def test_shadow_mode_lets_everything_through_and_counts_what_it_would_do(gateway, upstream):
+    gw = gateway(budget(5_000, mode="shadow"))
+    t, res = stream_in_background(gw, {"prompt": tokens(100), "max_tokens": 3900}, chunks=30)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    upstream.clear()
+    # Enforce would refuse this one (429); shadow forwards it unchanged and says so.
+    body = {"prompt": tokens(100), "max_tokens": 3900}
+    r = requests.post(gw.url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200
+    assert r.headers["x-kvgate-shadow"] == "would_reject=kv_capacity_exceeded"
+    (seen,) = upstream.requests()
+    assert seen["body"] == body, "forwarded as it came"
+    # Bad input too: the upstream answers it, kvgate only counts.
+    r = requests.post(gw.url + "/v1/completions", data=b"{not json", timeout=10,
+                      headers={"content-type": "application/json"})
+    assert r.headers["x-kvgate-shadow"] == "would_reject=invalid_request"
+    t.join()
+    assert res["status"] == 200 and res["headers"]["x-kvgate-shadow"] == "would_admit"
+    st = gw.stats()
+    assert st["kvgate.shadow.would_reject.kv_capacity_exceeded"] == 1
+    assert st["kvgate.shadow.would_reject.invalid_request"] == 1
+    assert st.get("kvgate.rejected.kv_capacity_exceeded", 0) == 0
+    gw.assert_drained()
