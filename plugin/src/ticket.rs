@@ -132,7 +132,18 @@ impl Ticket {
                 };
                 (Rc::clone(e), out, ledger)
             }
-            Ok(Placed::Nowhere) => return Attempt::Rejected(no_endpoint(rt)),
+            Ok(Placed::Nowhere) => {
+                // Up but full (a backend refused an admitted request): wait for its next poll.
+                let full = endpoints.iter().any(|e| {
+                    let h = e.health();
+                    h.full && !h.down() && !h.mismatch
+                });
+                return Attempt::Rejected(if full {
+                    backends_full(rt)
+                } else {
+                    no_endpoint(rt)
+                });
+            }
             Err((_, e)) => {
                 worker.metrics.ledger_errors.inc();
                 return Attempt::Rejected(ledger_error(&e, rt));
@@ -315,6 +326,16 @@ impl Ticket {
             }
         }
     }
+}
+
+/// Every endpoint that is up refused an admitted request (its own 429) since its last poll.
+pub fn backends_full(rt: &Runtime) -> ApiError {
+    let poll = rt.cfg.backend.as_ref().map_or(1_000, |b| b.poll_ms);
+    ApiError::new(
+        ErrorKind::KvCapacityExceeded,
+        "The model servers' KV caches are full right now (they refused a request another gateway raced for). Retry after the time in the Retry-After header.",
+    )
+    .with_retry_after_ms(poll.clamp(rt.cfg.retry_after.min_ms, rt.cfg.retry_after.max_ms))
 }
 
 /// No endpoint can take requests now (every one down, or serving another model).

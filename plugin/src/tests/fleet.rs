@@ -278,6 +278,15 @@ fn a_backend_refusal_ends_the_reservation_and_marks_the_endpoint_full_until_its_
     // A is left out until it reports again; then it is chosen again.
     let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
     assert_eq!(routed_to(s).as_deref(), Some(B));
+    // B refuses too: every endpoint is full, which is a 429 (not "unavailable").
+    vm.respond_from(s, 429, B);
+    vm.finish(s);
+    let (s, a) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(a, Action::Pause);
+    let r = &Vm::replies(s)[0];
+    assert_eq!(r.status, 429);
+    assert_eq!(r.json()["error"]["code"], "kv_capacity_exceeded");
+    assert!(r.header("retry-after").is_some());
     vm.finish(s);
     poll_round(&vm, |_| (200, report(0, json!([]))));
     let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
