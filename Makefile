@@ -13,7 +13,7 @@ WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 # the tests check.
 WASI_RUN  := node --no-warnings --no-incremental-marking $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -150,11 +150,17 @@ fuzz: setup-fuzz
 fuzz-quick:
 	$(MAKE) fuzz FUZZ_SECONDS=15 FUZZ_SANITIZER=none
 
-bench: bench-core bench-gateway bench-backend
+bench: bench-core bench-gateway bench-backend bench-fleet
 
 # Decode tok/s vs candle-transformers, batching at 1/4/8/16 streams, time to first token.
 bench-backend: model
 	cargo run --release -p kvgate-backend --example decode_bench
+
+# One gateway into one backend vs two backends vs two gateways racing for two (issue 10): peak
+# admitted requests in flight, tokens/s, backend 429s per admission (bench/results/fleet.md).
+# Real backends with the real model; about 3 minutes on 2 cores.
+bench-fleet: wasm backend-build model setup-venv
+	$(PY) bench/fleet_bench.py
 
 # Criterion: token counting and one ledger transition.
 bench-core:
