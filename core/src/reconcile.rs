@@ -28,6 +28,9 @@ pub struct BackendReport {
     pub finished: Vec<u64>,
     pub cursor: u64,
     pub fingerprint: Option<String>,
+    /// The served model's KV shape (its spec) and name, when reported.
+    pub spec: Option<crate::spec::ModelSpec>,
+    pub model: Option<String>,
     /// Every live entry at the backend.
     pub entries: Vec<LiveEntry>,
     /// Output lengths of the requests that finished by themselves (stop or length) since the
@@ -154,6 +157,39 @@ impl Progress {
 }
 
 impl BackendReport {
+    /// Does this backend serve the model priced with `spec` (named `model`)? The KV shape and
+    /// the name must agree; the context may differ (each backend advertises what its own pool
+    /// holds). Without a reported spec, the fingerprints must agree.
+    pub fn serves(
+        &self,
+        spec: &crate::spec::ModelSpec,
+        model: Option<&str>,
+        fingerprint: Option<&str>,
+    ) -> bool {
+        let same_name = match (self.model.as_deref(), model) {
+            (Some(a), Some(b)) => a == b,
+            _ => true,
+        };
+        match &self.spec {
+            Some(s) => {
+                same_name
+                    && (s.layers, s.kv_heads, s.head_dim, s.kv_dtype_bytes)
+                        == (
+                            spec.layers,
+                            spec.kv_heads,
+                            spec.head_dim,
+                            spec.kv_dtype_bytes,
+                        )
+            }
+            None => {
+                same_name
+                    && (self.fingerprint.is_none()
+                        || fingerprint.is_none()
+                        || self.fingerprint.as_deref() == fingerprint)
+            }
+        }
+    }
+
     /// Parse the backend's report (`wire::LeaseReport`).
     pub fn parse(body: &[u8]) -> Result<BackendReport, String> {
         LeaseReport::parse(body).map(|r| BackendReport::from(&r))
@@ -175,6 +211,8 @@ impl From<&LeaseReport> for BackendReport {
             finished: own_ids(r.finished.iter().map(|f| f.id.as_str())),
             cursor: r.cursor,
             fingerprint: r.model.as_ref().and_then(|m| m.fingerprint.clone()),
+            spec: r.model.as_ref().and_then(|m| m.spec),
+            model: r.model.as_ref().and_then(|m| m.name.clone()),
             entries: r
                 .leases
                 .iter()
@@ -347,6 +385,35 @@ mod tests {
             bytes,
             ..LiveEntry::default()
         }
+    }
+
+    #[test]
+    fn a_backend_serves_the_model_when_shape_and_name_agree_whatever_its_context() {
+        let spec = crate::spec::ModelSpec {
+            layers: 30,
+            kv_heads: 3,
+            head_dim: 64,
+            kv_dtype_bytes: 4,
+            context_tokens: 8192,
+        };
+        let report = |ctx: u64, layers: u64, name: &str| BackendReport {
+            spec: Some(crate::spec::ModelSpec {
+                context_tokens: ctx,
+                layers,
+                ..spec
+            }),
+            model: Some(name.into()),
+            ..Default::default()
+        };
+        assert!(report(1024, 30, "m").serves(&spec, Some("m"), None));
+        assert!(!report(8192, 32, "m").serves(&spec, Some("m"), None));
+        assert!(!report(8192, 30, "other").serves(&spec, Some("m"), None));
+        let bare = BackendReport {
+            fingerprint: Some("ab".into()),
+            ..Default::default()
+        };
+        assert!(bare.serves(&spec, None, Some("ab")));
+        assert!(!bare.serves(&spec, None, Some("cd")));
     }
 
     #[test]

@@ -103,14 +103,10 @@ pub fn set_buffer(
     check(unsafe { proxy_set_buffer_bytes(buffer, start, size, value.as_ptr(), value.len()) })
 }
 
-/// A property path as the ABI expects: each segment NUL-terminated.
+/// A property path as the ABI expects: the segments joined by NUL, with no NUL after the last
+/// (Envoy takes the bytes as they are: a trailing NUL would name another filter state key).
 fn property_path(path: &[&str]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for p in path {
-        out.extend_from_slice(p.as_bytes());
-        out.push(0);
-    }
-    out
+    path.join("\0").into_bytes()
 }
 
 /// Write filter state (Envoy stores `path[0]` as `wasm.<path[0]>`, readable by other filters as

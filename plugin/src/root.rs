@@ -489,9 +489,23 @@ impl Root {
                 return false;
             }
         }
-        let differs = report.fingerprint.is_some()
-            && self.descriptor_fingerprint.is_some()
-            && report.fingerprint != self.descriptor_fingerprint;
+        let single = self.polls.len() <= 1;
+        let differs = self.descriptor_fingerprint.is_some()
+            && if single {
+                // One backend: any change (a new pool size changes its served context too)
+                // means pricing with its new descriptor.
+                report.fingerprint.is_some() && report.fingerprint != self.descriptor_fingerprint
+            } else {
+                // A fleet: backends may hold different pools (and advertise different
+                // contexts); only another KV shape or model name is another model.
+                self.worker.runtime().is_some_and(|rt| {
+                    !report.serves(
+                        &rt.cfg.pricing.spec,
+                        rt.cfg.served.model.as_deref(),
+                        self.descriptor_fingerprint.as_deref(),
+                    )
+                })
+            };
         if !differs {
             return false;
         }

@@ -190,7 +190,7 @@ impl Vm {
                 vec![(":status".to_string(), status.to_string())],
             );
             h.properties
-                .insert((s.0, "upstream\0address\0".to_string()), upstream.into());
+                .insert((s.0, "upstream\0address".to_string()), upstream.into());
         });
         unsafe {
             proxy_on_response_headers(s.0, 1, false);
@@ -200,7 +200,7 @@ impl Vm {
 
     /// A property the filter set on stream `s` (`path` segments joined as the ABI does).
     pub fn property(s: Stream, path: &[&str]) -> Option<Vec<u8>> {
-        let key: String = path.iter().map(|p| format!("{p}\0")).collect();
+        let key = path.join("\0");
         with(|h| h.properties.get(&(s.0, key)).cloned())
     }
 
