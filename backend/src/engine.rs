@@ -11,11 +11,23 @@
 //! takes blocks as a sequence grows, and a sequence that finds none fails mid-decode (a KV OOM)
 //! — what happens to a server that admits on prompt length alone.
 //!
+//! When a running sequence needs a block and none is free (`--on-kv-exhaustion`): `error` ends
+//! it there (the KV OOM above); `recompute` does what vLLM does instead. Running sequences grow
+//! oldest first; the one that finds the pool dry preempts the youngest *other* running sequence,
+//! which gives back all its blocks and goes to the front of the waiting queue keeping its
+//! generated tokens, sampler and text stream. Its next prefill runs over prompt + generated, so
+//! the logits it yields are those the skipped decode step would have given: the next token is
+//! sampled from them and streaming resumes there, nothing re-sent and nothing skipped. A
+//! sequence alone that still cannot grow, or a waiting one that cannot fit with nothing
+//! running to free blocks, ends in the KV OOM (no preemption loop). With `--admission reserve`
+//! no sequence ever needs a block mid-decode, so the flag changes nothing there.
+//!
 //! This file schedules and nothing else: the handle and its messages are in `handle.rs`, what
 //! the engine publishes for the lease report in `published.rs` (the report itself is
 //! `kvgate_core::wire`), stop-string hold-back in `tokenizer::TextStream`, metrics in
 //! `metrics.rs`.
 
+use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -51,8 +63,19 @@ impl Admission {
     }
 }
 
+/// What a running sequence that needs a KV block does when none is free.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OnKvExhaustion {
+    /// End it with an error (finish_reason `error`, the mid-decode KV OOM).
+    #[default]
+    Error,
+    /// Preempt the youngest other running sequence and recompute it later (vLLM's way).
+    Recompute,
+}
+
 pub struct EngineConfig {
     pub admission: Admission,
+    pub on_kv_exhaustion: OnKvExhaustion,
     pub max_batch: usize,
     pub prefill_token_budget: usize,
     /// Test-only: sleep this long in every scheduler step (a slow backend on demand).
@@ -70,6 +93,8 @@ struct Seq<K> {
     sampler: Sampler,
     events: UnboundedSender<Event>,
     arrived: Instant,
+    /// Arrival order at the engine: the youngest running sequence is preempted first.
+    order: u64,
     /// When its last token was sampled (inter-token latency).
     last_token: Option<Instant>,
 }
@@ -78,6 +103,29 @@ impl<K: KvState> Seq<K> {
     fn used_tokens(&self) -> u64 {
         self.kv.as_ref().map_or(0, |k| k.len() as u64)
     }
+
+    /// What its prefill runs over: the prompt, and after a preemption the tokens it generated
+    /// (all of them: the last one, never fed yet, is what the skipped decode step would feed).
+    fn prefill_tokens(&self) -> Cow<'_, [u32]> {
+        if self.generated.is_empty() {
+            Cow::Borrowed(&self.prompt)
+        } else {
+            Cow::Owned([self.prompt.as_slice(), &self.generated].concat())
+        }
+    }
+
+    fn prefill_len(&self) -> usize {
+        self.prompt.len() + self.generated.len()
+    }
+}
+
+/// Whether a running sequence has a KV slot for the token it feeds next.
+enum Room {
+    Ready,
+    /// No block free in the pool.
+    NoBlock,
+    /// Blocks were there but the model's cache did not grow to them.
+    Failed,
 }
 
 pub fn spawn<M: Forward + Send + 'static>(
@@ -116,6 +164,7 @@ struct Engine<M: Forward> {
     waiting: VecDeque<Seq<M::Kv>>,
     running: Vec<Seq<M::Kv>>,
     next_internal_id: u64,
+    arrivals: u64,
 }
 
 impl<M: Forward> Engine<M> {
@@ -137,6 +186,7 @@ impl<M: Forward> Engine<M> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_internal_id: 0,
+            arrivals: 0,
         }
     }
 
@@ -212,6 +262,7 @@ impl<M: Forward> Engine<M> {
             return;
         };
         self.metrics.requests.inc();
+        self.arrivals += 1;
         let _ = s.events.send(Event::Admitted { id: id.clone() });
         self.waiting.push_back(Seq {
             id,
@@ -224,6 +275,7 @@ impl<M: Forward> Engine<M> {
             alloc,
             events: s.events,
             arrived: Instant::now(),
+            order: self.arrivals,
             last_token: None,
         });
     }
@@ -275,22 +327,34 @@ impl<M: Forward> Engine<M> {
     fn prefill_waiting(&mut self) {
         let mut budget = self.cfg.prefill_token_budget;
         while self.running.len() < self.cfg.max_batch {
-            let Some(front) = self.waiting.front() else {
+            let Some(front) = self.waiting.front_mut() else {
                 break;
             };
+            let len = front.prefill_len();
             // Always take at least one sequence so a long prompt cannot starve.
-            if front.prompt.len() > budget && budget < self.cfg.prefill_token_budget {
+            if len > budget && budget < self.cfg.prefill_token_budget {
+                break;
+            }
+            // Room for what it prefills (in reserve mode it holds prompt + cap already).
+            let room = front.alloc.ensure_tokens(len as u64);
+            if !room
+                && self.cfg.on_kv_exhaustion == OnKvExhaustion::Recompute
+                && !self.running.is_empty()
+            {
+                // The running sequences will give blocks back: wait first in line.
                 break;
             }
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            budget = budget.saturating_sub(seq.prompt.len());
-            let queued = seq.arrived.elapsed().as_secs_f64();
-            self.metrics.queue_seconds.inc_by(queued);
-            self.metrics.queue_wait.observe(queued);
-            // Room for the prompt (and, in reserve mode, everything it may generate).
-            if !seq.alloc.ensure_tokens(seq.prompt.len() as u64) {
+            budget = budget.saturating_sub(len);
+            let recompute = !seq.generated.is_empty();
+            if !recompute {
+                let queued = seq.arrived.elapsed().as_secs_f64();
+                self.metrics.queue_seconds.inc_by(queued);
+                self.metrics.queue_wait.observe(queued);
+            }
+            if !room {
                 self.kv_oom(seq);
                 continue;
             }
@@ -300,7 +364,7 @@ impl<M: Forward> Engine<M> {
                 .new_kv(seq.alloc.tokens() as usize)
                 .and_then(|mut kv| {
                     self.model
-                        .prefill(&seq.prompt, &mut kv)
+                        .prefill(&seq.prefill_tokens(), &mut kv)
                         .map(|logits| (kv, logits))
                 });
             self.metrics
@@ -308,13 +372,25 @@ impl<M: Forward> Engine<M> {
                 .inc_by(started.elapsed().as_secs_f64());
             match result {
                 Ok((kv, logits)) => {
-                    self.metrics.prompt_tokens.inc_by(seq.prompt.len() as u64);
+                    if recompute {
+                        self.metrics.recomputed_tokens.inc_by(len as u64);
+                    } else {
+                        self.metrics.prompt_tokens.inc_by(len as u64);
+                    }
                     seq.kv = Some(kv);
                     let next = seq.sampler.sample(&logits);
-                    self.metrics
-                        .time_to_first_token
-                        .observe(seq.arrived.elapsed().as_secs_f64());
-                    seq.last_token = Some(Instant::now());
+                    let now = Instant::now();
+                    match seq.last_token.replace(now) {
+                        // After a preemption: the stall its client saw between two tokens.
+                        Some(last) => self
+                            .metrics
+                            .inter_token_latency
+                            .observe(now.duration_since(last).as_secs_f64()),
+                        None => self
+                            .metrics
+                            .time_to_first_token
+                            .observe(seq.arrived.elapsed().as_secs_f64()),
+                    }
                     if let Some((reason, error)) = self.accept_token(&mut seq, next) {
                         self.finish(seq, reason, error);
                     } else {
@@ -330,32 +406,31 @@ impl<M: Forward> Engine<M> {
         if self.running.is_empty() {
             return;
         }
-        // Every running sequence needs a KV slot for the token it feeds now.
+        // Every running sequence needs a KV slot for the token it feeds now; the oldest take
+        // theirs first.
+        self.running.sort_by_key(|s| s.order);
         let mut i = 0;
         while i < self.running.len() {
-            let ok = match self.running.get_mut(i) {
-                Some(s) => {
-                    let need = s.used_tokens() + 1;
-                    let grown = s.alloc.ensure_tokens(need);
-                    if grown {
-                        let cap = s.alloc.tokens() as usize;
-                        if let Some(kv) = s.kv.as_mut() {
-                            if cap > kv.capacity() {
-                                if let Err(e) = self.model.grow_kv(kv, cap) {
-                                    eprintln!("kvgate-backend: growing a KV cache failed: {e:#}");
-                                }
-                            }
-                        }
+            match self.make_room(i) {
+                Room::Ready => i += 1,
+                Room::NoBlock
+                    if self.cfg.on_kv_exhaustion == OnKvExhaustion::Recompute
+                        && self.running.len() > 1 =>
+                {
+                    // The youngest running sequence other than this one makes way, then this
+                    // one tries again (more may have to go if the victim held few blocks).
+                    let last = self.running.len() - 1;
+                    let victim = if i == last { last - 1 } else { last };
+                    let seq = self.running.remove(victim);
+                    if victim < i {
+                        i -= 1;
                     }
-                    grown && s.kv.as_ref().is_some_and(|kv| kv.len() < kv.capacity())
+                    self.requeue_for_recompute(seq);
                 }
-                None => true,
-            };
-            if ok {
-                i += 1;
-            } else {
-                let seq = self.running.swap_remove(i);
-                self.kv_oom(seq);
+                Room::NoBlock | Room::Failed => {
+                    let seq = self.running.remove(i);
+                    self.kv_oom(seq);
+                }
             }
         }
         if self.running.is_empty() {
@@ -402,6 +477,40 @@ impl<M: Forward> Engine<M> {
                 None => self.running.push(seq),
             }
         }
+    }
+
+    /// A KV slot for the token running sequence `i` feeds next: a block from the pool when its
+    /// blocks are full, and the model's cache grown to match.
+    fn make_room(&mut self, i: usize) -> Room {
+        let Some(s) = self.running.get_mut(i) else {
+            return Room::Ready;
+        };
+        if !s.alloc.ensure_tokens(s.used_tokens() + 1) {
+            return Room::NoBlock;
+        }
+        let cap = s.alloc.tokens() as usize;
+        if let Some(kv) = s.kv.as_mut() {
+            if cap > kv.capacity() {
+                if let Err(e) = self.model.grow_kv(kv, cap) {
+                    eprintln!("kvgate-backend: growing a KV cache failed: {e:#}");
+                }
+            }
+        }
+        if s.kv.as_ref().is_some_and(|kv| kv.len() < kv.capacity()) {
+            Room::Ready
+        } else {
+            Room::Failed
+        }
+    }
+
+    /// Preempt a running sequence to be recomputed: all its blocks go back to the pool now, and
+    /// it waits first in line with what it generated (the lease report lists it as waiting).
+    /// Its client sees only a pause in the stream.
+    fn requeue_for_recompute(&mut self, mut seq: Seq<M::Kv>) {
+        self.metrics.recompute_preemptions.inc();
+        seq.kv = None;
+        seq.alloc.release();
+        self.waiting.push_front(seq);
     }
 
     /// Record a sampled token, stream its text, and decide whether the sequence is done.

@@ -12,7 +12,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::Device;
 use clap::Parser;
 
-use crate::engine::{Admission, EngineConfig};
+use crate::engine::{Admission, EngineConfig, OnKvExhaustion};
 
 /// An OpenAI-compatible LLM server whose KV cache is a block pool with a hard byte budget.
 #[derive(Parser, Debug)]
@@ -51,6 +51,13 @@ struct Args {
     /// OOM mid-decode). `none`: take blocks as sequences grow (can fail mid-decode).
     #[arg(long, value_enum, default_value_t = Admission::Reserve)]
     admission: Admission,
+    /// What a running sequence that needs a KV block does when none is free (only happens with
+    /// `--admission none`). `error`: it ends with finish_reason `error` (a mid-decode KV OOM).
+    /// `recompute` (vLLM's way): the youngest other running sequence gives back its blocks and
+    /// is recomputed later from its prompt + the tokens it generated; its client sees a pause,
+    /// not an error.
+    #[arg(long, value_enum, default_value_t = OnKvExhaustion::Error)]
+    on_kv_exhaustion: OnKvExhaustion,
     /// Most sequences decoded together in one batched step.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
@@ -149,6 +156,7 @@ async fn main() -> Result<()> {
         pool,
         EngineConfig {
             admission: args.admission,
+            on_kv_exhaustion: args.on_kv_exhaustion,
             max_batch: args.max_batch.max(1),
             prefill_token_budget: args.prefill_token_budget.max(1),
             step_delay: std::time::Duration::from_millis(args.step_delay_ms),
@@ -186,7 +194,7 @@ async fn main() -> Result<()> {
         .await
         .with_context(|| format!("binding {addr}"))?;
     eprintln!(
-        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; admission {:?}; loaded in {:.1}s)",
+        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; admission {:?}; on KV exhaustion {:?}; loaded in {:.1}s)",
         env!("CARGO_PKG_VERSION"),
         model_name,
         listener.local_addr()?,
@@ -200,6 +208,7 @@ async fn main() -> Result<()> {
         stats.capacity_bytes,
         per_token,
         args.admission,
+        args.on_kv_exhaustion,
         started.elapsed().as_secs_f64(),
     );
     axum::serve(listener, api::router(state))

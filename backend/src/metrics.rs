@@ -33,6 +33,10 @@ pub struct Metrics {
     pub decode_seconds: Seconds,
     pub decode_steps: Counter,
     pub kv_oom: Counter,
+    /// Sequences preempted to be recomputed (`--on-kv-exhaustion recompute`).
+    pub recompute_preemptions: Counter,
+    /// Tokens prefilled again for preempted sequences (prompt + generated so far).
+    pub recomputed_tokens: Counter,
     pub preempted: Counter,
     pub cancelled: Counter,
     pub running: Gauge,
@@ -69,6 +73,8 @@ impl Metrics {
             decode_seconds: Seconds::default(),
             decode_steps: Counter::default(),
             kv_oom: Counter::default(),
+            recompute_preemptions: Counter::default(),
+            recomputed_tokens: Counter::default(),
             preempted: Counter::default(),
             cancelled: Counter::default(),
             running: Gauge::default(),
@@ -95,6 +101,16 @@ impl Metrics {
                 "kv_oom",
                 "Sequences that failed mid-decode for lack of KV blocks",
                 &m.kv_oom,
+            ),
+            (
+                "recompute_preemptions",
+                "Sequences preempted when the pool ran dry, to be recomputed from prompt + output",
+                &m.recompute_preemptions,
+            ),
+            (
+                "recomputed_tokens",
+                "Tokens prefilled again for preempted sequences (prompt + generated so far)",
+                &m.recomputed_tokens,
             ),
             (
                 "preempted",
@@ -213,6 +229,11 @@ mod tests {
         };
         assert_eq!(value("kvgate_backend_requests_total"), Some(1.0));
         assert_eq!(value("kvgate_backend_kv_oom_total"), Some(0.0));
+        assert_eq!(
+            value("kvgate_backend_recompute_preemptions_total"),
+            Some(0.0)
+        );
+        assert_eq!(value("kvgate_backend_recomputed_tokens_total"), Some(0.0));
         assert_eq!(value("kvgate_backend_prefill_seconds_total"), Some(0.25));
         assert_eq!(value("kvgate_backend_running"), Some(2.0));
         assert_eq!(value("kvgate_backend_kv_capacity_bytes"), Some(64.0));

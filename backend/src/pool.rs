@@ -6,7 +6,8 @@
 //! pool when dropped, so a sequence that ends for any reason (finished, cancelled, client gone,
 //! error) frees its KV.
 //!
-//! Costs: `allocate(n)` O(n), all-or-nothing; `grow(n)` O(n); drop O(held); stats O(1).
+//! Costs: `allocate(n)` O(n), all-or-nothing; `grow(n)` O(n); drop and `release` O(held);
+//! stats O(1).
 //! Invariant (checked by `check` in tests, `debug_assert!` on every operation): the free list
 //! has exactly `free` entries, no block is both free and held.
 
@@ -178,6 +179,13 @@ impl Allocation {
         let want = self.pool.blocks_for(tokens);
         want <= self.blocks() || self.grow(want - self.blocks())
     }
+
+    /// Give every block back now and keep an empty allocation (a sequence preempted to be
+    /// recomputed later holds no KV while it waits).
+    pub fn release(&mut self) {
+        let blocks = std::mem::take(&mut self.blocks);
+        self.pool.give_back(&blocks);
+    }
 }
 
 impl Drop for Allocation {
@@ -218,6 +226,9 @@ mod tests {
         assert!(b.ensure_tokens(40));
         assert_eq!((b.blocks(), b.tokens()), (3, 48));
         assert_eq!(p.stats().blocks_free, 1);
+        b.release();
+        assert_eq!((b.blocks(), p.stats().blocks_free), (0, 4));
+        assert!(b.ensure_tokens(16), "a released allocation grows again");
         drop(b);
         assert_eq!(p.stats().blocks_free, 4);
         p.check().unwrap();

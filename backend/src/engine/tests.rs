@@ -1,41 +1,56 @@
 //! The scheduler's state transitions without a model: a stand-in `Forward` whose "model"
-//! emits token `a` until it is told to stop, so admission, KV growth, OOM, cancel, abandon
-//! and batching are tested exactly and fast.
+//! answers from its whole context, so admission, KV growth, OOM, recompute preemption, cancel,
+//! abandon and batching are tested exactly and fast.
 use super::*;
 use kvgate_core::tokenize::{CustomBpe, GPT2_STYLE_PATTERN};
 use kvgate_core::{TokenCounter, TokenizerSpec};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+/// Its next token is a function of everything cached, as a real model's is: prompts are all
+/// `a`; it answers `b` or `c` by a hash of the context (so a lost, repeated or misplaced token
+/// changes all that follows) and EOS once `stop_after` of its own answers are in the context.
+/// A context prefilled again therefore gives exactly the logits that decoding it gave.
 struct Fake {
     /// Emit EOS after this many generated tokens (usize::MAX: never).
     stop_after: usize,
 }
 struct FakeKv {
-    len: usize,
+    context: Vec<u32>,
     cap: usize,
-    generated: usize,
 }
 impl KvState for FakeKv {
     fn len(&self) -> usize {
-        self.len
+        self.context.len()
     }
     fn capacity(&self) -> usize {
         self.cap
     }
 }
-const VOCAB: usize = 3; // 0 = EOS, 1 = "a", 2 = "b"
-fn one_hot(id: usize) -> Vec<f32> {
-    (0..VOCAB)
-        .map(|i| if i == id { 1.0 } else { 0.0 })
-        .collect()
+const VOCAB: usize = 4; // 0 = EOS, 1 = "a" (prompts), 2 = "b", 3 = "c" (answers)
+const NEVER: f32 = -1e9;
+impl Fake {
+    fn logits(&self, context: &[u32]) -> Vec<f32> {
+        let mut l = vec![NEVER; VOCAB];
+        if context.iter().filter(|&&t| t >= 2).count() >= self.stop_after {
+            l[0] = 1.0;
+            return l;
+        }
+        let h = context.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &t| {
+            (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3)
+        });
+        // Sharp enough that greedy is decisive, soft enough that seeded sampling draws both.
+        l[2] = 0.0;
+        l[3] = 0.0;
+        l[2 + (h >> 32) as usize % 2] = 1.0;
+        l
+    }
 }
 impl Forward for Fake {
     type Kv = FakeKv;
     fn new_kv(&self, capacity: usize) -> anyhow::Result<FakeKv> {
         Ok(FakeKv {
-            len: 0,
+            context: Vec::new(),
             cap: capacity,
-            generated: 0,
         })
     }
     fn grow_kv(&self, kv: &mut FakeKv, capacity: usize) -> anyhow::Result<()> {
@@ -44,49 +59,62 @@ impl Forward for Fake {
     }
     fn prefill(&self, tokens: &[u32], kv: &mut FakeKv) -> anyhow::Result<Vec<f32>> {
         anyhow::ensure!(tokens.len() <= kv.cap, "prefill past capacity");
-        kv.len = tokens.len();
-        Ok(one_hot(1))
+        kv.context = tokens.to_vec();
+        Ok(self.logits(&kv.context))
     }
     fn decode(&self, tokens: &[u32], kvs: &mut [&mut FakeKv]) -> anyhow::Result<Vec<Vec<f32>>> {
         anyhow::ensure!(tokens.len() == kvs.len(), "batch mismatch");
         kvs.iter_mut()
-            .map(|kv| {
-                anyhow::ensure!(kv.len < kv.cap, "decode past capacity");
-                kv.len += 1;
-                kv.generated += 1;
-                Ok(one_hot(if kv.generated >= self.stop_after {
-                    0
-                } else {
-                    1
-                }))
+            .zip(tokens)
+            .map(|(kv, &t)| {
+                anyhow::ensure!(kv.len() < kv.cap, "decode past capacity");
+                kv.context.push(t);
+                Ok(self.logits(&kv.context))
             })
             .collect()
     }
 }
 
 fn tokenizer() -> Tokenizer {
-    let tokens: Vec<String> = ["<|endoftext|>", "a", "b"]
+    let tokens: Vec<String> = ["<|endoftext|>", "a", "b", "c"]
         .iter()
         .map(|s| s.to_string())
         .collect();
-    let bpe = CustomBpe::from_gpt2_vocab(&tokens, &[3, 1, 1], GPT2_STYLE_PATTERN).unwrap();
+    let bpe = CustomBpe::from_gpt2_vocab(&tokens, &[3, 1, 1, 1], GPT2_STYLE_PATTERN).unwrap();
     let counter = TokenCounter::new(&TokenizerSpec::Custom(bpe.clone())).unwrap();
     Tokenizer {
         counter,
         bpe,
         stop_ids: vec![0],
-        vocab: 3,
+        vocab: VOCAB as u64,
     }
 }
 
 /// An engine over `blocks` KV blocks of 16 tokens (1 byte per token).
 fn engine(blocks: u64, admission: Admission, stop_after: usize, max_batch: usize) -> Engine<Fake> {
+    engine_on(
+        blocks,
+        admission,
+        OnKvExhaustion::Error,
+        stop_after,
+        max_batch,
+    )
+}
+
+fn engine_on(
+    blocks: u64,
+    admission: Admission,
+    on_kv_exhaustion: OnKvExhaustion,
+    stop_after: usize,
+    max_batch: usize,
+) -> Engine<Fake> {
     Engine::new(
         Fake { stop_after },
         Arc::new(tokenizer()),
         BlockPool::new(blocks * 16, 16, 1),
         EngineConfig {
             admission,
+            on_kv_exhaustion,
             max_batch,
             prefill_token_budget: 64,
             step_delay: Duration::ZERO,
@@ -96,23 +124,36 @@ fn engine(blocks: u64, admission: Admission, stop_after: usize, max_batch: usize
     )
 }
 
+fn greedy(max_tokens: u64) -> GenParams {
+    GenParams {
+        max_tokens,
+        temperature: 0.0,
+        top_p: 1.0,
+        seed: 0,
+        stop: vec![],
+    }
+}
+
 fn submit(
     e: &mut Engine<Fake>,
     id: &str,
     prompt: usize,
     max_tokens: u64,
 ) -> UnboundedReceiver<Event> {
+    submit_with(e, id, prompt, greedy(max_tokens))
+}
+
+fn submit_with(
+    e: &mut Engine<Fake>,
+    id: &str,
+    prompt: usize,
+    params: GenParams,
+) -> UnboundedReceiver<Event> {
     let (tx, rx) = unbounded_channel();
     e.admit(Submit {
         lease: Some(id.into()),
         prompt: vec![1; prompt],
-        params: GenParams {
-            max_tokens,
-            temperature: 0.0,
-            top_p: 1.0,
-            seed: 0,
-            stop: vec![],
-        },
+        params,
         events: tx,
     });
     rx
@@ -134,6 +175,26 @@ fn finished(evs: &[Event]) -> Option<(FinishReason, u64, bool)> {
     })
 }
 
+fn text(evs: &[Event]) -> String {
+    evs.iter()
+        .filter_map(|ev| match ev {
+            Event::Text(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// What a request produces alone in a pool that never runs dry: its text and how it ended.
+fn solo(prompt: usize, params: GenParams) -> (String, Option<(FinishReason, u64, bool)>) {
+    let mut e = engine(64, Admission::None, usize::MAX, 8);
+    let mut rx = submit_with(&mut e, "solo", prompt, params);
+    for _ in 0..200 {
+        e.step();
+    }
+    let evs = events(&mut rx);
+    (text(&evs), finished(&evs))
+}
+
 #[test]
 fn reserve_holds_the_worst_case_and_rejects_what_does_not_fit() {
     let mut e = engine(4, Admission::Reserve, usize::MAX, 8);
@@ -151,14 +212,10 @@ fn reserve_holds_the_worst_case_and_rejects_what_does_not_fit() {
     }
     let evs = events(&mut a);
     assert_eq!(finished(&evs), Some((FinishReason::Length, 40, false)));
-    let text: String = evs
-        .iter()
-        .filter_map(|ev| match ev {
-            Event::Text(t) => Some(t.as_str()),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(text, "a".repeat(40));
+    let out = text(&evs);
+    assert_eq!(out.len(), 40);
+    assert!(out.contains('b') && out.contains('c'), "{out}");
+    assert_eq!(out, solo(10, greedy(40)).0);
     assert_eq!(
         e.pool.stats().blocks_free,
         4,
@@ -246,4 +303,158 @@ fn batching_respects_max_batch_and_decodes_all_running_together() {
         );
     }
     assert_eq!(e.metrics.decode_steps.get(), 18, "9 steps for each pair");
+}
+
+/// Two sequences that each fit the pool alone but not together: A (prompt 10) and B (prompt
+/// 12), 30 tokens each, want 3 blocks apiece from a pool of 4.
+fn two_that_do_not_fit_together(
+    on: OnKvExhaustion,
+    params: GenParams,
+) -> (Engine<Fake>, Vec<Event>, Vec<Event>) {
+    let mut e = engine_on(4, Admission::None, on, usize::MAX, 8);
+    let mut a = submit_with(&mut e, "a", 10, params.clone());
+    let mut b = submit_with(&mut e, "b", 12, params);
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    for _ in 0..200 {
+        e.step();
+        ea.extend(events(&mut a));
+        eb.extend(events(&mut b));
+    }
+    (e, ea, eb)
+}
+
+#[test]
+fn recompute_lets_both_finish_where_error_fails_one() {
+    let (e, a, b) = two_that_do_not_fit_together(OnKvExhaustion::Error, greedy(30));
+    let mut reasons = [finished(&a), finished(&b)].map(|f| f.map(|f| f.0));
+    reasons.sort_by_key(|r| format!("{r:?}"));
+    assert_eq!(
+        reasons,
+        [Some(FinishReason::Error), Some(FinishReason::Length)],
+        "today's behaviour: one of them runs out mid-decode"
+    );
+    assert_eq!(e.metrics.kv_oom.get(), 1);
+    assert_eq!(e.metrics.recompute_preemptions.get(), 0);
+
+    let (e, a, b) = two_that_do_not_fit_together(OnKvExhaustion::Recompute, greedy(30));
+    assert_eq!(finished(&a), Some((FinishReason::Length, 30, false)));
+    assert_eq!(finished(&b), Some((FinishReason::Length, 30, false)));
+    // Greedy: each produced exactly what it produces alone.
+    assert_eq!(text(&a), solo(10, greedy(30)).0);
+    assert_eq!(text(&b), solo(12, greedy(30)).0);
+    assert_ne!(text(&a), text(&b), "different contexts, different answers");
+    assert_eq!(e.metrics.kv_oom.get(), 0);
+    assert!(e.metrics.recompute_preemptions.get() > 0);
+    // B (younger) found the pool dry at 32 tokens; A, two tokens behind, made way and was
+    // prefilled again over its prompt (10) and the 21 tokens it had generated.
+    assert_eq!(
+        (
+            e.metrics.recompute_preemptions.get(),
+            e.metrics.recomputed_tokens.get()
+        ),
+        (1, 31)
+    );
+    assert_eq!(e.metrics.prompt_tokens.get(), 22, "prompts counted once");
+    assert_eq!(
+        e.metrics.generated_tokens.get(),
+        60,
+        "no token generated twice"
+    );
+    assert_eq!(e.pool.stats().blocks_free, 4);
+    e.pool.check().unwrap();
+}
+
+#[test]
+fn a_preempted_stream_resumes_where_it_stopped() {
+    // Seeded sampling: the sampler travels with the sequence, so the draws continue in order.
+    let params = GenParams {
+        temperature: 1.0,
+        seed: 7,
+        ..greedy(30)
+    };
+    let mut e = engine_on(4, Admission::None, OnKvExhaustion::Recompute, usize::MAX, 8);
+    let mut a = submit_with(&mut e, "a", 10, params.clone());
+    let mut b = submit_with(&mut e, "b", 12, params.clone());
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    let mut waited = 0;
+    for _ in 0..200 {
+        e.step();
+        let new = events(&mut a);
+        let leases = e.published.lock().unwrap().leases.clone();
+        if let Some(l) = leases.iter().find(|l| l.id == "a" && !ea.is_empty()) {
+            if l.state == LeaseState::Waiting {
+                // Preempted: still live in the report, holding nothing, and silent meanwhile.
+                waited += 1;
+                assert_eq!((l.reserved_tokens, l.used_tokens), (0, 0));
+                assert!(new.is_empty(), "{new:?}");
+                assert!(finished(&ea).is_none());
+            }
+        }
+        ea.extend(new);
+        eb.extend(events(&mut b));
+    }
+    assert!(waited > 0, "a was preempted and waited");
+    assert_eq!(e.metrics.recompute_preemptions.get(), 1);
+    let (alone_a, end_a) = solo(10, params.clone());
+    let (alone_b, end_b) = solo(12, params);
+    assert_eq!(text(&ea), alone_a, "nothing repeated, nothing lost");
+    assert_eq!(text(&eb), alone_b);
+    assert_eq!(finished(&ea), end_a);
+    assert_eq!(finished(&eb), end_b);
+    assert_eq!(end_a, Some((FinishReason::Length, 30, false)));
+    let texts = ea.iter().filter(|ev| matches!(ev, Event::Text(_))).count();
+    assert_eq!(texts, 30, "one chunk per token, none sent twice");
+    assert!(e.published.lock().unwrap().leases.is_empty());
+}
+
+#[test]
+fn a_sequence_that_cannot_fit_alone_still_ends_in_error() {
+    // Alone, 2 blocks: at 32 tokens there is nobody to preempt.
+    let mut e = engine_on(2, Admission::None, OnKvExhaustion::Recompute, usize::MAX, 8);
+    let mut a = submit(&mut e, "a", 10, 40);
+    for _ in 0..60 {
+        e.step();
+    }
+    assert_eq!(
+        finished(&events(&mut a)),
+        Some((FinishReason::Error, 23, true))
+    );
+    assert_eq!(
+        (
+            e.metrics.kv_oom.get(),
+            e.metrics.recompute_preemptions.get()
+        ),
+        (1, 0)
+    );
+
+    // With company: A preempts B (twice) on its way up, then fails alone; B, waiting first
+    // in line, is recomputed and finishes.
+    let mut e = engine_on(2, Admission::None, OnKvExhaustion::Recompute, usize::MAX, 8);
+    let mut a = submit(&mut e, "a", 10, 40);
+    let mut b = submit(&mut e, "b", 4, 20);
+    let mut eb = Vec::new();
+    for _ in 0..100 {
+        e.step();
+        eb.extend(events(&mut b));
+    }
+    assert_eq!(
+        finished(&events(&mut a)),
+        Some((FinishReason::Error, 23, true))
+    );
+    assert_eq!(finished(&eb), Some((FinishReason::Length, 20, false)));
+    assert_eq!(text(&eb), solo(4, greedy(20)).0);
+    assert_eq!(e.metrics.kv_oom.get(), 1);
+    assert!(e.metrics.recompute_preemptions.get() >= 1);
+    assert!(e.waiting.is_empty() && e.running.is_empty());
+    assert_eq!(e.pool.stats().blocks_free, 2);
+
+    // A prompt bigger than the whole pool, nothing running to wait for: refused at once.
+    let mut e = engine_on(2, Admission::None, OnKvExhaustion::Recompute, usize::MAX, 8);
+    let mut c = submit(&mut e, "c", 40, 5);
+    e.step();
+    assert_eq!(
+        finished(&events(&mut c)),
+        Some((FinishReason::Error, 0, true))
+    );
+    assert!(e.waiting.is_empty());
 }
