@@ -1,23 +1,24 @@
 #!/usr/bin/env python3
-"""Retry-After accuracy under saturation: the advertised wait vs the real one, two arms, one run.
+"""Retry-After accuracy: the advertised wait vs the real one, two arms, one run.
 
 The real stack (kvgate-backend with the real model, slowed with --step-delay-ms, a small KV
-pool; Envoy with the filter polling the backend every 200 ms) is kept saturated by closed-loop
-clients that honour Retry-After. Their requests mix output caps and prompts that stop early or
-run to the cap, so leases end at very different times.
+pool; Envoy with the filter polling the backend every 200 ms). Each probe round:
+  1. fillers: 2–4 streaming requests (greedy, so their lengths are deterministic) that stop
+     early by themselves or run to their cap, admitted together and left running 0.5–3 s;
+  2. a probe that needs more than is free gets 429 with its advertised wait
+     (`retry-after-ms`) and the bytes it needs (`need_bytes`); it does not retry;
+  3. the real wait is the time until the ledger first has that many bytes free (nothing else
+     competes for them), read from /kvgate/status every 50 ms;
+  4. the fillers finish; the next round starts.
+A real wait shorter than the configured floor (`min_ms`) counts as the floor. The fillers of
+earlier rounds are the finished requests the estimator learns the usual output length from.
 
-For every 429 the client records when it came, the advertised wait (`retry-after-ms`) and the
-bytes it needs (`need_bytes` in the error body). A poller reads /kvgate/status every 50 ms; the
-real wait of a 429 is the time until the ledger first had that many bytes free (capacity −
-committed − held back; claims are not subtracted: they are the fair-retry line, not a
-shortage). A wait shorter than the configured floor counts as the floor (no hint can be lower).
-
-Arms, interleaved in rounds over the same stack shape (a fresh gateway + backend per arm):
+Arms (a fresh gateway + backend each, interleaved over rounds):
   progress  retry_after.from_progress = true (the default): expected ends from each lease's
             reported progress, the backend's decode rate and the usual output length.
   lifetime  from_progress = false: the mean lifetime of past leases (the earlier estimator).
 
-Usage: .venv/bin/python bench/retry_after_bench.py [--seconds 45] [--rounds 2] [--clients 8]
+Usage: .venv/bin/python bench/retry_after_bench.py [--probes 12] [--rounds 1]
 """
 
 import argparse
@@ -48,7 +49,7 @@ PROMPTS = [
 RETRY = {"min_ms": 500, "max_ms": 20000, "jitter": 0.1, "default_lease_ms": 3000}
 
 
-def run_arm(name, from_progress, seconds, clients, blocks, seed, workdir):
+def run_arm(name, from_progress, probes, blocks, seed, workdir):
     d = Path(workdir) / name
     d.mkdir(parents=True, exist_ok=True)
     b = Backend(d, "--kv-cache-bytes", blocks * BLOCK_BYTES, "--step-delay-ms", 25).start()
@@ -61,94 +62,95 @@ def run_arm(name, from_progress, seconds, clients, blocks, seed, workdir):
                     "down_after_failures": 2, "secret": b.secret},
     })
     gw = Envoy(d, b.port, cfg).start()
-    samples, free_log = [], []
-    stop = threading.Event()
-    lock = threading.Lock()
+    rng = random.Random(seed)
+    samples = []
 
-    def poll_status():
-        while not stop.is_set():
-            try:
-                s = gw.status()
-                free = s["capacity_bytes"] - s["committed_bytes"] - s["held_back_bytes"]
-                free_log.append((time.monotonic(), free))
-            except requests.RequestException:
-                pass
-            time.sleep(0.05)
+    def stream(body, out):
+        try:
+            with requests.post(gw.url + "/v1/chat/completions", json={**body, "stream": True},
+                               stream=True, timeout=300) as r:
+                out["status"] = r.status_code
+                for _ in r.iter_content(chunk_size=None):
+                    pass
+        except requests.RequestException as e:
+            out["error"] = str(e)
 
-    def client(i):
-        rng = random.Random(seed * 1000 + i)
-        while not stop.is_set():
+    for i in range(probes + 2):  # the first two rounds only teach the usual output length
+        fillers = []
+        for _ in range(rng.randint(2, 4)):
             prompt, caps = rng.choice(PROMPTS)
             body = {"model": MODEL, "max_tokens": rng.choice(caps), "temperature": 0,
                     "messages": [{"role": "user", "content": prompt}]}
-            try:
-                r = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=300)
-            except requests.RequestException:
-                continue
+            out = {}
+            t = threading.Thread(target=stream, args=(body, out))
+            t.start()
+            fillers.append((t, out))
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.5, 3.0))
+        s = gw.status()
+        free = s["capacity_bytes"] - s["committed_bytes"] - s["held_back_bytes"]
+        per_token = s["model"]["kv_bytes_per_token"]
+        cap_tokens = s["capacity_bytes"] // per_token
+        want = min(free // per_token + 48, cap_tokens - 40)
+        if i >= 2 and s["leases"] > 0 and want * per_token > free:
+            body = {"model": MODEL, "max_tokens": int(want), "temperature": 0,
+                    "messages": [{"role": "user", "content": "Hi"}]}
+            t0 = time.monotonic()
+            r = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
             if r.status_code == 429:
                 ra = int(r.headers.get("retry-after-ms", "0"))
-                need = r.json().get("error", {}).get("need_bytes")
-                with lock:
-                    samples.append((time.monotonic(), ra, need))
-                stop.wait(ra / 1000)
-
-    threads = [threading.Thread(target=poll_status)] + [
-        threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join(timeout=310)
+                need = r.json().get("error", {}).get("need_bytes", 0)
+                real = None
+                while real is None and time.monotonic() - t0 < 120:
+                    st = gw.status()
+                    if st["capacity_bytes"] - st["committed_bytes"] - st["held_back_bytes"] >= need:
+                        real = time.monotonic() - t0
+                    else:
+                        time.sleep(0.05)
+                samples.append((ra, real))
+                print(f"  {name} probe {i - 1}: advertised {ra} ms, real "
+                      f"{'-' if real is None else f'{real * 1000:.0f} ms'}", flush=True)
+        for t, _ in fillers:
+            t.join(timeout=300)
     gw.assert_drained(timeout=60)
     gw.stop()
     b.stop()
-    return evaluate(samples, free_log)
+    return evaluate(samples)
 
 
-def evaluate(samples, free_log):
-    ratios, unresolved = [], 0
-    for t0, ra, need in samples:
-        if not need:
-            continue
-        real = next((t - t0 for t, free in free_log if t >= t0 and free >= need), None)
-        if real is None:
-            unresolved += 1
-            continue
-        real_ms = max(real * 1000, RETRY["min_ms"])
-        ratios.append(ra / real_ms)
+def evaluate(samples):
+    ratios = [ra / max(real * 1000, RETRY["min_ms"]) for ra, real in samples if real is not None]
     within = sum(1 for r in ratios if 0.5 <= r <= 2.0)
+    ordered = sorted(ratios)
     return {
-        "refusals": len(samples),
+        "probes": len(samples),
         "measured": len(ratios),
-        "unresolved": unresolved,
         "within_0.5_2x": within / len(ratios) if ratios else 0.0,
         "median_ratio": statistics.median(ratios) if ratios else 0.0,
-        "p10_ratio": sorted(ratios)[len(ratios) // 10] if ratios else 0.0,
-        "p90_ratio": sorted(ratios)[len(ratios) * 9 // 10] if ratios else 0.0,
+        "p10_ratio": ordered[len(ordered) // 10] if ratios else 0.0,
+        "p90_ratio": ordered[len(ordered) * 9 // 10] if ratios else 0.0,
     }
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--seconds", type=int, default=45)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--probes", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--blocks", type=int, default=64)
     a = p.parse_args()
     results = {"progress": [], "lifetime": []}
     with tempfile.TemporaryDirectory() as work:
         for rnd in range(a.rounds):
             for name, flag in (("progress", True), ("lifetime", False)):
-                r = run_arm(f"{name}{rnd}", flag, a.seconds, a.clients, a.blocks, rnd, work)
+                r = run_arm(f"{name}{rnd}", flag, a.probes, a.blocks, rnd, work)
                 results[name].append(r)
                 print(f"round {rnd} {name}: {json.dumps(r)}", flush=True)
-    print("\n| arm | refusals | measured | within 0.5–2× | median advertised/real | p10 | p90 |")
+    print("\n| arm | probes | measured | within 0.5–2× of the real wait | median advertised/real | p10 | p90 |")
     print("|---|---|---|---|---|---|---|")
     for name, rs in results.items():
         n = sum(r["measured"] for r in rs)
         w = sum(r["within_0.5_2x"] * r["measured"] for r in rs) / n if n else 0
-        print(f"| {name} | {sum(r['refusals'] for r in rs)} | {n} | {w:.0%} | "
+        print(f"| {name} | {sum(r['probes'] for r in rs)} | {n} | {w:.0%} | "
               f"{statistics.median(r['median_ratio'] for r in rs):.2f} | "
               f"{min(r['p10_ratio'] for r in rs):.2f} | {max(r['p90_ratio'] for r in rs):.2f} |")
 

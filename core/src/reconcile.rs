@@ -60,14 +60,14 @@ impl LiveEntry {
     }
 }
 
-/// How fast the backend's sequences progress and how long outputs usually are: what turns a
+/// How fast the backend's sequences progress and how long outputs turn out: what turns a
 /// lease's progress into its expected end.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Progress {
     /// Output tokens per second of one decoding sequence.
     pub tokens_per_s: f64,
-    /// Output length the finished requests usually had (their median).
-    pub typical_output: u64,
+    /// Output lengths of recently finished requests, ascending.
+    pub outputs: Vec<u64>,
 }
 
 /// Learns [`Progress`] from successive reports of one backend: the decode rate from how far its
@@ -127,18 +127,20 @@ impl ProgressTracker {
         if self.outputs.len() < OUTPUTS_NEEDED || self.tokens_per_s <= 0.0 {
             return None;
         }
-        let mut sorted: Vec<u64> = self.outputs.iter().copied().collect();
-        sorted.sort_unstable();
+        let mut outputs: Vec<u64> = self.outputs.iter().copied().collect();
+        outputs.sort_unstable();
         Some(Progress {
             tokens_per_s: self.tokens_per_s,
-            typical_output: sorted.get(sorted.len() / 2).copied().unwrap_or(0),
+            outputs,
         })
     }
 }
 
 impl Progress {
-    /// When `e` is expected to end: it stops at the typical output length unless already past
-    /// it (then at the midpoint of what its cap still allows), never past its cap. A request
+    /// When `e` is expected to end: at the median length of the finished outputs that were
+    /// longer than what it has produced so far (outputs are bimodal — short answers and long
+    /// runs — and one that is past the short ones is a long one), never past its cap; at the
+    /// midpoint of what its cap still allows when no finished output was that long. A request
     /// not yet decoding is expected to start now (optimistic: Retry-After must not overshoot).
     pub fn eta_ms(&self, e: &LiveEntry, now_ms: u64) -> Option<u64> {
         if !(self.tokens_per_s.is_finite() && self.tokens_per_s > 0.0) {
@@ -146,10 +148,10 @@ impl Progress {
         }
         let done = e.generated();
         let cap = e.max_tokens.max(done.saturating_add(1));
-        let total = if self.typical_output > done {
-            self.typical_output.min(cap)
-        } else {
-            done.saturating_add(cap.saturating_sub(done).div_ceil(2))
+        let longer = self.outputs.partition_point(|o| *o <= done);
+        let total = match self.outputs.get(longer..).filter(|l| !l.is_empty()) {
+            Some(l) => l.get(l.len() / 2).copied().unwrap_or(cap).min(cap),
+            None => done.saturating_add(cap.saturating_sub(done).div_ceil(2)),
         };
         let remaining = total.saturating_sub(done) as f64 / self.tokens_per_s * 1000.0;
         Some(now_ms.saturating_add(remaining as u64))
@@ -422,9 +424,10 @@ mod tests {
         admit(&mut l, 1, 100, 0);
         admit(&mut l, 2, 100, 0);
         admit(&mut l, 3, 100, 0);
+        // Finished outputs: short answers (10-12) and long runs (50-60).
         let p = Progress {
             tokens_per_s: 10.0,
-            typical_output: 50,
+            outputs: vec![10, 11, 12, 50, 50, 60],
         };
         let running = |id, generated: u64, cap| LiveEntry {
             id: Some(id),
@@ -435,21 +438,31 @@ mod tests {
             used_tokens: 20 + generated,
         };
         let report = BackendReport {
-            entries: vec![running(1, 10, 1000), running(2, 80, 100), running(3, 0, 30)],
+            entries: vec![
+                running(1, 15, 1000),
+                running(2, 80, 100),
+                running(3, 0, 30),
+                running(4, 5, 1000),
+            ],
             ..Default::default()
         };
         reconcile(&mut l, &report, 1_000, 5_000, Some(&p));
-        // 1: 40 more to the typical 50, at 10/s. 2: past it, half of the 20 its cap allows.
-        // 3: its cap (30) comes before the typical length.
-        assert_eq!(l.lease(1).unwrap().eta_ms, 1_000 + 4_000);
+        // 1: past the short answers: a long one, 50 (the median of 50, 50, 60): 35 more at 10/s.
+        assert_eq!(l.lease(1).unwrap().eta_ms, 1_000 + 3_500);
+        // 2: past every finished output: half of the 20 its cap still allows.
         assert_eq!(l.lease(2).unwrap().eta_ms, 1_000 + 1_000);
+        // 3: its cap (30) comes before the median (50).
         assert_eq!(l.lease(3).unwrap().eta_ms, 1_000 + 3_000);
+        admit(&mut l, 4, 100, 0);
+        reconcile(&mut l, &report, 1_000, 5_000, Some(&p));
+        // 4: 5 tokens in: the median of all six outputs (50): 45 more.
+        assert_eq!(l.lease(4).unwrap().eta_ms, 1_000 + 4_500);
         // No rate known: nothing set.
         let mut fresh = Ledger::new(10_000, 1);
         admit(&mut fresh, 1, 100, 0);
         let none = Progress {
             tokens_per_s: 0.0,
-            typical_output: 50,
+            outputs: vec![50],
         };
         reconcile(&mut fresh, &report, 1_000, 5_000, Some(&none));
         assert_eq!(fresh.lease(1).unwrap().eta_ms, 0);
@@ -475,7 +488,7 @@ mod tests {
         assert_eq!(t.observe(&at(20, vec![30, 40]), 2_000), None);
         let p = t.observe(&at(40, vec![50, 60, 200]), 3_000).unwrap();
         assert!((p.tokens_per_s - 20.0).abs() < 1e-9);
-        assert_eq!(p.typical_output, 50);
+        assert_eq!(p.outputs, [30, 40, 50, 60, 200]);
         // Rates are smoothed: a slower second keeps most of the earlier estimate.
         let p = t.observe(&at(50, vec![]), 4_000).unwrap();
         assert!((p.tokens_per_s - 17.0).abs() < 1e-9, "{}", p.tokens_per_s);
