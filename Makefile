@@ -162,6 +162,20 @@ bench-backend: model
 bench-fleet: wasm backend-build model setup-venv
 	$(PY) bench/fleet_bench.py
 
+# Admission strategies side by side (issue 11): no admission, the backend's reserve alone, kvgate,
+# kvgate with clairvoyant caps (oracle), vLLM's recompute preemption (when the backend has
+# --on-kv-exhaustion), on one seeded mix and one small pool; appends a table to BENCHMARKS.md.
+# Quick by default (about 10 minutes on 2 cores); ARGS=--full for 40 jobs x 3 rounds.
+.PHONY: bench-admission
+bench-admission: wasm backend-build model setup-venv
+	$(PY) bench/admission_bench.py $(ARGS)
+
+# Retry-After accuracy (issue 11): one refused probe at a time against fillers with known ends,
+# advertised vs real wait, the progress-based estimate vs the lifetime-based one (about 10 min).
+.PHONY: bench-retry-after
+bench-retry-after: wasm backend-build model setup-venv
+	$(PY) bench/retry_after_bench.py $(ARGS)
+
 # Criterion: token counting and one ledger transition.
 bench-core:
 	cargo bench -p kvgate-core --bench core
