@@ -1,0 +1,494 @@
+#!/usr/bin/env python3
+"""Admission strategies side by side (issue 11, section 1): one seeded request sequence, the same
+small KV pool, every strategy a user could run, interleaved over rounds.
+
+Workload (seeded, identical in every arm; `make_workload`): the seed's adversarial mix scaled to
+the pool — short prompts with big or unset caps that stop early by themselves, long prompts with
+small caps (interactive class), a few requests that run to their cap (counting, long stories), a
+prompt over the served context (kvgate should answer 413), agent fan-out bursts of 10–20 branches
+in the batch class, and a steady chat mix beside them. Classes come from the shipped demo API
+keys (`Authorization: Bearer kvgate-demo-batch|interactive|vip`; no key is the default class).
+`--clients` closed-loop clients take jobs from the sequence in order (a fan-out job sends all its
+branches at once and waits for them); every request streams, honours Retry-After
+(`retry-after-ms`) on 429/503 and gives up after `--max-tries` tries or `--give-up-s` seconds
+from its first try.
+
+Arms (a fresh backend, and gateway where there is one, per arm and round; same pool, same
+`--step-delay-ms`):
+  none     backend --admission none, clients straight to it (KV taken as sequences grow)
+  reserve  backend --admission reserve alone (prompt + max_tokens held from arrival, 429 else)
+  kvgate   Envoy + the filter with the shipped policy (envoy/kvgate-filter.yaml) in front of
+           backend --admission reserve
+  oracle   as kvgate, but every request's max_tokens is its true output length, learned by a
+           first greedy pass (temperature 0) against a backend with a large pool
+  vllm     backend --admission none --on-kv-exhaustion recompute (only when the built backend
+           has the flag): vLLM's recompute preemption, straight to the backend
+
+Per arm: failures by reason (mid-decode KV OOM = a stream ending with finish_reason "error" or
+cut off; preempted by policy; 413/too large; gave up), goodput (output tokens of completed
+requests / makespan), p50/p99 latency and time to first token (both from the first try, so they
+include waiting for admission), 429s received, the longest admission wait (first try to the
+response headers of the try that was admitted), mean KV used / capacity and, behind kvgate, mean
+reserved − used (the ledger's committed bytes minus the backend's used bytes), sampled every
+0.5 s, and recomputed tokens (backend /metrics).
+
+Usage: .venv/bin/python bench/admission_bench.py [--full] [--rounds N] [--jobs N] [--arms a,b]
+       [--no-write]
+"""
+
+import argparse
+import datetime
+import json
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+import harness  # noqa: E402
+from harness import BLOCK_BYTES, Backend, Envoy  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+HEADING = "## Admission strategies side by side (issue 11)"
+FILLER = ("The gateway prices every request at the worst case it is allowed to reach, counting the "
+          "prompt with the model's tokenizer and adding the whole output cap. ")
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?",
+             "Say hello in Spanish.", "What colour is the sky?", "Name a fruit.",
+             "What is the largest planet?", "How many legs does a spider have?"]
+STORIES = ["Write a long story about a dragon who learns to cook.",
+           "Write a long story about a lighthouse keeper and a storm."]
+
+
+# ----- the workload -----------------------------------------------------------------------------
+
+def make_workload(seed, jobs, context_tokens):
+    """A list of jobs; a job is a list of requests sent together (one, or a fan-out burst).
+    A request: {"id", "kind", "cls", "path", "body"} (body without model/stream fields)."""
+    rng = random.Random(seed)
+    q = lambda: [{"role": "user", "content": rng.choice(QUESTIONS)}]  # noqa: E731
+    big = lambda: rng.randint(context_tokens * 2 // 5, context_tokens * 3 // 4)  # noqa: E731
+    kinds = [
+        # (name, weight, maker) — big caps the short answers never use
+        ("short prompt, big cap", 5, lambda: ("batch", "chat", {"messages": q(), "max_tokens": big()})),
+        ("short prompt, big cap (strict)", 3, lambda: ("standard", "chat", {"messages": q(), "max_tokens": big()})),
+        ("unset cap", 2, lambda: ("standard", "chat", {"messages": q()})),
+        ("chat", 4, lambda: ("interactive", "chat", {"messages": q(), "max_tokens": 128})),
+        ("vip chat", 1, lambda: ("vip", "chat", {"messages": q(), "max_tokens": 128})),
+        ("long prompt, small cap", 3, lambda: ("interactive", "chat", {"messages": [{"role": "user", "content":
+            FILLER * rng.randint(8, 14) + " Summarize in one sentence."}], "max_tokens": 40})),
+        # run to their cap
+        ("counting, to its cap", 2, lambda: ("batch", "completion", {"prompt": "1, 2, 3, 4,",
+                                                                      "max_tokens": rng.randint(100, 200)})),
+        ("long story", 1, lambda: ("standard", "chat", {"messages": [{"role": "user", "content": rng.choice(STORIES)}],
+                                                         "max_tokens": rng.randint(150, 250)})),
+    ]
+    over = ("prompt over the context", "standard", "completion",
+            {"prompt": [1] * (context_tokens + 64), "max_tokens": 16})
+    out, n = [], 0
+
+    def req(kind, cls, path, body):
+        nonlocal n
+        n += 1
+        return {"id": n, "kind": kind, "cls": cls, "path": path, "body": body}
+
+    # Fan-out bursts: one per 12 jobs (at least one); the prompt over the context once.
+    fanouts = {int(jobs * (i + 0.5) / max(1, jobs // 12)) for i in range(max(1, jobs // 12))}
+    over_at = next(j for j in range(jobs // 3, jobs) if j not in fanouts)
+    # Every kind once (shuffled), then draws by weight: a short sequence still has the whole mix.
+    deck = rng.sample(kinds, len(kinds))
+    for j in range(jobs):
+        if j in fanouts:
+            k = rng.randint(10, 20)
+            out.append([req("agent fan-out branch", "batch", "chat",
+                            {"messages": q(), "max_tokens": rng.randint(200, 400), "stop": ["\n", "."]})
+                        for _ in range(k)])
+        elif j == over_at:
+            out.append([req(*over)])
+        else:
+            name, _, make = deck.pop(0) if deck else rng.choices(kinds, weights=[k[1] for k in kinds])[0]
+            cls, path, body = make()
+            out.append([req(name, cls, path, body)])
+    return out
+
+
+# ----- one client request -----------------------------------------------------------------------
+
+class Run:
+    """Outcomes of one arm: per request, what happened (shared by the client threads)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.results = {}
+        self.r429 = 0
+        self.tries = 0
+
+    def add(self, rid, res):
+        with self.lock:
+            self.results[rid] = res
+
+
+def send(url, r, a, run, cap_override=None):
+    body = {"model": MODEL, "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            **r["body"]}
+    if cap_override is not None:
+        body["max_tokens"] = cap_override
+    headers = {}
+    if r["cls"] in ("batch", "interactive", "vip"):
+        headers["authorization"] = f"Bearer kvgate-demo-{r['cls']}"
+    path = "/v1/chat/completions" if r["path"] == "chat" else "/v1/completions"
+    t0 = time.monotonic()
+    tries, n429 = 0, 0
+    res = {"kind": r["kind"], "outcome": None, "tokens": 0, "first_try": t0}
+    while True:
+        tries += 1
+        ts = time.monotonic()
+        try:
+            resp = requests.post(url + path, json=body, headers=headers, stream=True, timeout=(10, 300))
+        except requests.RequestException as e:
+            res.update(outcome="other", detail=f"connect: {type(e).__name__}")
+            break
+        if resp.status_code in (429, 503):
+            n429 += resp.status_code == 429
+            ra = resp.headers.get("retry-after-ms")
+            wait = int(ra) / 1000 if ra else float(resp.headers.get("retry-after", 1))
+            resp.close()
+            if tries >= a.max_tries or time.monotonic() + wait - t0 > a.give_up_s:
+                res["outcome"] = "gave up"
+                break
+            time.sleep(wait)
+            continue
+        if resp.status_code != 200:
+            text = resp.text[:400]
+            too_large = resp.status_code == 413 or "context" in text or "too_large" in text
+            res.update(outcome="413" if too_large else "other", detail=f"{resp.status_code} {text[:160]}")
+            break
+        res["admitted_after"] = time.monotonic() - t0
+        res["admit_try_start"] = ts - t0
+        res["degraded"] = "x-kvgate-degraded" in resp.headers
+        finish, err = None, None
+        try:
+            for line in resp.iter_lines():
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:]
+                if payload == b"[DONE]":
+                    break
+                ev = json.loads(payload)
+                if "error" in ev:
+                    err = ev["error"]
+                    continue
+                if ev.get("usage"):
+                    res["tokens"] = ev["usage"]["completion_tokens"]
+                for c in ev.get("choices", []):
+                    text = c.get("text") or (c.get("delta") or {}).get("content")
+                    if text and "ttft" not in res:
+                        res["ttft"] = time.monotonic() - t0
+                    if c.get("finish_reason"):
+                        finish = c["finish_reason"]
+        except (requests.RequestException, ValueError) as e:
+            err = {"message": f"stream cut: {type(e).__name__}"}
+        resp.close()
+        res["latency"] = time.monotonic() - t0
+        res.setdefault("ttft", res["latency"])
+        res["finish"] = finish
+        if finish in ("stop", "length") and err is None:
+            res["outcome"] = "ok"
+        elif finish == "preempted" or (err and "preempt" in json.dumps(err)):
+            res["outcome"] = "preempted"
+        else:
+            res["outcome"] = "kv oom"
+            res["detail"] = json.dumps(err)[:200] if err else f"finish {finish}"
+        break
+    res["end"] = time.monotonic()
+    res["tries"] = tries
+    with run.lock:
+        run.r429 += n429
+        run.tries += tries
+    run.add(r["id"], res)
+
+
+def drive(url, workload, a, run, caps=None, progress=None):
+    """Closed-loop clients over the job sequence, in order."""
+    nxt = {"i": 0}
+    lock = threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                if nxt["i"] >= len(workload):
+                    return
+                job = workload[nxt["i"]]
+                nxt["i"] += 1
+            ts = [threading.Thread(target=send, args=(url, r, a, run, (caps or {}).get(r["id"])))
+                  for r in job]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+
+    threads = [threading.Thread(target=client) for _ in range(a.clients)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        if progress:
+            progress()
+        for _ in range(50):
+            if not any(t.is_alive() for t in threads):
+                break
+            time.sleep(0.1)
+    for t in threads:
+        t.join()
+
+
+# ----- the arms ---------------------------------------------------------------------------------
+
+def filter_config(blocks, secret):
+    """The shipped filter config (envoy/kvgate-filter.yaml: from_backend, the demo classes and
+    keys) priced against this pool."""
+    doc = yaml.safe_load((ROOT / "envoy" / "kvgate-filter.yaml").read_text())
+    cfg = json.loads(doc["resources"][0]["typed_config"]["config"]["configuration"]["value"])
+    cfg["kv_budget_bytes"] = blocks * BLOCK_BYTES
+    cfg["scratch_margin_bytes"] = BLOCK_BYTES
+    cfg["backend"] = {**cfg["backend"], "secret": secret}
+    return cfg
+
+
+def learn_lengths(workload, a, work):
+    """The oracle's first pass: every request once, greedy, against a backend with a large pool
+    and no delay, serving the same context (--max-context) as the arms' pool. Returns id -> the
+    completion tokens it produced (requests refused or failed are left out: they keep their cap)."""
+    d = Path(work) / "learn"
+    d.mkdir()
+    ctx = a.blocks * 16
+    b = Backend(d, "--kv-cache-bytes", 512 * 2**20, "--admission", "none", "--max-context", ctx).start(timeout=120)
+    try:
+        run = Run()
+        t0 = time.time()
+        flat = [[r] for job in workload for r in job]
+        drive(b.url, flat, argparse.Namespace(**{**vars(a), "clients": 8}), run,
+              progress=lambda: print(f"  [learn {time.time() - t0:5.1f}s] {len(run.results)}/{len(flat)}", flush=True))
+    finally:
+        b.stop()
+    caps = {rid: max(1, res["tokens"]) for rid, res in run.results.items() if res["outcome"] == "ok"}
+    if a.dump:
+        with open(a.dump, "a") as fh:
+            for rid, x in sorted(run.results.items()):
+                fh.write(json.dumps({"arm": "learn", "id": rid, "outcome": x["outcome"], "tokens": x["tokens"],
+                                     "finish": x.get("finish")}) + "\n")
+    lost = [rid for rid, res in run.results.items() if res["outcome"] != "ok"]
+    print(f"  learned {len(caps)} output lengths (not learned: {len(lost)}, keep their caps)", flush=True)
+    return caps
+
+
+def run_arm(arm, rnd, workload, a, work, oracle_caps):
+    d = Path(work) / f"{arm}{rnd}"
+    d.mkdir()
+    flags = ["--kv-cache-bytes", a.blocks * BLOCK_BYTES, "--step-delay-ms", a.step_delay_ms]
+    flags += {"none": ["--admission", "none"], "reserve": ["--admission", "reserve"],
+              "kvgate": ["--admission", "reserve"], "oracle": ["--admission", "reserve"],
+              "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm]
+    b = Backend(d, *flags).start(timeout=120)
+    gw = None
+    try:
+        if arm in ("kvgate", "oracle"):
+            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret)).start()
+            gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
+                        "the backend's descriptor in the filter")
+        url = gw.url if gw else b.url
+        run = Run()
+        samples = []  # (used/capacity, reserved - used)
+        stop = threading.Event()
+
+        def sample():
+            while not stop.wait(0.5):
+                try:
+                    m = b.metrics()
+                    used = m["kvgate_backend_kv_used_bytes"]
+                    committed = gw.status()["committed_bytes"] if gw else None
+                    samples.append((used / m["kvgate_backend_kv_capacity_bytes"],
+                                    None if committed is None else committed - used))
+                except (requests.RequestException, KeyError):
+                    pass
+
+        n = sum(len(j) for j in workload)
+        t0 = time.monotonic()
+
+        def progress():
+            with run.lock:
+                rs = list(run.results.values())
+                c = {o: sum(1 for x in rs if x["outcome"] == o) for o in ("ok", "kv oom", "413", "gave up")}
+                r429 = run.r429
+            kv = f"{samples[-1][0]:4.0%}" if samples else "  - "
+            print(f"  [{arm} r{rnd} {time.monotonic() - t0:5.1f}s] done {len(rs)}/{n}  ok {c['ok']}  "
+                  f"kv oom {c['kv oom']}  413 {c['413']}  gave up {c['gave up']}  429s {r429}  KV used {kv}",
+                  flush=True)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        drive(url, workload, a, run, caps=oracle_caps if arm == "oracle" else None, progress=progress)
+        makespan = max(x["end"] for x in run.results.values()) - t0
+        stop.set()
+        sampler.join()
+        progress()
+        m = b.metrics()
+    finally:
+        if gw:
+            gw.stop()
+        b.stop()
+    if a.dump:
+        with open(a.dump, "a") as fh:
+            for rid, x in sorted(run.results.items()):
+                fh.write(json.dumps({"arm": arm, "round": rnd, "id": rid, **{k: v for k, v in x.items()
+                                     if k not in ("first_try", "end")}}) + "\n")
+    return summarise(arm, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None)
+
+
+def pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(p / 100 * len(xs) + 0.5)) - 1))]
+
+
+def summarise(arm, rnd, run, makespan, samples, m, oracle_caps):
+    rs = list(run.results.values())
+    ok = [x for x in rs if x["outcome"] == "ok"]
+    count = lambda o: sum(1 for x in rs if x["outcome"] == o)  # noqa: E731
+    tokens = sum(x["tokens"] for x in ok)
+    reserved = [s[1] for s in samples if s[1] is not None]
+    row = {
+        "arm": arm, "round": rnd, "requests": len(rs), "completed": len(ok),
+        "kv_oom": count("kv oom"), "preempted": count("preempted"), "too_large": count("413"),
+        "gave_up": count("gave up"), "other": count("other"),
+        "tokens": tokens, "makespan_s": makespan, "goodput": tokens / makespan if makespan else 0.0,
+        "lat_p50": pct([x["latency"] for x in ok], 50), "lat_p99": pct([x["latency"] for x in ok], 99),
+        "ttft_p50": pct([x["ttft"] for x in ok], 50), "ttft_p99": pct([x["ttft"] for x in ok], 99),
+        "r429": run.r429, "degraded": sum(1 for x in rs if x.get("degraded")),
+        "max_admit_wait": max((x["admitted_after"] for x in rs if "admitted_after" in x), default=0.0),
+        # A request that gave up waited at least this long without being admitted.
+        "max_gave_up_wait": max((x["end"] - x["first_try"] for x in rs if x["outcome"] == "gave up"), default=0.0),
+        "kv_used_mean": statistics.mean(s[0] for s in samples) if samples else float("nan"),
+        "reserved_minus_used_mib": statistics.mean(reserved) / 2**20 if reserved else None,
+        "backend_kv_oom": int(m.get("kvgate_backend_kv_oom_total", 0)),
+        "recompute_preemptions": int(m.get("kvgate_backend_recompute_preemptions_total", 0)),
+        "recomputed_tokens": int(m.get("kvgate_backend_recomputed_tokens_total", 0)),
+        "details": sorted({x.get("detail", "") for x in rs if x["outcome"] in ("other", "kv oom")} - {""})[:4],
+    }
+    if oracle_caps is not None:
+        # Batching may change greedy outputs: completed requests whose output differs from the
+        # learned length (ended at the learned cap with finish "length" where it had stopped).
+        # (Degraded requests are left out: the batch class's policy shrank their cap.)
+        row["oracle_mismatch"] = sum(1 for rid, x in run.results.items() if x["outcome"] == "ok"
+                                     and not x.get("degraded") and rid in oracle_caps
+                                     and x["tokens"] != oracle_caps[rid])
+    print(f"  {arm} r{rnd}: " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
+                                            for k, v in row.items()}), flush=True)
+    return row
+
+
+# ----- the table --------------------------------------------------------------------------------
+
+def table(rows, arms):
+    f = lambda v, d=1: "–" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
+    head = ("| arm | round | completed / sent | mid-decode KV OOM | preempted | 413 | gave up | other | "
+            "output tokens | makespan s | goodput tok/s | vs oracle | latency p50 / p99 s | TTFT p50 / p99 s | "
+            "429s | degraded | longest admission wait s | mean KV used / capacity | mean reserved − used MiB | "
+            "recomputed tokens (preemptions) |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    oracle = {r["round"]: r["goodput"] for r in rows if r["arm"] == "oracle"}
+    for arm in arms:
+        for r in (x for x in rows if x["arm"] == arm):
+            vs = f"{r['goodput'] / oracle[r['round']]:.2f}×" if oracle.get(r["round"]) else "–"
+            wait = f(r["max_admit_wait"])
+            if r["gave_up"]:
+                wait += f" (gave up after ≥ {f(r['max_gave_up_wait'])})"
+            lines.append(
+                f"| {arm} | {r['round']} | {r['completed']} / {r['requests']} | {r['kv_oom']} | {r['preempted']} | "
+                f"{r['too_large']} | {r['gave_up']} | {r['other']} | {r['tokens']} | {f(r['makespan_s'])} | "
+                f"{f(r['goodput'])} | {vs} | {f(r['lat_p50'])} / {f(r['lat_p99'])} | "
+                f"{f(r['ttft_p50'], 2)} / {f(r['ttft_p99'], 2)} | {r['r429']} | {r['degraded']} | {wait} | "
+                f"{r['kv_used_mean']:.0%} | {f(r['reserved_minus_used_mib'])} | "
+                f"{r['recomputed_tokens']} ({r['recompute_preemptions']}) |")
+    return "\n".join(lines)
+
+
+def git_hash():
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--full", action="store_true", help="40 jobs, 3 rounds, give up after 300 s")
+    p.add_argument("--rounds", type=int)
+    p.add_argument("--jobs", type=int)
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--blocks", type=int, default=64, help="KV pool in 16-token blocks (every arm)")
+    p.add_argument("--step-delay-ms", type=int, default=10)
+    p.add_argument("--max-tries", type=int)
+    p.add_argument("--give-up-s", type=float)
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--arms", default="none,reserve,kvgate,oracle,vllm")
+    p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
+    p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    a = p.parse_args()
+    a.rounds = a.rounds or (3 if a.full else 1)
+    a.jobs = a.jobs or (40 if a.full else 12)
+    a.max_tries = a.max_tries or (200 if a.full else 40)
+    a.give_up_s = a.give_up_s or (300.0 if a.full else 60.0)
+    workload = make_workload(a.seed, a.jobs, a.blocks * 16)
+    n = sum(len(j) for j in workload)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    commit = git_hash()
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        # Every arm runs the same binaries: copies taken now (others may rebuild target/ meanwhile).
+        built = []
+        for attr in ("BACKEND", "WASM"):
+            src = getattr(harness, attr)
+            built.append(f"{src.name} built {datetime.datetime.fromtimestamp(src.stat().st_mtime, datetime.timezone.utc):%H:%M} UTC")
+            dst = Path(work) / src.name
+            shutil.copy2(src, dst)
+            setattr(harness, attr, dst)
+        help_text = subprocess.run([str(harness.BACKEND), "--help"], capture_output=True, text=True).stdout
+        arms = [x for x in a.arms.split(",") if x != "vllm" or "--on-kv-exhaustion" in help_text]
+        if "vllm" in a.arms and "vllm" not in arms:
+            print("the backend has no --on-kv-exhaustion: the vllm arm is left out", flush=True)
+        print(f"{n} requests in {len(workload)} jobs (seed {a.seed}), {a.clients} clients, pool {a.blocks} blocks "
+              f"({a.blocks * BLOCK_BYTES / 2**20:.1f} MiB, {a.blocks * 16} tokens), step delay {a.step_delay_ms} ms, "
+              f"arms {arms}, {a.rounds} round(s); git {commit}, {', '.join(built)}", flush=True)
+        caps = learn_lengths(workload, a, work) if "oracle" in arms else {}
+        for rnd in range(a.rounds):
+            order = arms if rnd % 2 == 0 else arms[::-1]  # interleaved, alternating order
+            for arm in order:
+                rows.append(run_arm(arm, rnd, workload, a, work, caps))
+    wall = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
+    cmd = "make bench-admission" + (" ARGS=--full" if a.full else "")
+    argv = " ".join(["bench/admission_bench.py", *sys.argv[1:]])
+    out = table(rows, arms)
+    print("\n" + out)
+    print(f"\nwall {wall:.0f} s")
+    if a.no_write:
+        return
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    if HEADING not in text:
+        text = text.rstrip("\n") + f"\n\n{HEADING}\n"
+    text += (f"\n### Run {started:%Y-%m-%d %H:%M} UTC, git {commit} ({', '.join(built)})\n\n"
+             f"Command: `{cmd}` (`.venv/bin/python {argv}`); machine: 2 vCPU AMD "
+             f"EPYC, shared; {n} requests in {len(workload)} jobs, seed {a.seed}, {a.clients} closed-loop clients, "
+             f"pool {a.blocks} blocks ({a.blocks * 16} tokens) in every arm, --step-delay-ms {a.step_delay_ms}, "
+             f"give up after {a.max_tries} tries or {a.give_up_s:.0f} s; wall {wall:.0f} s.\n\n{out}\n")
+    (ROOT / "BENCHMARKS.md").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
