@@ -162,6 +162,36 @@ def test_admission_none_fails_mid_decode_when_kv_runs_out(backend):
     b.wait_pool_empty()
 
 
+def test_recompute_preemption_finishes_both_with_the_output_each_has_alone(backend):
+    # The same two sequences as above; with recompute, the younger is preempted and re-prefilled
+    # instead of failing, and its stream goes on where it stopped.
+    b = backend("--kv-cache-bytes", 8 * BLOCK_BYTES, "--admission", "none", "--on-kv-exhaustion", "recompute")
+
+    def text(i, results):
+        r = requests.post(b.url + "/v1/completions", stream=True, timeout=300, json={
+            "model": MODEL, "prompt": f"{i}, 1, 2, 3,", "max_tokens": 100, "temperature": 0,
+            "stream": True})
+        chunks = [json.loads(e) for e in sse_events(r) if e != "[DONE]"]
+        results[i] = ("".join(c["choices"][0]["text"] for c in chunks if c.get("choices")),
+                      chunks[-1]["choices"][0]["finish_reason"])
+    alone = {}
+    for i in range(2):
+        text(i, alone)
+    together = {}
+    threads = [threading.Thread(target=text, args=(i, together)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == alone, "no token lost, repeated or changed"
+    assert all(reason == "length" for _, reason in together.values())
+    m = b.metrics()
+    assert m["kvgate_backend_recompute_preemptions_total"] >= 1
+    assert m["kvgate_backend_recomputed_tokens_total"] > 0
+    assert m["kvgate_backend_kv_oom_total"] == 0
+    b.wait_pool_empty()
+
+
 def test_leases_report_finished_with_cursor(backend):
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
     cursor = b.leases()["cursor"]
