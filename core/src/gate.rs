@@ -98,19 +98,8 @@ pub fn decide(
     now_ms: u64,
     jitter_seed: u64,
 ) -> Decision {
-    let fingerprint = cfg.pricing.spec.fingerprint();
     let cap = priced.price.cap.cap;
-    let request = |bytes: u64, cap: u64| AdmitRequest {
-        id: holder.lease_id,
-        bytes,
-        class: &class.name,
-        priority: class.priority,
-        fingerprint,
-        now_ms,
-        ttl_ms: cfg.lease_ttl.for_cap(cap),
-        owner: holder.owner,
-        claim: holder.claim,
-    };
+    let request = |bytes: u64, cap: u64| admit_request(cfg, class, holder, bytes, cap, now_ms);
     let outcome = ledger.try_admit(
         &request(priced.price.bytes, cap),
         &cfg.retry_after,
@@ -216,18 +205,42 @@ pub fn shadow(
         now_ms,
         jitter_seed,
     );
-    ledger.record(&AdmitRequest {
+    let holder = Holder {
+        claim: None,
+        ..holder
+    };
+    let cap = priced.price.cap.cap;
+    ledger.record(&admit_request(
+        cfg,
+        class,
+        holder,
+        priced.price.bytes,
+        cap,
+        now_ms,
+    ));
+    decision
+}
+
+/// What the ledger is asked to reserve for `holder`'s request of class `class`.
+fn admit_request<'a>(
+    cfg: &Config,
+    class: &'a ClassPolicy,
+    holder: Holder,
+    bytes: u64,
+    cap: u64,
+    now_ms: u64,
+) -> AdmitRequest<'a> {
+    AdmitRequest {
         id: holder.lease_id,
-        bytes: priced.price.bytes,
+        bytes,
         class: &class.name,
         priority: class.priority,
         fingerprint: cfg.pricing.spec.fingerprint(),
         now_ms,
-        ttl_ms: cfg.lease_ttl.for_cap(priced.price.cap.cap),
+        ttl_ms: cfg.lease_ttl.for_cap(cap),
         owner: holder.owner,
-        claim: None,
-    });
-    decision
+        claim: holder.claim,
+    }
 }
 
 /// The youngest leases (least work lost) of the classes `class` may preempt whose bytes, with

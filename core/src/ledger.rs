@@ -43,6 +43,23 @@ pub struct Lease {
     pub eta_ms: u64,
 }
 
+impl Lease {
+    /// The lease a request is admitted under, as id `id`.
+    fn of(req: &AdmitRequest<'_>, id: u64) -> Lease {
+        Lease {
+            id,
+            bytes: req.bytes,
+            class: req.class.to_string(),
+            priority: req.priority,
+            fingerprint: req.fingerprint,
+            created_ms: req.now_ms,
+            deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
+            owner: req.owner,
+            eta_ms: 0,
+        }
+    }
+}
+
 /// A refused request's place in line (see the module header).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
@@ -275,17 +292,7 @@ impl Ledger {
         };
         self.committed = self.committed.saturating_add(req.bytes);
         self.counters.admitted = self.counters.admitted.saturating_add(1);
-        self.leases.push(Lease {
-            id,
-            bytes: req.bytes,
-            class: req.class.to_string(),
-            priority: req.priority,
-            fingerprint: req.fingerprint,
-            created_ms: req.now_ms,
-            deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
-            owner: req.owner,
-            eta_ms: 0,
-        });
+        self.leases.push(Lease::of(req, id));
     }
 
     /// Record when a lease is expected to end (the backend's report of its progress).
@@ -469,17 +476,7 @@ impl Ledger {
                 id
             }
         };
-        let lease = Lease {
-            id,
-            bytes: req.bytes,
-            class: req.class.to_string(),
-            priority: req.priority,
-            fingerprint: req.fingerprint,
-            created_ms: req.now_ms,
-            deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
-            owner: req.owner,
-            eta_ms: 0,
-        };
+        let lease = Lease::of(req, id);
         // Admitted: its claim (if any) is spent; what it held is part of `free` above.
         if let Some(i) = own {
             self.claims.remove(i);
