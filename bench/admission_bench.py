@@ -29,8 +29,10 @@ cut off; preempted by policy; 413/too large; gave up), goodput (output tokens of
 requests / makespan), p50/p99 latency and time to first token (both from the first try, so they
 include waiting for admission), 429s received, the longest admission wait (first try to the
 response headers of the try that was admitted), mean KV used / capacity and, behind kvgate, mean
-reserved − used (the ledger's committed bytes minus the backend's used bytes), sampled every
-0.5 s, and recomputed tokens (backend /metrics).
+reserved − used (the ledger's committed bytes minus the backend's used bytes, sampled every
+0.5 s; the backend behind kvgate runs --admission reserve and allocates the reservation itself,
+so this is ledger/backend drift, not over-reservation — "used" under reserve is allocated, not
+written), and recomputed tokens (backend /metrics).
 
 Usage: .venv/bin/python bench/admission_bench.py [--full] [--rounds N] [--jobs N] [--arms a,b]
        [--no-write]
@@ -483,7 +485,7 @@ def main():
     if HEADING not in text:
         text = text.rstrip("\n") + f"\n\n{HEADING}\n"
     text += (f"\n### Run {started:%Y-%m-%d %H:%M} UTC, git {commit} ({', '.join(built)})\n\n"
-             f"Command: `{cmd}` (`.venv/bin/python {argv}`); machine: 2 vCPU AMD "
+             f"Command: `.venv/bin/python {argv}` (`{cmd}` runs it after its build steps); machine: 2 vCPU AMD "
              f"EPYC, shared; {n} requests in {len(workload)} jobs, seed {a.seed}, {a.clients} closed-loop clients, "
              f"pool {a.blocks} blocks ({a.blocks * 16} tokens) in every arm, --step-delay-ms {a.step_delay_ms}, "
              f"give up after {a.max_tries} tries or {a.give_up_s:.0f} s; wall {wall:.0f} s.\n\n{out}\n")
