@@ -307,7 +307,7 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
                         "the backend's descriptor in the filter")
         url = gw.url if gw else b.url
         run = Run()
-        samples = []  # (used/capacity, reserved - used)
+        samples = []  # (used/capacity, reserved - used, claimed, held back)
         stop = threading.Event()
 
         def sample():
@@ -315,9 +315,11 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
                 try:
                     m = b.metrics()
                     used = m["kvgate_backend_kv_used_bytes"]
-                    committed = gw.status()["committed_bytes"] if gw else None
+                    st = gw.status() if gw else None
                     samples.append((used / m["kvgate_backend_kv_capacity_bytes"],
-                                    None if committed is None else committed - used))
+                                    None if st is None else st["committed_bytes"] - used,
+                                    None if st is None else st.get("claimed_bytes", 0),
+                                    None if st is None else st.get("held_back_bytes", 0)))
                 except (requests.RequestException, KeyError):
                     pass
 
@@ -367,6 +369,8 @@ def summarise(arm, rnd, run, makespan, samples, m, oracle_caps):
     count = lambda o: sum(1 for x in rs if x["outcome"] == o)  # noqa: E731
     tokens = sum(x["tokens"] for x in ok)
     reserved = [s[1] for s in samples if s[1] is not None]
+    claimed = [s[2] for s in samples if s[2] is not None]
+    held = [s[3] for s in samples if s[3] is not None]
     row = {
         "arm": arm, "round": rnd, "requests": len(rs), "completed": len(ok),
         "kv_oom": count("kv oom"), "preempted": count("preempted"), "too_large": count("413"),
@@ -380,6 +384,11 @@ def summarise(arm, rnd, run, makespan, samples, m, oracle_caps):
         "max_gave_up_wait": max((x["end"] - x["first_try"] for x in rs if x["outcome"] == "gave up"), default=0.0),
         "kv_used_mean": statistics.mean(s[0] for s in samples) if samples else float("nan"),
         "reserved_minus_used_mib": statistics.mean(reserved) / 2**20 if reserved else None,
+        # Behind kvgate: budget poured into claims of refused requests (fair retries) and held
+        # back for the backend's unreported use, mean and peak over the samples.
+        "claimed_mib": statistics.mean(claimed) / 2**20 if claimed else None,
+        "claimed_max_mib": max(claimed) / 2**20 if claimed else None,
+        "held_back_mib": statistics.mean(held) / 2**20 if held else None,
         "backend_kv_oom": int(m.get("kvgate_backend_kv_oom_total", 0)),
         "recompute_preemptions": int(m.get("kvgate_backend_recompute_preemptions_total", 0)),
         "recomputed_tokens": int(m.get("kvgate_backend_recomputed_tokens_total", 0)),
@@ -404,7 +413,7 @@ def table(rows, arms):
     head = ("| arm | round | completed / sent | mid-decode KV OOM | preempted | 413 | gave up | other | "
             "output tokens | makespan s | goodput tok/s | vs oracle | latency p50 / p99 s | TTFT p50 / p99 s | "
             "429s | degraded | longest admission wait s | mean KV used / capacity | mean reserved − used MiB | "
-            "recomputed tokens (preemptions) |")
+            "claimed MiB mean / peak | recomputed tokens (preemptions) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     oracle = {r["round"]: r["goodput"] for r in rows if r["arm"] == "oracle"}
     for arm in arms:
@@ -419,6 +428,7 @@ def table(rows, arms):
                 f"{f(r['goodput'])} | {vs} | {f(r['lat_p50'])} / {f(r['lat_p99'])} | "
                 f"{f(r['ttft_p50'], 2)} / {f(r['ttft_p99'], 2)} | {r['r429']} | {r['degraded']} | {wait} | "
                 f"{r['kv_used_mean']:.0%} | {f(r['reserved_minus_used_mib'])} | "
+                f"{f(r['claimed_mib'])} / {f(r['claimed_max_mib'])} | "
                 f"{r['recomputed_tokens']} ({r['recompute_preemptions']}) |")
     return "\n".join(lines)
 
