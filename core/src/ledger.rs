@@ -432,7 +432,16 @@ impl Ledger {
         }
         if req.bytes > free {
             self.counters.rejected = self.counters.rejected.saturating_add(1);
-            let retry_after = estimate_retry_after(self, req.bytes, req.now_ms, retry, jitter_seed);
+            // What its claim already holds for it is not waited for: a request near the head of
+            // the line is told to come back as soon as the rest is likely free (bytes set aside
+            // for it sit idle until it does).
+            let retry_after = estimate_retry_after(
+                self,
+                req.bytes.saturating_sub(own_held),
+                req.now_ms,
+                retry,
+                jitter_seed,
+            );
             if let Some(t) = req.claim {
                 // Keep (or take) this request's place in line until a little after it was told
                 // to come back.
@@ -804,6 +813,55 @@ mod tests {
         assert!(l.claims().is_empty());
         assert_eq!(l.committed(), 90);
         assert_eq!(l.free(), 10);
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_claimant_is_told_to_wait_only_for_what_its_claim_does_not_hold_yet() {
+        let mut l = Ledger::new(100, 1);
+        let cfg = RetryAfterConfig {
+            min_ms: 100,
+            max_ms: 60_000,
+            jitter: 0.0,
+            default_lease_ms: 10_000,
+        };
+        let big = |now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key: 7,
+                patience_ms: 1000,
+            }),
+            ..req(90, now)
+        };
+        // A lease of 30 that ends "soon" (by the mean, at 10 s) and one of 60 that ends late.
+        let AdmitOutcome::Admitted { lease: soon } = l.try_admit(&req(30, 0), &cfg, 1) else {
+            panic!("fits");
+        };
+        let AdmitOutcome::Admitted { .. } = l.try_admit(&req(60, 0), &cfg, 1) else {
+            panic!("fits");
+        };
+        l.set_eta(soon.id, 2_000);
+        let later = l
+            .leases()
+            .iter()
+            .find(|x| x.id != soon.id)
+            .map(|x| x.id)
+            .unwrap();
+        l.set_eta(later, 40_000);
+        // Needs 90 with 10 free: both leases must end; told 40 s.
+        let AdmitOutcome::Rejected { retry_after, .. } = l.try_admit(&big(1_000), &cfg, 1) else {
+            panic!("refused");
+        };
+        assert_eq!(retry_after.unwrap().ms, 39_000);
+        // Its claim (active at its second refusal) holds the 10 free, then the soon one's 30:
+        // 50 still lacking, which the later lease's end covers. Counting the whole 90 against
+        // what is free (0) would find no end that covers it and say the maximum, 60 s.
+        l.try_admit(&big(1_500), &cfg, 1);
+        l.release(soon.id, 2_000);
+        let AdmitOutcome::Rejected { retry_after, .. } = l.try_admit(&big(2_000), &cfg, 1) else {
+            panic!("refused");
+        };
+        assert_eq!(l.held_for(7), 40);
+        assert_eq!(retry_after.unwrap().ms, 38_000);
         l.check().unwrap();
     }
 
