@@ -255,6 +255,9 @@ pub struct Reconciled {
     /// bypassed the gateways), and their bytes.
     pub foreign_leases: usize,
     pub foreign_bytes: u64,
+    /// Gateways other than this one with live leases at the backend (from the gateway number
+    /// in their lease ids): the room free now is shared with them until the next poll.
+    pub other_gateways: u64,
 }
 
 impl Reconciled {
@@ -288,6 +291,7 @@ pub fn reconcile(
         .filter(|l| !live.contains(&l.id) && l.created_ms.saturating_add(grace_ms) <= now_ms)
         .cloned()
         .collect();
+    let mut gateways = std::collections::BTreeSet::new();
     for e in &report.entries {
         match e.id.filter(|id| ledger.lease(*id).is_some()) {
             Some(id) => {
@@ -298,16 +302,35 @@ pub fn reconcile(
             None => {
                 out.foreign_leases += 1;
                 out.foreign_bytes = out.foreign_bytes.saturating_add(e.bytes);
+                if let Some(id) = e.id {
+                    gateways.insert(id >> GATEWAY_SHIFT);
+                }
             }
         }
     }
-    out.held_back = report
+    let base = report
         .used_bytes
         .saturating_sub(ledger.committed())
         .max(out.foreign_bytes);
+    // Other gateways admit onto this backend too, and this one learns of it only at its next
+    // poll: until then it takes only its share of the room free now, 1/(others + 1), so that
+    // gateways racing for the same room rarely over-admit it (the backend refuses what they
+    // do). Its own releases free room for it at once; the next poll splits the room again.
+    let others = gateways.len() as u64;
+    let spare = ledger
+        .capacity()
+        .saturating_sub(ledger.committed())
+        .saturating_sub(base);
+    out.other_gateways = others;
+    out.held_back = base.saturating_add(spare / (others + 1) * others);
     ledger.set_held_back(out.held_back);
     out
 }
+
+/// Lease ids carry their gateway's number in the bits above this one (see the filter's
+/// `gateway_id`); gateways without one draw a random number per worker, which only makes the
+/// split more careful.
+const GATEWAY_SHIFT: u32 = 43;
 
 /// Ledger committed minus backend used, as a signed number of bytes.
 pub fn drift(ledger: &Ledger, report: &BackendReport) -> i128 {
@@ -508,8 +531,11 @@ mod tests {
         .unwrap();
         let rec = reconcile(&mut l, &r, 10, 5_000, None);
         assert_eq!((rec.foreign_leases, rec.foreign_bytes), (2, 2_900));
-        assert_eq!(rec.held_back, 2_900);
-        assert_eq!(l.free(), 10_000 - 1_000 - 2_900);
+        // The foreign bytes, and half of the 6,100 still free: one other gateway (77's) may be
+        // admitting into it before the next poll.
+        assert_eq!(rec.other_gateways, 1);
+        assert_eq!(rec.held_back, 2_900 + 3_050);
+        assert_eq!(l.free(), 3_050);
         // A backend that does not reserve (admission none) reports less used than reserved:
         // the foreign reservations still hold.
         let r = BackendReport {
@@ -518,7 +544,20 @@ mod tests {
             ..Default::default()
         };
         let rec = reconcile(&mut l, &r, 20, 5_000, None);
-        assert_eq!(rec.held_back, 2_500);
+        assert_eq!(rec.held_back, 2_500 + 3_250);
+        // Two other gateways (numbers 1 and 2 in their lease ids): a third of the room each.
+        let r = BackendReport {
+            used_bytes: 3_000,
+            entries: vec![
+                entry(1, 1_000),
+                entry(1 << 43, 1_000),
+                entry((2 << 43) | 5, 1_000),
+            ],
+            ..Default::default()
+        };
+        let rec = reconcile(&mut l, &r, 25, 5_000, None);
+        assert_eq!(rec.other_gateways, 2);
+        assert_eq!(rec.held_back, 2_000 + 7_000 / 3 * 2);
         // The other gateway's request ended: nothing foreign, nothing held back.
         let r = BackendReport {
             used_bytes: 1_000,
@@ -527,6 +566,11 @@ mod tests {
         };
         let rec = reconcile(&mut l, &r, 30, 5_000, None);
         assert_eq!((rec.foreign_leases, rec.held_back), (0, 0));
+        assert_eq!(
+            l.free(),
+            9_000,
+            "alone again: all the room is this gateway's"
+        );
     }
 
     #[test]
