@@ -277,6 +277,7 @@ pub fn reconcile(
     now_ms: u64,
     grace_ms: u64,
     progress: Option<&Progress>,
+    own_gateway: u64,
 ) -> Reconciled {
     let mut out = Reconciled::default();
     for id in &report.finished {
@@ -302,8 +303,13 @@ pub fn reconcile(
             None => {
                 out.foreign_leases += 1;
                 out.foreign_bytes = out.foreign_bytes.saturating_add(e.bytes);
-                if let Some(id) = e.id {
-                    gateways.insert(id >> GATEWAY_SHIFT);
+                // Not this gateway's own (a lease it has released that the backend still
+                // finishes) and not a request that bypassed the gateways.
+                if let Some(g) =
+                    e.id.map(|id| id >> GATEWAY_SHIFT)
+                        .filter(|g| *g != own_gateway)
+                {
+                    gateways.insert(g);
                 }
             }
         }
@@ -327,9 +333,8 @@ pub fn reconcile(
     out
 }
 
-/// Lease ids carry their gateway's number in the bits above this one (see the filter's
-/// `gateway_id`); gateways without one draw a random number per worker, which only makes the
-/// split more careful.
+/// Lease ids carry their gateway's number in the bits above this one (the filter's
+/// `gateway_id`, or one drawn per Envoy).
 const GATEWAY_SHIFT: u32 = 43;
 
 /// Ledger committed minus backend used, as a signed number of bytes.
@@ -388,7 +393,7 @@ mod tests {
             used_bytes: 208,
             ..Default::default()
         };
-        let r = reconcile(&mut l, &report, 10_000, 5_000, None);
+        let r = reconcile(&mut l, &report, 10_000, 5_000, None, 0);
         assert_eq!(r.released.iter().map(|x| x.id).collect::<Vec<_>>(), vec![1]);
         assert_eq!(r.unseen.iter().map(|x| x.id).collect::<Vec<_>>(), vec![3]);
         assert_eq!(r.unseen_bytes(), 300);
@@ -397,7 +402,7 @@ mod tests {
         assert_eq!(drift(&l, &report), 692);
         l.check().unwrap();
         // Idempotent: the same report again releases nothing more and removes nothing.
-        let again = reconcile(&mut l, &report, 10_000, 5_000, None);
+        let again = reconcile(&mut l, &report, 10_000, 5_000, None, 0);
         assert!(again.released.is_empty());
         assert_eq!(again.unseen.len(), 1);
         assert_eq!(l.committed(), 900);
@@ -469,7 +474,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        reconcile(&mut l, &report, 1_000, 5_000, Some(&p));
+        reconcile(&mut l, &report, 1_000, 5_000, Some(&p), 0);
         // 1: past the short answers: a long one, 50 (the median of 50, 50, 60): 35 more at 10/s.
         assert_eq!(l.lease(1).unwrap().eta_ms, 1_000 + 3_500);
         // 2: past every finished output: half of the 20 its cap still allows.
@@ -477,7 +482,7 @@ mod tests {
         // 3: its cap (30) comes before the median (50).
         assert_eq!(l.lease(3).unwrap().eta_ms, 1_000 + 3_000);
         admit(&mut l, 4, 100, 0);
-        reconcile(&mut l, &report, 1_000, 5_000, Some(&p));
+        reconcile(&mut l, &report, 1_000, 5_000, Some(&p), 0);
         // 4: 5 tokens in: the median of all six outputs (50): 45 more.
         assert_eq!(l.lease(4).unwrap().eta_ms, 1_000 + 4_500);
         // No rate known: nothing set.
@@ -487,7 +492,7 @@ mod tests {
             tokens_per_s: 0.0,
             outputs: vec![50],
         };
-        reconcile(&mut fresh, &report, 1_000, 5_000, Some(&none));
+        reconcile(&mut fresh, &report, 1_000, 5_000, Some(&none), 0);
         assert_eq!(fresh.lease(1).unwrap().eta_ms, 0);
     }
 
@@ -519,6 +524,7 @@ mod tests {
 
     #[test]
     fn another_gateways_leases_are_foreign_and_held_back() {
+        const OURS: u64 = 3;
         let mut l = Ledger::new(10_000, 1);
         admit(&mut l, 1, 1_000, 0);
         // Ours (1), another gateway's (77: reserved 2,500 while using 100), one that bypassed
@@ -529,7 +535,7 @@ mod tests {
                           {"id":"internal-2","used_bytes":400}]}"#,
         )
         .unwrap();
-        let rec = reconcile(&mut l, &r, 10, 5_000, None);
+        let rec = reconcile(&mut l, &r, 10, 5_000, None, OURS);
         assert_eq!((rec.foreign_leases, rec.foreign_bytes), (2, 2_900));
         // The foreign bytes, and half of the 6,100 still free: one other gateway (77's) may be
         // admitting into it before the next poll.
@@ -543,7 +549,7 @@ mod tests {
             entries: vec![entry(1, 1_000), entry(77, 2_500)],
             ..Default::default()
         };
-        let rec = reconcile(&mut l, &r, 20, 5_000, None);
+        let rec = reconcile(&mut l, &r, 20, 5_000, None, OURS);
         assert_eq!(rec.held_back, 2_500 + 3_250);
         // Two other gateways (numbers 1 and 2 in their lease ids): a third of the room each.
         let r = BackendReport {
@@ -555,7 +561,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let rec = reconcile(&mut l, &r, 25, 5_000, None);
+        let rec = reconcile(&mut l, &r, 25, 5_000, None, OURS);
         assert_eq!(rec.other_gateways, 2);
         assert_eq!(rec.held_back, 2_000 + 7_000 / 3 * 2);
         // The other gateway's request ended: nothing foreign, nothing held back.
@@ -564,13 +570,22 @@ mod tests {
             entries: vec![entry(1, 1_000)],
             ..Default::default()
         };
-        let rec = reconcile(&mut l, &r, 30, 5_000, None);
+        let rec = reconcile(&mut l, &r, 30, 5_000, None, OURS);
         assert_eq!((rec.foreign_leases, rec.held_back), (0, 0));
         assert_eq!(
             l.free(),
             9_000,
             "alone again: all the room is this gateway's"
         );
+        // A lease of this gateway's that it has released (its client went away) while the
+        // backend still finishes it: foreign bytes, but no other gateway to share room with.
+        let r = BackendReport {
+            used_bytes: 1_500,
+            entries: vec![entry(1, 1_000), entry((OURS << 43) | 9, 500)],
+            ..Default::default()
+        };
+        let rec = reconcile(&mut l, &r, 35, 5_000, None, OURS);
+        assert_eq!((rec.other_gateways, rec.held_back), (0, 500));
     }
 
     #[test]
@@ -583,7 +598,7 @@ mod tests {
             used_bytes: 4_000,
             ..Default::default()
         };
-        let r = reconcile(&mut l, &hot, 10, 5_000, None);
+        let r = reconcile(&mut l, &hot, 10, 5_000, None, 0);
         assert_eq!(r.held_back, 3_000);
         assert_eq!(l.free(), 6_000);
         let cool = BackendReport {
@@ -591,7 +606,7 @@ mod tests {
             used_bytes: 500,
             ..Default::default()
         };
-        reconcile(&mut l, &cool, 20, 5_000, None);
+        reconcile(&mut l, &cool, 20, 5_000, None, 0);
         assert_eq!(l.held_back(), 0);
         assert_eq!(l.free(), 9_000);
     }

@@ -386,7 +386,14 @@ impl Root {
             if let Some(c) = capacity {
                 l.set_capacity(c);
             }
-            reconcile(l, &report, now, b.lost_grace_ms, progress.as_ref())
+            reconcile(
+                l,
+                &report,
+                now,
+                b.lost_grace_ms,
+                progress.as_ref(),
+                self.worker.gateway(),
+            )
         });
         let (rec, ledger) = match done {
             Ok(v) => v,

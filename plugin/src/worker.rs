@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::OnceLock;
 
-use kvgate_core::config::Config;
+use kvgate_core::config::{Config, MAX_GATEWAY_ID};
 use kvgate_core::fleet::{self, View};
 use kvgate_core::queue::AdmissionQueue;
 use kvgate_core::retry::splitmix64;
@@ -195,6 +195,8 @@ impl Endpoint {
 }
 
 const HEALTH_KEY: &str = "kvgate.backend.v3";
+/// A gateway number drawn for this Envoy when none is configured.
+const GATEWAY_KEY: &str = "kvgate.gateway.v1";
 
 /// This worker's identity as a lease owner: one per wasm VM (an Envoy worker thread), shared by
 /// every root context the VM runs, so a reconfiguration that keeps the VM keeps the owner of the
@@ -250,7 +252,8 @@ pub struct Worker {
     /// The backend endpoints of the current configuration (one, without `backend.endpoints`).
     endpoints: RefCell<Vec<Rc<Endpoint>>>,
     lease_seed: u64,
-    gateway_id: Cell<Option<u16>>,
+    /// This gateway's number (configured, or drawn once per Envoy in shared data).
+    gateway: Cell<u16>,
     lease_counter: Cell<u64>,
 }
 
@@ -268,7 +271,7 @@ impl Worker {
             lease_seed: h.finish(),
             lease_counter: Cell::new(0),
             endpoints: RefCell::new(Vec::new()),
-            gateway_id: Cell::new(None),
+            gateway: Cell::new(0),
         }
     }
 
@@ -276,24 +279,46 @@ impl Worker {
         self.runtime.borrow().clone()
     }
 
-    /// Lease ids drawn without coordination between workers and gateways: a per-VM random seed
-    /// stepped through SplitMix64, below 2^53 so JSON clients read them exactly. With a
-    /// configured `gateway_id` its 10 bits lead the id, so two gateways never draw the same id;
-    /// without, a collision among live leases is a ~n²/2^54 event, and the ledger refuses it.
+    /// Lease ids drawn without coordination between workers: the gateway's number in the top
+    /// 10 of 53 bits (so JSON clients read ids exactly, and two gateways with their own
+    /// `gateway_id` never draw the same one), then a per-VM random seed stepped through
+    /// SplitMix64. A collision among live leases is a ~n²/2^44 event, and the ledger refuses it.
     pub fn next_lease_id(&self) -> u64 {
         let n = self.lease_counter.get().wrapping_add(1);
         self.lease_counter.set(n);
-        let r = splitmix64(self.lease_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 11;
-        match self.gateway_id.get() {
-            Some(g) => (u64::from(g) << 43) | (r >> 10).max(1),
-            None => r.max(1),
+        let r = splitmix64(self.lease_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 21;
+        (u64::from(self.gateway.get()) << 43) | r.max(1)
+    }
+
+    /// This gateway's number, as its lease ids carry it.
+    pub fn gateway(&self) -> u64 {
+        u64::from(self.gateway.get())
+    }
+
+    /// The configured `gateway_id`, or one drawn once per Envoy (every worker reads the same
+    /// shared-data key; a race between two first workers only makes another gateway's view of
+    /// this one more careful).
+    fn pick_gateway(&self, cfg: &Config) -> u16 {
+        if let Some(g) = cfg.gateway_id {
+            return g;
         }
+        let read = || -> Option<u16> {
+            let (bytes, _) = proxy_wasm::hostcalls::get_shared_data(GATEWAY_KEY).ok()?;
+            Some(u16::from_le_bytes(bytes?.get(..2)?.try_into().ok()?))
+        };
+        if let Some(g) = read() {
+            return g;
+        }
+        let drawn = (splitmix64(self.lease_seed) % (u64::from(MAX_GATEWAY_ID) + 1)) as u16;
+        let _ =
+            proxy_wasm::hostcalls::set_shared_data(GATEWAY_KEY, Some(&drawn.to_le_bytes()), None);
+        read().unwrap_or(drawn)
     }
 
     /// Take a new configuration's endpoint list and gateway id. Endpoints that stay keep their
     /// state; every endpoint's ledger is seeded (an existing one is kept with its leases).
     pub fn configure_endpoints(&self, cfg: &Config) {
-        self.gateway_id.set(cfg.gateway_id);
+        self.gateway.set(self.pick_gateway(cfg));
         let wanted: Vec<Option<String>> = match cfg.backend.as_ref() {
             Some(b) if !b.endpoints.is_empty() => b.endpoints.iter().cloned().map(Some).collect(),
             _ => vec![None],
