@@ -557,8 +557,8 @@ impl HttpContext for Filter {
 }
 
 /// The level callers see (the fleet's), for a request that made no admission of its own: from
-/// every endpoint's ledger header as it is now (a peek each, no decode).
+/// every endpoint's ledger header as it is now (a peek each, no decode; health is the tick's).
 pub fn level_now(worker: &Worker, rt: &Runtime) -> Level {
-    worker.refresh_endpoints();
+    worker.refresh_rooms();
     worker.level(&rt.cfg)
 }

@@ -119,9 +119,13 @@ impl Ticket {
                 ..*v
             });
         }
-        worker.metrics.observe(worker, &rt.cfg);
         let level = worker.level(&rt.cfg);
         self.level.set(Some(level));
+        let placed_at = match &decided {
+            Ok(Placed::At { index, .. }) => endpoints.get(*index).map(|e| &**e),
+            _ => None,
+        };
+        worker.metrics.observe_request(worker, placed_at, level);
         let (endpoint, decision, ledger) = match decided {
             Ok(Placed::At { index, out, ledger }) => {
                 let Some(e) = endpoints.get(index) else {
@@ -314,7 +318,10 @@ impl Ticket {
                     worker.metrics.release_unknown.inc();
                 }
                 if let Some(rt) = worker.runtime() {
-                    worker.metrics.observe(worker, &rt.cfg);
+                    let level = worker.level(&rt.cfg);
+                    worker
+                        .metrics
+                        .observe_request(worker, Some(&endpoint), level);
                 }
             }
             Err(e) => {

@@ -153,6 +153,11 @@ impl Endpoint {
                 self.health.set(h);
             }
         }
+        self.refresh_room();
+    }
+
+    /// Re-read the room only (the ledger's header); health moves on the tick.
+    pub fn refresh_room(&self) {
         if let Ok((Some(bytes), _)) = proxy_wasm::hostcalls::get_shared_data(&self.ledger_key) {
             if let Some(p) = fleet::peek(&bytes) {
                 self.update_view(|v| v.observe_peek(&p));
@@ -356,6 +361,13 @@ impl Worker {
         }
     }
 
+    /// Re-read every endpoint's room (a request's level, between ticks).
+    pub fn refresh_rooms(&self) {
+        for e in self.endpoints.borrow().iter() {
+            e.refresh_room();
+        }
+    }
+
     /// Every configured endpoint is known to be down (or serves another model): nothing new
     /// can be sent anywhere.
     pub fn all_down(&self) -> bool {
@@ -520,8 +532,36 @@ impl Metrics {
     }
 
     /// Gauges mirror the ledgers (the fleet's totals, and each endpoint's); every worker writes
-    /// the same values. From each endpoint's view: no ledger read.
+    /// the same values. From each endpoint's view: no ledger read. The tick, polls and
+    /// reconfiguration write every endpoint's gauges; a request only the totals and its own
+    /// endpoint's (`observe_request`), so its host calls do not grow with the fleet.
     pub fn observe(&self, worker: &Worker, cfg: &Config) {
+        for e in worker.endpoints.borrow().iter() {
+            self.observe_endpoint(e);
+        }
+        self.observe_totals(worker, worker.level(cfg));
+    }
+
+    /// After a request's own ledger transition on `endpoint` (`level`: the fleet's, already
+    /// computed for the request).
+    pub fn observe_request(&self, worker: &Worker, endpoint: Option<&Endpoint>, level: Level) {
+        if let Some(e) = endpoint {
+            self.observe_endpoint(e);
+        }
+        self.observe_totals(worker, level);
+    }
+
+    fn observe_endpoint(&self, e: &Endpoint) {
+        if let Some(m) = &e.metrics {
+            let (v, h) = (e.view.get(), e.health());
+            m.committed_bytes.set(v.committed);
+            m.capacity_bytes.set(v.capacity);
+            m.foreign_bytes.set(h.foreign_bytes);
+            m.up.set(u64::from(!h.down()));
+        }
+    }
+
+    fn observe_totals(&self, worker: &Worker, level: Level) {
         let mut t = View::default();
         for e in worker.endpoints.borrow().iter() {
             let v = e.view.get();
@@ -529,17 +569,10 @@ impl Metrics {
             t.committed = t.committed.saturating_add(v.committed);
             t.held_back = t.held_back.saturating_add(v.held_back);
             t.leases = t.leases.saturating_add(v.leases);
-            if let Some(m) = &e.metrics {
-                let h = e.health();
-                m.committed_bytes.set(v.committed);
-                m.capacity_bytes.set(v.capacity);
-                m.foreign_bytes.set(h.foreign_bytes);
-                m.up.set(u64::from(!h.down()));
-            }
         }
         self.committed_bytes.set(t.committed);
         self.capacity_bytes.set(t.capacity);
-        self.level.set(worker.level(cfg).as_gauge());
+        self.level.set(level.as_gauge());
         self.live_leases.set(t.leases);
         self.held_back_bytes.set(t.held_back);
     }
