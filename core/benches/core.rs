@@ -144,6 +144,21 @@ fn ledger_with(leases: u64) -> Ledger {
     l
 }
 
+/// The admission every ledger benchmark measures: 1 MiB, class interactive, as id `id`.
+fn probe(id: u64) -> AdmitRequest<'static> {
+    AdmitRequest {
+        id: Some(id),
+        bytes: 1 << 20,
+        class: "interactive",
+        priority: 1,
+        fingerprint: 0xabc,
+        now_ms: 5_000,
+        ttl_ms: 60_000,
+        owner: 1,
+        claim: None,
+    }
+}
+
 fn transition(c: &mut Criterion) {
     let mut g = c.benchmark_group("ledger_transition");
     let retry = RetryAfterConfig::default();
@@ -155,21 +170,7 @@ fn transition(c: &mut Criterion) {
             |b, bytes| {
                 b.iter(|| {
                     let mut l = Ledger::decode(black_box(bytes)).expect("ledger");
-                    let out = l.try_admit(
-                        &AdmitRequest {
-                            id: Some(u64::MAX - 1),
-                            bytes: 1 << 20,
-                            class: "interactive",
-                            priority: 1,
-                            fingerprint: 0xabc,
-                            now_ms: 5_000,
-                            ttl_ms: 60_000,
-                            owner: 1,
-                            claim: None,
-                        },
-                        &retry,
-                        9,
-                    );
+                    let out = l.try_admit(&probe(u64::MAX - 1), &retry, 9);
                     black_box(out);
                     black_box(l.encode())
                 })
@@ -186,17 +187,7 @@ fn transition(c: &mut Criterion) {
 fn fleet_admission(c: &mut Criterion) {
     let mut g = c.benchmark_group("fleet_admit_release");
     let retry = RetryAfterConfig::default();
-    let request = |id: u64| AdmitRequest {
-        id: Some(id),
-        bytes: 1 << 20,
-        class: "interactive",
-        priority: 1,
-        fingerprint: 0xabc,
-        now_ms: 5_000,
-        ttl_ms: 60_000,
-        owner: 1,
-        claim: None,
-    };
+    let request = probe;
     for leases in [10u64, 1_000] {
         let base = ledger_with(leases);
         // Baseline: one ledger, no fleet.
