@@ -15,7 +15,47 @@ use crate::tokenize::TokenCounter;
 pub struct Priced {
     pub prompt_tokens: Vec<u64>,
     pub choices: u64,
+    /// At the worst case: every sequence reaching its cap.
     pub price: Price,
+    /// For an elastic class whose allowance is below the cap: what the lease reserves instead.
+    pub elastic: Option<ElasticPrice>,
+}
+
+/// An elastic reservation: each sequence's output is reserved up to `output_tokens` (below the
+/// cap, which the request keeps), for `bytes` in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ElasticPrice {
+    pub output_tokens: u64,
+    pub bytes: u64,
+}
+
+impl Priced {
+    /// What the lease reserves: the elastic price when there is one, else the worst case.
+    pub fn reserve_bytes(&self) -> u64 {
+        self.elastic.map_or(self.price.bytes, |e| e.bytes)
+    }
+
+    /// Reserve `allowance` output tokens per sequence instead of the whole cap (an elastic
+    /// class). Nothing changes when the allowance is not below the cap.
+    pub fn with_allowance(mut self, cfg: &Config, allowance: u64) -> Priced {
+        let cap = self.price.cap.cap;
+        self.elastic = (allowance < cap)
+            .then(|| {
+                price_request(
+                    &cfg.pricing,
+                    &self.prompt_tokens,
+                    Some(allowance),
+                    self.choices,
+                )
+            })
+            .and_then(Result::ok)
+            .filter(|p| p.bytes < self.price.bytes)
+            .map(|p| ElasticPrice {
+                output_tokens: p.cap.cap,
+                bytes: p.bytes,
+            });
+        self
+    }
 }
 
 /// Count and price a request. Errors are final (400/413) and reserve nothing.
@@ -61,6 +101,7 @@ pub fn price(
         prompt_tokens,
         choices,
         price,
+        elastic: None,
     })
 }
 
@@ -101,7 +142,7 @@ pub fn decide(
     let cap = priced.price.cap.cap;
     let request = |bytes: u64, cap: u64| admit_request(cfg, class, holder, bytes, cap, now_ms);
     let outcome = ledger.try_admit(
-        &request(priced.price.bytes, cap),
+        &request(priced.reserve_bytes(), cap),
         &cfg.retry_after,
         jitter_seed,
     );
@@ -158,7 +199,7 @@ pub fn decide(
             let preempted: Vec<Lease> = victims.iter().filter_map(|id| ledger.evict(*id)).collect();
             ledger.uncount_rejection();
             if let AdmitOutcome::Admitted { lease } = ledger.try_admit_after_eviction(
-                &request(priced.price.bytes, cap),
+                &request(priced.reserve_bytes(), cap),
                 &cfg.retry_after,
                 jitter_seed,
             ) {
@@ -367,6 +408,44 @@ mod tests {
             l.release(2, 10),
             crate::ledger::ReleaseOutcome::Released(second)
         );
+    }
+
+    #[test]
+    fn an_elastic_request_reserves_its_allowance_and_keeps_its_cap() {
+        let c = cfg("{}", 5000);
+        let class = c.policy.default_class().clone();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let body = format!(r#"{{"prompt":{:?},"max_tokens":4000}}"#, vec![1; 200]);
+        // Worst case: 4,200 tokens, so only one fits in 5,000.
+        let p = priced(&c, &body).with_allowance(&c, 300);
+        let e = p.elastic.expect("an allowance below the cap is elastic");
+        assert_eq!(e.output_tokens, 300);
+        let at_300 = price_request(&c.pricing, &[200], Some(300), 1).unwrap();
+        assert_eq!(e.bytes, at_300.bytes);
+        assert_eq!(p.reserve_bytes(), e.bytes);
+        for id in 1..=3 {
+            let Decision::Admitted { cap, lease, .. } = decide(
+                &mut l,
+                &c,
+                &class,
+                &p,
+                Holder {
+                    lease_id: Some(id),
+                    ..ANY
+                },
+                0,
+                1,
+            ) else {
+                panic!("three elastic requests of 500 tokens fit in 5,000")
+            };
+            assert_eq!(cap, 4000, "the request keeps its cap");
+            assert_eq!(lease.bytes, e.bytes);
+        }
+        assert_eq!(l.committed(), 3 * e.bytes);
+        // An allowance at or above the cap is the worst case.
+        let worst = priced(&c, &body).with_allowance(&c, 4000);
+        assert_eq!(worst.elastic, None);
+        assert_eq!(worst.reserve_bytes(), worst.price.bytes);
     }
 
     #[test]

@@ -7,6 +7,7 @@
 pub mod cap;
 pub mod codec;
 pub mod config;
+pub mod elastic;
 pub mod error;
 pub mod fleet;
 pub mod gate;
@@ -29,7 +30,7 @@ pub use ledger::{
     AdmitOutcome, AdmitRequest, Claim, ClaimTicket, Lease, Ledger, Level, LevelThresholds,
     RejectReason, ReleaseOutcome,
 };
-pub use policy::{Action, ClassPolicy, PolicyTable};
+pub use policy::{Action, ClassPolicy, PolicyTable, Reservation};
 pub use request::{parse_request, write_cap, Endpoint, Input, ParsedRequest};
 pub use retry::{estimate_retry_after, RetryAfter, RetryAfterConfig};
 pub use spec::{ModelSpec, Pricing, ESTIMATOR_VERSION};

@@ -28,6 +28,21 @@ pub struct ClassPolicy {
     pub priority: u8,
     /// Classes whose leases this class may cancel to make room (each of lower priority).
     pub preempts: Vec<String>,
+    /// What a request of this class reserves.
+    pub reservation: Reservation,
+}
+
+/// What a request's lease reserves for its output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reservation {
+    /// Its whole cap: the request can never run out of KV mid-decode (the default).
+    #[default]
+    WorstCase,
+    /// A learned high quantile of the output lengths this class actually produced, never above
+    /// the cap (see `elastic`). The backend lets the sequence grow past it from free blocks and
+    /// takes those blocks back first when a reservation needs them: recomputed later, its
+    /// client sees a delay, never an error.
+    Elastic(crate::elastic::ElasticPolicy),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +68,18 @@ pub struct RawClass {
     pub max_wait_ms: Option<u64>,
     pub max_depth: Option<u32>,
     pub min_output_tokens: Option<u64>,
+    /// `"worst_case"` (default) or `"elastic"`.
+    #[serde(default)]
+    pub reservation: Option<String>,
+    /// Elastic only: the quantile of learned output lengths reserved (0.5–1.0, default 0.9).
+    #[serde(default)]
+    pub elastic_quantile: Option<f64>,
+    /// Elastic only: finished outputs of the class needed before the quantile is used (default 20).
+    #[serde(default)]
+    pub elastic_min_samples: Option<u32>,
+    /// Elastic only: the output tokens reserved until then (unset: the whole cap).
+    #[serde(default)]
+    pub elastic_prior_tokens: Option<u64>,
 }
 
 fn default_action() -> String {
@@ -109,6 +136,10 @@ impl TryFrom<RawPolicy> for PolicyTable {
                     max_wait_ms: None,
                     max_depth: None,
                     min_output_tokens: None,
+                    reservation: None,
+                    elastic_quantile: None,
+                    elastic_min_samples: None,
+                    elastic_prior_tokens: None,
                 },
             );
         }
@@ -202,11 +233,13 @@ impl TryFrom<RawPolicy> for PolicyTable {
                     ));
                 }
             }
+            let reservation = crate::elastic::ElasticPolicy::from_raw(c, &at)?;
             classes.push(ClassPolicy {
                 name: name.clone(),
                 action,
                 priority: c.priority,
                 preempts: c.preempts.clone(),
+                reservation,
             });
         }
         let Some(default_class) = classes.iter().position(|c| c.name == raw.default_class) else {
@@ -340,6 +373,7 @@ static FALLBACK: ClassPolicy = ClassPolicy {
     action: Action::Reject,
     priority: 0,
     preempts: Vec::new(),
+    reservation: Reservation::WorstCase,
 };
 
 #[cfg(test)]
@@ -394,6 +428,49 @@ mod tests {
     fn parse(json: &str) -> Result<PolicyTable, ConfigError> {
         let raw: RawPolicy = serde_json::from_str(json).unwrap();
         PolicyTable::try_from(raw)
+    }
+
+    #[test]
+    fn elastic_classes_parse_and_bad_values_name_their_field() {
+        let t = parse(
+            r#"{"classes":{"default":{},"batch":{"reservation":"elastic","elastic_quantile":0.95,"elastic_prior_tokens":128}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            t.get("default").unwrap().reservation,
+            Reservation::WorstCase
+        );
+        let Reservation::Elastic(e) = t.get("batch").unwrap().reservation else {
+            panic!("batch is elastic")
+        };
+        assert_eq!(
+            (e.quantile_permille, e.min_samples, e.prior_tokens),
+            (950, 20, Some(128))
+        );
+        for (doc, field) in [
+            (
+                r#"{"classes":{"default":{"reservation":"maybe"}}}"#,
+                "policy.classes.default.reservation",
+            ),
+            (
+                r#"{"classes":{"default":{"elastic_quantile":0.9}}}"#,
+                "policy.classes.default.elastic_quantile",
+            ),
+            (
+                r#"{"classes":{"default":{"reservation":"elastic","elastic_quantile":0.2}}}"#,
+                "policy.classes.default.elastic_quantile",
+            ),
+            (
+                r#"{"classes":{"default":{"reservation":"elastic","elastic_min_samples":0}}}"#,
+                "policy.classes.default.elastic_min_samples",
+            ),
+            (
+                r#"{"classes":{"default":{"reservation":"elastic","elastic_prior_tokens":0}}}"#,
+                "policy.classes.default.elastic_prior_tokens",
+            ),
+        ] {
+            assert_eq!(parse(doc).unwrap_err().field, field, "{doc}");
+        }
     }
 
     #[test]

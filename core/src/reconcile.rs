@@ -36,6 +36,8 @@ pub struct BackendReport {
     /// Output lengths of the requests that finished by themselves (stop or length) since the
     /// cursor.
     pub finished_outputs: Vec<u64>,
+    /// The same outputs with the class the gateway named for them (those that had one).
+    pub class_outputs: Vec<(String, u64)>,
 }
 
 /// One request the backend holds now.
@@ -238,6 +240,18 @@ impl From<&LeaseReport> for BackendReport {
                 })
                 .map(|f| f.completion_tokens)
                 .collect(),
+            class_outputs: r
+                .finished
+                .iter()
+                .filter(|f| {
+                    !f.class.is_empty()
+                        && matches!(
+                            f.reason,
+                            crate::wire::FinishReason::Stop | crate::wire::FinishReason::Length
+                        )
+                })
+                .map(|f| (f.class.clone(), f.completion_tokens))
+                .collect(),
         }
     }
 }
@@ -258,6 +272,10 @@ pub struct Reconciled {
     /// Gateways other than this one with live leases at the backend (from the gateway number
     /// in their lease ids): the room free now is shared with them until the next poll.
     pub other_gateways: u64,
+    /// What this ledger's own leases hold at the backend beyond what they reserved here:
+    /// elastic sequences grown past their reservation (and block rounding). Expected, so not
+    /// drift; held back from admission like any use the ledger does not count.
+    pub grown_bytes: u64,
 }
 
 impl Reconciled {
@@ -299,6 +317,10 @@ pub fn reconcile(
                 if let Some(eta) = progress.and_then(|p| p.eta_ms(e, now_ms)) {
                     ledger.set_eta(id, eta);
                 }
+                let reserved = ledger.lease(id).map_or(0, |l| l.bytes);
+                out.grown_bytes = out
+                    .grown_bytes
+                    .saturating_add(e.bytes.saturating_sub(reserved));
             }
             None => {
                 out.foreign_leases += 1;
@@ -378,6 +400,42 @@ mod tests {
         assert_eq!(r.fingerprint.as_deref(), Some("abc"));
         assert!(BackendReport::parse(b"{}").is_err());
         assert!(BackendReport::parse(b"nope").is_err());
+    }
+
+    #[test]
+    fn growth_past_a_reservation_is_held_back_and_not_drift() {
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 1_000, 0); // elastic, grown to 1,600 at the backend
+        admit(&mut l, 2, 2_000, 0); // within its reservation
+        let entry = |id, bytes| LiveEntry {
+            id: Some(id),
+            bytes,
+            running: true,
+            ..Default::default()
+        };
+        let report = BackendReport {
+            live: vec![1, 2],
+            used_bytes: 1_600 + 1_500,
+            entries: vec![entry(1, 1_600), entry(2, 1_500)],
+            ..Default::default()
+        };
+        let r = reconcile(&mut l, &report, 100, 5_000, None, 0);
+        assert_eq!(r.grown_bytes, 600);
+        // The backend holds 3,100 of the 3,000 committed: the 100 beyond is held back.
+        assert_eq!(r.held_back, 100);
+        assert_eq!(l.free(), 10_000 - 3_000 - 100);
+        assert_eq!(drift(&l, &report) + i128::from(r.grown_bytes), 500);
+    }
+
+    #[test]
+    fn finished_outputs_carry_the_class_the_gateway_named() {
+        let body = br#"{"pool":{"capacity_bytes":1000,"used_bytes":0},
+            "finished":[{"id":"1","reason":"stop","completion_tokens":7,"class":"batch"},
+                        {"id":"2","reason":"length","completion_tokens":9},
+                        {"id":"3","reason":"cancelled","completion_tokens":2,"class":"batch"}]}"#;
+        let r = BackendReport::parse(body).unwrap();
+        assert_eq!(r.finished_outputs, vec![7, 9]);
+        assert_eq!(r.class_outputs, vec![("batch".to_string(), 7)]);
     }
 
     #[test]

@@ -155,6 +155,10 @@ pub struct LeaseEntry {
     pub used_tokens: u64,
     #[serde(default)]
     pub used_bytes: u64,
+    /// Elastic: the output tokens its reservation covers (below `max_tokens`); it may grow past
+    /// them from free blocks, and is preempted first when a reservation needs them back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic_output_tokens: Option<u64>,
 }
 
 /// Why a sequence ended; also the OpenAI `finish_reason` of the ones that end normally.
@@ -205,6 +209,10 @@ pub struct FinishedEntry {
     pub prompt_tokens: u64,
     #[serde(default)]
     pub completion_tokens: u64,
+    /// The admission class the gateway named (`x-kvgate-class`); elastic classes learn their
+    /// output lengths from it.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub class: String,
 }
 
 impl LeaseReport {
@@ -262,6 +270,7 @@ mod tests {
                 reserved_bytes: 16,
                 used_tokens: 5,
                 used_bytes: 5,
+                elastic_output_tokens: Some(1),
             }],
             finished: vec![FinishedEntry {
                 cursor: 1,
@@ -269,6 +278,7 @@ mod tests {
                 reason: FinishReason::Preempted,
                 prompt_tokens: 2,
                 completion_tokens: 1,
+                class: "batch".into(),
             }],
             cursor: 1,
         }
