@@ -115,6 +115,8 @@ fn run_arm(
             let (tx, rx) = unbounded_channel();
             assert!(handle.submit(Submit {
                 lease: Some(format!("r{i}")),
+                class: None,
+                reserve_output: None,
                 prompt: p.clone(),
                 params: GenParams {
                     max_tokens: o.max_tokens,

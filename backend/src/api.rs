@@ -328,7 +328,7 @@ impl Drop for Arrival {
         let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
         p.arrived.remove(&self.id);
         if !self.engine_took_it {
-            p.record_finished(&self.id, FinishReason::Refused, 0, 0);
+            p.record_finished(&self.id, FinishReason::Refused, 0, 0, None);
         }
     }
 }
@@ -344,11 +344,28 @@ async fn generate(
         .and_then(|h| h.to_str().ok())
         .filter(|s| !s.is_empty() && s.len() <= 64)
         .map(str::to_string);
-    if headers.contains_key("x-kvgate-lease") {
+    // Only the gateway may name a lease, a class or an elastic reservation.
+    if [
+        "x-kvgate-lease",
+        "x-kvgate-class",
+        "x-kvgate-reserve-output",
+    ]
+    .iter()
+    .any(|h| headers.contains_key(*h))
+    {
         if let Err(e) = st.check_secret(&headers) {
             return e.into_response();
         }
     }
+    let class = headers
+        .get("x-kvgate-class")
+        .and_then(|h| h.to_str().ok())
+        .filter(|s| !s.is_empty() && s.len() <= 64)
+        .map(str::to_string);
+    let reserve_output = headers
+        .get("x-kvgate-reserve-output")
+        .and_then(|h| h.to_str().ok())
+        .and_then(|s| s.parse::<u64>().ok());
     let mut arrival = match lease
         .as_deref()
         .map(|id| Arrival::acknowledge(&st.engine.published, id))
@@ -364,6 +381,8 @@ async fn generate(
     let (tx, mut rx) = unbounded_channel();
     let submitted = st.engine.submit(Submit {
         lease,
+        class,
+        reserve_output,
         prompt: v.prompt,
         params: v.params,
         events: tx,

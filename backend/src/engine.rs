@@ -22,6 +22,16 @@
 //! running to free blocks, ends in the KV OOM (no preemption loop). With `--admission reserve`
 //! no sequence ever needs a block mid-decode, so the flag changes nothing there.
 //!
+//! Elastic sequences (the gateway sent `x-kvgate-reserve-output` below the cap, `--admission
+//! reserve`): the reservation covers prompt + that many output tokens, and the sequence grows
+//! past it from free blocks — blocks nobody reserved. Those blocks are borrowed: when a
+//! reservation needs them (a new request the gateway admitted, a sequence needing its next
+//! block), the youngest sequence grown past its reservation gives back what it borrowed and is
+//! recomputed later, whatever `--on-kv-exhaustion` says. A sequence within its reservation is
+//! never preempted for it, so a worst-case request still never fails mid-decode, and an elastic
+//! one is at worst delayed. A preempted elastic sequence keeps its reservation while it waits;
+//! sequences holding their reservations are prefilled before it.
+//!
 //! This file schedules and nothing else: the handle and its messages are in `handle.rs`, what
 //! the engine publishes for the lease report in `published.rs` (the report itself is
 //! `kvgate_core::wire`), stop-string hold-back in `tokenizer::TextStream`, metrics in
@@ -84,6 +94,12 @@ pub struct EngineConfig {
 
 struct Seq<K> {
     id: String,
+    class: Option<String>,
+    /// Tokens its reservation covers: it holds at least these blocks from admission to end.
+    /// Blocks beyond are borrowed (elastic growth).
+    promised: u64,
+    /// Elastic: its reservation is below prompt + cap.
+    elastic: bool,
     prompt: Vec<u32>,
     generated: Vec<u32>,
     params: GenParams,
@@ -116,6 +132,11 @@ impl<K: KvState> Seq<K> {
 
     fn prefill_len(&self) -> usize {
         self.prompt.len() + self.generated.len()
+    }
+
+    /// Holds blocks beyond its reservation.
+    fn overgrown(&self) -> bool {
+        self.elastic && self.alloc.tokens() > self.promised
     }
 }
 
@@ -239,11 +260,21 @@ impl<M: Forward> Engine<M> {
             format!("internal-{}", self.next_internal_id)
         });
         let prompt_len = s.prompt.len() as u64;
+        let output = match s.reserve_output {
+            Some(r) if self.cfg.admission == Admission::Reserve => r.min(s.params.max_tokens),
+            _ => s.params.max_tokens,
+        };
+        let elastic = output < s.params.max_tokens;
         let reserve_tokens = match self.cfg.admission {
-            Admission::Reserve => prompt_len + s.params.max_tokens,
+            Admission::Reserve => prompt_len + output,
             Admission::None => 0,
         };
-        let Some(alloc) = self.pool.allocate(self.pool.blocks_for(reserve_tokens)) else {
+        let blocks = self.pool.blocks_for(reserve_tokens);
+        // Blocks lent to elastic sequences come back first: the gateway admitted this one.
+        if self.pool.stats().blocks_free < blocks {
+            self.reclaim_borrowed(blocks);
+        }
+        let Some(alloc) = self.pool.allocate(blocks) else {
             self.metrics.rejected_kv.inc();
             let need = u64::from(self.pool.blocks_for(reserve_tokens)) * self.pool.block_bytes;
             let free = self.pool.stats().free_bytes;
@@ -266,6 +297,9 @@ impl<M: Forward> Engine<M> {
         let _ = s.events.send(Event::Admitted { id: id.clone() });
         self.waiting.push_back(Seq {
             id,
+            class: s.class,
+            promised: reserve_tokens,
+            elastic,
             sampler: Sampler::new(s.params.temperature, s.params.top_p, s.params.seed),
             text: TextStream::new(&s.params.stop),
             prompt: s.prompt,
@@ -278,6 +312,34 @@ impl<M: Forward> Engine<M> {
             order: self.arrivals,
             last_token: None,
         });
+    }
+
+    /// Take back borrowed blocks (youngest overgrown sequence first, running or waiting) until
+    /// `blocks` are free or none is borrowed.
+    fn reclaim_borrowed(&mut self, blocks: u32) {
+        while self.pool.stats().blocks_free < blocks {
+            let running = self
+                .running
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.overgrown())
+                .max_by_key(|(_, s)| s.order)
+                .map(|(i, s)| (i, s.order));
+            let waiting = self
+                .waiting
+                .iter_mut()
+                .filter(|s| s.overgrown())
+                .max_by_key(|s| s.order);
+            match (running, waiting) {
+                (Some((_, ro)), Some(w)) if w.order > ro => w.alloc.shrink_to_tokens(w.promised),
+                (Some((i, _)), _) => {
+                    let seq = self.running.remove(i);
+                    self.requeue_for_recompute(seq);
+                }
+                (None, Some(w)) => w.alloc.shrink_to_tokens(w.promised),
+                (None, None) => return,
+            }
+        }
     }
 
     fn preempt(&mut self, id: &str) -> bool {
@@ -326,8 +388,11 @@ impl<M: Forward> Engine<M> {
 
     fn prefill_waiting(&mut self) {
         let mut budget = self.cfg.prefill_token_budget;
+        // Elastic sequences waiting for blocks beyond their reservation, passed over.
+        let mut passed = 0;
         while self.running.len() < self.cfg.max_batch {
-            let Some(front) = self.waiting.front_mut() else {
+            let others_can_free = !self.running.is_empty() || self.waiting.len() > passed + 1;
+            let Some(front) = self.waiting.get_mut(passed) else {
                 break;
             };
             let len = front.prefill_len();
@@ -336,7 +401,29 @@ impl<M: Forward> Engine<M> {
                 break;
             }
             // Room for what it prefills (in reserve mode it holds prompt + cap already).
-            let room = front.alloc.ensure_tokens(len as u64);
+            let mut room = front.alloc.ensure_tokens(len as u64);
+            if !room && front.elastic {
+                if others_can_free {
+                    // Sequences holding their reservations go first; blocks come back as
+                    // they end.
+                    passed += 1;
+                    continue;
+                }
+                // Nothing else can free blocks: take what younger waiting elastic sequences
+                // hold (they are recomputed from scratch later; they were only delayed).
+                let order = front.order;
+                for s in self
+                    .waiting
+                    .iter_mut()
+                    .filter(|s| s.elastic && s.order > order)
+                {
+                    s.alloc.release();
+                }
+                room = self
+                    .waiting
+                    .get_mut(passed)
+                    .is_some_and(|f| f.alloc.ensure_tokens(len as u64));
+            }
             if !room
                 && self.cfg.on_kv_exhaustion == OnKvExhaustion::Recompute
                 && !self.running.is_empty()
@@ -344,7 +431,7 @@ impl<M: Forward> Engine<M> {
                 // The running sequences will give blocks back: wait first in line.
                 break;
             }
-            let Some(mut seq) = self.waiting.pop_front() else {
+            let Some(mut seq) = self.waiting.remove(passed) else {
                 break;
             };
             budget = budget.saturating_sub(len);
@@ -413,6 +500,22 @@ impl<M: Forward> Engine<M> {
         while i < self.running.len() {
             match self.make_room(i) {
                 Room::Ready => i += 1,
+                Room::NoBlock if self.running.iter().any(Seq::overgrown) => {
+                    // Borrowed blocks go back first: the youngest sequence grown past its
+                    // reservation (perhaps this one) is recomputed later.
+                    let victim = self
+                        .running
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| s.overgrown())
+                        .max_by_key(|(_, s)| s.order)
+                        .map_or(i, |(v, _)| v);
+                    let seq = self.running.remove(victim);
+                    if victim < i {
+                        i -= 1;
+                    }
+                    self.requeue_for_recompute(seq);
+                }
                 Room::NoBlock
                     if self.cfg.on_kv_exhaustion == OnKvExhaustion::Recompute
                         && self.running.len() > 1 =>
@@ -509,7 +612,12 @@ impl<M: Forward> Engine<M> {
     fn requeue_for_recompute(&mut self, mut seq: Seq<M::Kv>) {
         self.metrics.recompute_preemptions.inc();
         seq.kv = None;
-        seq.alloc.release();
+        if seq.elastic {
+            // It keeps its reservation (the gateway counts it) and gives back what it borrowed.
+            seq.alloc.shrink_to_tokens(seq.promised);
+        } else {
+            seq.alloc.release();
+        }
         self.waiting.push_front(seq);
     }
 
@@ -577,6 +685,7 @@ impl<M: Forward> Engine<M> {
         let completion_tokens = seq.generated.len() as u64;
         let Seq {
             id,
+            class,
             events,
             alloc,
             kv,
@@ -589,7 +698,7 @@ impl<M: Forward> Engine<M> {
         self.published
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .record_finished(&id, reason, prompt_tokens, completion_tokens);
+            .record_finished(&id, reason, prompt_tokens, completion_tokens, class);
         let _ = events.send(Event::Finished {
             reason,
             prompt_tokens,
@@ -609,6 +718,9 @@ impl<M: Forward> Engine<M> {
             reserved_bytes: s.alloc.bytes(),
             used_tokens: s.used_tokens(),
             used_bytes: s.used_tokens() * per_token,
+            elastic_output_tokens: s
+                .elastic
+                .then(|| s.promised.saturating_sub(s.prompt.len() as u64)),
         };
         let leases = self
             .waiting

@@ -42,6 +42,11 @@ pub enum Event {
 
 pub struct Submit {
     pub lease: Option<String>,
+    /// The gateway's admission class (`x-kvgate-class`), echoed in the lease report.
+    pub class: Option<String>,
+    /// Elastic: the output tokens the gateway reserved (`x-kvgate-reserve-output`); the
+    /// sequence may grow past them from free blocks.
+    pub reserve_output: Option<u64>,
     pub prompt: Vec<u32>,
     pub params: GenParams,
     pub events: UnboundedSender<Event>,

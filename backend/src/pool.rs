@@ -180,6 +180,16 @@ impl Allocation {
         want <= self.blocks() || self.grow(want - self.blocks())
     }
 
+    /// Give back the blocks beyond those `tokens` tokens need (an elastic sequence returning
+    /// what it borrowed past its reservation).
+    pub fn shrink_to_tokens(&mut self, tokens: u64) {
+        let keep = self.pool.blocks_for(tokens) as usize;
+        if keep < self.blocks.len() {
+            let extra = self.blocks.split_off(keep);
+            self.pool.give_back(&extra);
+        }
+    }
+
     /// Give every block back now and keep an empty allocation (a sequence preempted to be
     /// recomputed later holds no KV while it waits).
     pub fn release(&mut self) {

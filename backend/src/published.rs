@@ -31,6 +31,7 @@ impl Published {
         reason: FinishReason,
         prompt: u64,
         completion: u64,
+        class: Option<String>,
     ) {
         self.cursor += 1;
         let cursor = self.cursor;
@@ -40,6 +41,7 @@ impl Published {
             reason,
             prompt_tokens: prompt,
             completion_tokens: completion,
+            class: class.unwrap_or_default(),
         });
         while self.finished.len() > FINISHED_KEPT {
             self.finished.pop_front();
@@ -82,8 +84,8 @@ mod tests {
     fn arrived_leases_are_listed_and_finished_ones_are_numbered() {
         let mut p = Published::default();
         p.arrived.insert("a".into());
-        p.record_finished("b", FinishReason::Refused, 0, 0);
-        p.record_finished("c", FinishReason::Stop, 3, 2);
+        p.record_finished("b", FinishReason::Refused, 0, 0, None);
+        p.record_finished("c", FinishReason::Stop, 3, 2, Some("batch".into()));
         let (leases, finished, cursor) = p.since(1);
         assert_eq!(cursor, 2);
         assert_eq!(

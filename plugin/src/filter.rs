@@ -53,6 +53,9 @@ struct Pending {
     path: String,
     lease_id: u64,
     class: String,
+    /// Elastic class: the output tokens per sequence its lease reserves (the backend was told
+    /// the same in `x-kvgate-reserve-output`).
+    allowance: Option<u64>,
     body_size: usize,
 }
 
@@ -131,6 +134,7 @@ impl Filter {
         if let Some(o) = doc.as_object_mut() {
             o.insert("level".into(), self.worker.level(&rt.cfg).as_str().into());
             o.insert("queued".into(), self.worker.metrics.queued.get().into());
+            o.insert("elastic".into(), self.worker.elastic_status(&rt.cfg));
             match (rt.cfg.backend.is_some(), endpoints.is_empty()) {
                 (true, true) => {
                     let b = self
@@ -203,7 +207,10 @@ impl Filter {
             return self.reject(&rt, &e);
         }
         let priced = match gate::price(&rt.cfg, &rt.counter, &req) {
-            Ok(v) => v,
+            Ok(v) => match p.allowance {
+                Some(a) => v.with_allowance(&rt.cfg, a),
+                None => v,
+            },
             Err(e) => return self.reject(&rt, &e),
         };
         let class = rt.cfg.policy.resolve(Some(&p.class)).clone();
@@ -412,12 +419,16 @@ impl HttpContext for Filter {
             .as_deref()
             .and_then(|h| abi::header(REQ, h));
         let authorization = abi::header(REQ, "authorization");
-        let class = rt
+        let class_policy = rt
             .cfg
             .policy
-            .classify(authorization.as_deref(), class_value.as_deref())
-            .name
-            .clone();
+            .classify(authorization.as_deref(), class_value.as_deref());
+        let class = class_policy.name.clone();
+        // Elastic classes reserve a learned allowance instead of the whole cap; the backend is
+        // told it here (headers cannot be set from the body callback) and clamps it to the cap.
+        let allowance = (rt.cfg.mode != kvgate_core::config::Mode::Shadow)
+            .then(|| self.worker.elastic_allowance(class_policy))
+            .flatten();
         let lease_id = self.worker.next_lease_id();
         // Announce the lease and class; drop content-length (the body will be rewritten; the
         // buffer filter sets the new length once the whole body is known).
@@ -425,6 +436,10 @@ impl HttpContext for Filter {
         let set = abi::remove_header(REQ, "content-length")
             .and_then(|()| abi::set_header(REQ, "x-kvgate-lease", &lease_id.to_string()))
             .and_then(|()| abi::set_header(REQ, "x-kvgate-class", &class))
+            .and_then(|()| match allowance {
+                Some(a) => abi::set_header(REQ, "x-kvgate-reserve-output", &a.to_string()),
+                None => Ok(()),
+            })
             .and_then(|()| {
                 if secret.is_empty() {
                     Ok(())
@@ -461,6 +476,7 @@ impl HttpContext for Filter {
             path: path.clone(),
             lease_id,
             class,
+            allowance,
             body_size: 0,
         });
         Action::Continue

@@ -432,7 +432,11 @@ impl Root {
             .unseen_leases
             .set(rec.unseen.len() as u64);
         self.worker.metrics.unseen_bytes.set(rec.unseen_bytes());
-        let d = drift(&ledger, &report);
+        // Elastic sequences grown past their reservations hold more than the ledger counts:
+        // expected (and held back from admission), not drift.
+        let d = drift(&ledger, &report) + i128::from(rec.grown_bytes);
+        e.grown.set(rec.grown_bytes);
+        self.worker.learn_outputs(&rt.cfg, &report.class_outputs);
         let before = e.health();
         let was_over = before.drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);
         // Edge-triggered: one line when the gap crosses the threshold, not one per poll.

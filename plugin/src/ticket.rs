@@ -81,7 +81,7 @@ impl Ticket {
             preempts: Vec::new(),
             ..self.class.clone()
         };
-        let need = self.priced.price.bytes;
+        let need = self.priced.reserve_bytes();
         let claim_key = self.claim.map(|c| c.key);
         let shadow = rt.cfg.mode == Mode::Shadow;
         let decide = if shadow { gate::shadow } else { gate::decide };
@@ -162,7 +162,7 @@ impl Ticket {
                     "kvgate: rejected ({}) class {} need {} B, committed {} B of {} B at {}, retry after {} ms",
                     err.kind.code(),
                     self.class.name,
-                    self.priced.price.bytes,
+                    self.priced.reserve_bytes(),
                     ledger.committed(),
                     ledger.capacity(),
                     endpoint.name(&rt.cfg),
@@ -188,6 +188,8 @@ impl Ticket {
                 }
                 if degraded_from.is_some() {
                     worker.metrics.degraded.inc();
+                } else if self.priced.elastic.is_some() {
+                    worker.metrics.elastic_admitted.inc();
                 }
                 let new_body = write_cap(&mut self.body.borrow_mut(), cap);
                 let routed = match &endpoint.address {

@@ -3,15 +3,16 @@
 //! Never shared across workers: what all workers must agree on lives in the ledger.
 
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 use std::sync::OnceLock;
 
 use kvgate_core::config::{Config, MAX_GATEWAY_ID};
+use kvgate_core::elastic::OutputLengths;
 use kvgate_core::fleet::{self, View};
 use kvgate_core::queue::AdmissionQueue;
 use kvgate_core::retry::splitmix64;
-use kvgate_core::{ErrorKind, Ledger, Level, TokenCounter};
+use kvgate_core::{ClassPolicy, ErrorKind, Ledger, Level, Reservation, TokenCounter};
 
 use crate::host::{self, Metric};
 use crate::ticket::Ticket;
@@ -97,6 +98,9 @@ pub struct Endpoint {
     health: Cell<BackendHealth>,
     /// Capacity and room as this worker last saw them (stale by at most a tick; the CAS decides).
     pub view: Cell<View>,
+    /// Bytes this gateway's leases hold there beyond their reservations (elastic growth), as
+    /// this worker's last poll saw them.
+    pub grown: Cell<u64>,
     pub metrics: Option<EndpointMetrics>,
 }
 
@@ -116,6 +120,7 @@ impl Endpoint {
             health_key,
             health: Cell::new(BackendHealth::default()),
             view: Cell::new(View::default()),
+            grown: Cell::new(0),
             metrics,
         };
         e.update_view(|_| ());
@@ -260,6 +265,9 @@ pub struct Worker {
     /// This gateway's number (configured, or drawn once per Envoy in shared data).
     gateway: Cell<u16>,
     lease_counter: Cell<u64>,
+    /// Output lengths each class's requests produced, from the backends' reports (elastic
+    /// classes reserve a quantile of them).
+    outputs: RefCell<BTreeMap<String, OutputLengths>>,
 }
 
 impl Worker {
@@ -277,7 +285,55 @@ impl Worker {
             lease_counter: Cell::new(0),
             endpoints: RefCell::new(Vec::new()),
             gateway: Cell::new(0),
+            outputs: RefCell::new(BTreeMap::new()),
         }
+    }
+
+    /// Learn the output lengths of finished requests of the configured classes.
+    pub fn learn_outputs(&self, cfg: &Config, outputs: &[(String, u64)]) {
+        let mut learned = self.outputs.borrow_mut();
+        for (class, tokens) in outputs {
+            if cfg.policy.get(class).is_none() {
+                continue;
+            }
+            learned.entry(class.clone()).or_default().push(*tokens);
+        }
+    }
+
+    /// The output tokens an elastic class reserves per sequence now (before the request's own
+    /// cap clamps it); `None` for a worst-case class, or an elastic one with neither enough
+    /// samples nor a prior.
+    pub fn elastic_allowance(&self, class: &ClassPolicy) -> Option<u64> {
+        let Reservation::Elastic(p) = class.reservation else {
+            return None;
+        };
+        let learned = self.outputs.borrow();
+        Some(p.allowance(learned.get(&class.name), u64::MAX)).filter(|a| *a < u64::MAX)
+    }
+
+    /// What each elastic class reserves now, for `/kvgate/status`.
+    pub fn elastic_status(&self, cfg: &Config) -> serde_json::Value {
+        let learned = self.outputs.borrow();
+        let mut out = serde_json::Map::new();
+        for c in cfg.policy.classes() {
+            let Reservation::Elastic(p) = c.reservation else {
+                continue;
+            };
+            let l = learned.get(&c.name);
+            out.insert(
+                c.name.clone(),
+                serde_json::json!({
+                    "quantile": f64::from(p.quantile_permille) / 1000.0,
+                    "samples": l.map_or(0, OutputLengths::len),
+                    "min_samples": p.min_samples,
+                    "learned_tokens": l.filter(|l| l.len() >= p.min_samples as usize)
+                        .and_then(|l| l.quantile(p.quantile_permille)),
+                    "prior_tokens": p.prior_tokens,
+                    "reserved_output_tokens": self.elastic_allowance(c),
+                }),
+            );
+        }
+        out.into()
     }
 
     pub fn runtime(&self) -> Option<Rc<Runtime>> {
@@ -462,6 +518,8 @@ pub struct Metrics {
     pub drift_bytes: Metric,
     pub backend_refused: Metric,
     pub upstream_mismatch: Metric,
+    pub elastic_admitted: Metric,
+    pub grown_bytes: Metric,
 }
 
 impl Metrics {
@@ -515,6 +573,8 @@ impl Metrics {
             drift_bytes: Metric::gauge("kvgate.drift_bytes"),
             backend_refused: Metric::counter("kvgate.backend_refused"),
             upstream_mismatch: Metric::counter("kvgate.upstream_mismatch"),
+            elastic_admitted: Metric::counter("kvgate.elastic_admitted"),
+            grown_bytes: Metric::gauge("kvgate.grown_bytes"),
         }
     }
 
@@ -563,7 +623,9 @@ impl Metrics {
 
     fn observe_totals(&self, worker: &Worker, level: Level) {
         let mut t = View::default();
+        let mut grown = 0u64;
         for e in worker.endpoints.borrow().iter() {
+            grown = grown.saturating_add(e.grown.get());
             let v = e.view.get();
             t.capacity = t.capacity.saturating_add(v.capacity);
             t.committed = t.committed.saturating_add(v.committed);
@@ -575,6 +637,7 @@ impl Metrics {
         self.level.set(level.as_gauge());
         self.live_leases.set(t.leases);
         self.held_back_bytes.set(t.held_back);
+        self.grown_bytes.set(grown);
     }
 }
 

@@ -152,6 +152,8 @@ fn submit_with(
     let (tx, rx) = unbounded_channel();
     e.admit(Submit {
         lease: Some(id.into()),
+        class: None,
+        reserve_output: None,
         prompt: vec![1; prompt],
         params,
         events: tx,
@@ -457,4 +459,111 @@ fn a_sequence_that_cannot_fit_alone_still_ends_in_error() {
         Some((FinishReason::Error, 0, true))
     );
     assert!(e.waiting.is_empty());
+}
+
+fn submit_elastic(
+    e: &mut Engine<Fake>,
+    id: &str,
+    prompt: usize,
+    max_tokens: u64,
+    reserve_output: u64,
+) -> UnboundedReceiver<Event> {
+    let (tx, rx) = unbounded_channel();
+    e.admit(Submit {
+        lease: Some(id.into()),
+        class: Some("batch".into()),
+        reserve_output: Some(reserve_output),
+        prompt: vec![1; prompt],
+        params: greedy(max_tokens),
+        events: tx,
+    });
+    rx
+}
+
+#[test]
+fn an_elastic_sequence_reserves_its_allowance_and_grows_past_it_from_free_blocks() {
+    // 8 blocks of 16 tokens. Worst case, prompt 10 + cap 100 would take 7 blocks; elastic with
+    // an allowance of 6 output tokens it reserves one (16 tokens).
+    let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
+    let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
+    assert_eq!(e.pool.stats().blocks_free, 7, "one block reserved");
+    e.publish();
+    let l = e.published.lock().unwrap().leases.clone();
+    assert_eq!(l[0].elastic_output_tokens, Some(6));
+    let mut ea = Vec::new();
+    for _ in 0..200 {
+        e.step();
+        ea.extend(events(&mut a));
+    }
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
+    assert_eq!(text(&ea), solo(10, greedy(100)).0);
+    assert_eq!(e.metrics.recompute_preemptions.get(), 0);
+    assert_eq!(e.pool.stats().blocks_free, 8);
+    let done = e.published.lock().unwrap().since(0).1;
+    assert_eq!(
+        done[0].class, "batch",
+        "the class is reported with the output"
+    );
+    e.pool.check().unwrap();
+}
+
+#[test]
+fn a_reservation_takes_borrowed_blocks_back_and_the_elastic_sequence_is_only_delayed() {
+    // In error mode too: borrowed blocks always come back by recompute, never by an error.
+    let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
+    let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
+    let mut ea = Vec::new();
+    // Let A grow to 70 tokens: 5 blocks, 4 of them borrowed; 3 free.
+    while e.running.first().map_or(0, |s| s.used_tokens()) < 70 {
+        e.step();
+        ea.extend(events(&mut a));
+    }
+    assert_eq!(e.pool.stats().blocks_free, 3);
+    // B, worst case (prompt 10 + cap 60 = 70 tokens, 5 blocks): the gateway admitted it, so
+    // the borrowed blocks come back. A keeps its own block and waits to be recomputed.
+    let mut b = submit(&mut e, "b", 10, 60);
+    let eb0 = events(&mut b);
+    assert!(
+        matches!(eb0.first(), Some(Event::Admitted { .. })),
+        "admitted, not refused: {eb0:?}"
+    );
+    assert_eq!(e.metrics.recompute_preemptions.get(), 1);
+    assert_eq!(e.pool.stats().blocks_free, 2, "8 - A's 1 - B's 5");
+    let mut eb = eb0;
+    for _ in 0..400 {
+        e.step();
+        ea.extend(events(&mut a));
+        eb.extend(events(&mut b));
+    }
+    assert_eq!(finished(&eb), Some((FinishReason::Length, 60, false)));
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
+    // Greedy: A's text is exactly what it produces alone, nothing repeated or lost.
+    assert_eq!(text(&ea), solo(10, greedy(100)).0);
+    assert_eq!(e.metrics.kv_oom.get(), 0);
+    assert!(e.metrics.recompute_preemptions.get() >= 1);
+    assert_eq!(e.pool.stats().blocks_free, 8);
+    e.pool.check().unwrap();
+}
+
+#[test]
+fn two_elastic_sequences_outgrowing_the_pool_take_turns_and_both_finish() {
+    // Each reserves one block and wants 7 (10 + 100 tokens): together they cannot fit, so the
+    // younger makes way each time the pool runs dry, and both end with their full output.
+    let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
+    let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
+    let mut b = submit_elastic(&mut e, "b", 12, 100, 4);
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    for _ in 0..1000 {
+        e.step();
+        ea.extend(events(&mut a));
+        eb.extend(events(&mut b));
+    }
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
+    assert_eq!(finished(&eb), Some((FinishReason::Length, 100, false)));
+    assert_eq!(text(&ea), solo(10, greedy(100)).0);
+    assert_eq!(text(&eb), solo(12, greedy(100)).0);
+    assert_eq!(e.metrics.kv_oom.get(), 0);
+    assert!(e.metrics.recompute_preemptions.get() >= 1);
+    assert_eq!(e.pool.stats().blocks_free, 8);
+    e.pool.check().unwrap();
 }
