@@ -116,7 +116,7 @@ down:
 
 # The closed loop: Envoy + filter + the real backend with the real model.
 test-loop: wasm backend-build model setup-venv
-	cd tests && ../$(PY) -m pytest -q test_loop.py test_openai_client.py test_sustained.py test_fleet.py
+	cd tests && ../$(PY) -m pytest -q test_loop.py test_openai_client.py test_sustained.py test_fleet.py test_elastic.py
 
 # Every config that ships: accepted by Envoy with the real filter; compose and Istio files parse.
 test-configs: wasm setup-venv setup-tools

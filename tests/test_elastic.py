@@ -1,0 +1,121 @@
+"""Elastic reservations through the real stack: Envoy with the filter in front of the real backend
+(`--admission reserve`) decoding SmolLM2.
+
+An elastic class reserves prompt + a learned quantile of its outputs (a prior until learned)
+instead of prompt + cap; the backend lends free blocks to a sequence that outgrows that and takes
+them back first (recompute) when a reservation needs them. The tests check what a user relies on:
+more requests share the pool than worst-case pricing lets in, the class learns its outputs from
+the backend's reports, a sequence that outgrows its reservation is delayed and never fails, and
+everything returns to exactly zero.
+"""
+
+import json
+import math
+import threading
+import time
+
+import requests
+
+MODEL = "smollm2-135m-instruct"
+COUNTING = "1, 2, 3, 4,"  # greedy SmolLM2 keeps counting: a generation that runs to max_tokens
+
+
+def elastic_policy(prior=16, min_samples=3):
+    return {"policy": {"default_class": "default", "classes": {"default": {
+        "action": "reject", "reservation": "elastic", "elastic_quantile": 0.9,
+        "elastic_min_samples": min_samples, "elastic_prior_tokens": prior}}}}
+
+
+def drained(gw, b):
+    gw.assert_drained()
+    b.wait_pool_empty()
+
+
+def watch(gw, stop, peak):
+    """The most leases the gateway held at once, sampled until `stop`."""
+    while not stop.is_set():
+        try:
+            s = gw.status()
+            peak["leases"] = max(peak.get("leases", 0), s["leases"])
+            peak["committed"] = max(peak.get("committed", 0), s["committed_bytes"])
+        except (requests.RequestException, KeyError, ValueError):
+            pass
+        time.sleep(0.05)
+
+
+def test_elastic_requests_share_a_pool_worst_case_pricing_would_refuse_and_the_class_learns(stack):
+    # 64 blocks = 1,024 tokens. Each question asks for 400 tokens and stops at its first full
+    # stop: priced at its worst case (~430 tokens) two fit at once; elastic with a prior of 16
+    # output tokens, all eight do.
+    gw, b = stack(64, elastic_policy(), "--admission", "reserve", "--step-delay-ms", "40")
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 400, "stop": ["."],
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    out, stop, peak = [None] * 8, threading.Event(), {}
+    watcher = threading.Thread(target=watch, args=(gw, stop, peak))
+    watcher.start()
+
+    def ask(i):
+        out[i] = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=120)
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=150)
+    stop.set()
+    watcher.join()
+    assert [r.status_code for r in out] == [200] * 8, [r.text for r in out if r.status_code != 200]
+    worst_case_fit = 1024 // (int(out[0].json()["usage"]["prompt_tokens"]) + 400)
+    assert worst_case_fit == 2
+    assert peak["leases"] > worst_case_fit, peak
+    assert peak["committed"] <= gw.status()["capacity_bytes"]
+    assert gw.stats()["kvgate.elastic_admitted"] == 8
+    m = b.metrics()
+    assert m["kvgate_backend_kv_oom_total"] == 0
+    # The class learned the outputs from the backend's reports: the 0.9 quantile of what the
+    # eight produced (each worker polls and learns for itself; the status comes from one).
+    lengths = sorted(r.json()["usage"]["completion_tokens"] for r in out)
+    q90 = lengths[math.ceil(0.9 * len(lengths)) - 1]
+    s = gw.wait_for(lambda s: s["elastic"]["default"]["samples"] >= 8, 10, "eight outputs learned")
+    e = s["elastic"]["default"]
+    assert e["learned_tokens"] == q90, (e, lengths)
+    assert e["reserved_output_tokens"] == q90
+    drained(gw, b)
+
+
+def stream(gw, max_tokens, result):
+    r = requests.post(gw.url + "/v1/completions", stream=True, timeout=180, json={
+        "model": MODEL, "prompt": COUNTING, "max_tokens": max_tokens, "temperature": 0, "stream": True})
+    result["status"] = r.status_code
+    events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
+    result["text"] = "".join(e["choices"][0].get("text", "") for e in events if e.get("choices"))
+    result["finish"] = next((e["choices"][0]["finish_reason"] for e in reversed(events)
+                             if e.get("choices") and e["choices"][0].get("finish_reason")), None)
+
+
+def test_sequences_that_outgrow_their_reservations_are_delayed_and_never_fail(stack):
+    # 32 blocks = 512 tokens. Two streams that count to 300 tokens each reserve ~20 tokens apiece
+    # (the prior), so both are admitted; together they outgrow the pool. The backend takes the
+    # borrowed blocks back from the younger and recomputes it: both end at their cap with exactly
+    # the text each produces alone.
+    gw, b = stack(32, elastic_policy(min_samples=512), "--admission", "reserve")
+    alone = {}
+    stream(gw, 300, alone)
+    assert alone["status"] == 200 and alone["finish"] == "length", alone
+    drained(gw, b)
+    results = [{}, {}]
+    threads = [threading.Thread(target=stream, args=(gw, 300, r)) for r in results]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    s = gw.wait_for(lambda s: s["leases"] == 2, 20, "both admitted at once")
+    assert s["committed_bytes"] < s["capacity_bytes"] // 4, s
+    for t in threads:
+        t.join(timeout=240)
+    for r in results:
+        assert r["status"] == 200 and r["finish"] == "length", r
+        assert r["text"] == alone["text"], "recomputed without a token lost or repeated"
+    m = b.metrics()
+    assert m["kvgate_backend_recompute_preemptions_total"] >= 1
+    assert m["kvgate_backend_kv_oom_total"] == 0
+    assert gw.stats().get("kvgate.rejected.kv_capacity_exceeded", 0) == 0
+    drained(gw, b)
