@@ -19,6 +19,10 @@ Arms (a fresh backend, and gateway where there is one, per arm and round; same p
   reserve  backend --admission reserve alone (prompt + max_tokens held from arrival, 429 else)
   kvgate   Envoy + the filter with the shipped policy (envoy/kvgate-filter.yaml) in front of
            backend --admission reserve
+  elastic  as kvgate, with every class reserving elastically (`reservation: elastic`, the 0.9
+           quantile of the class's learned outputs, a prior of --elastic-prior tokens until 5
+           have finished); the backend lends free blocks past a reservation and takes them back
+           (recompute) when a reservation needs them
   oracle   as kvgate, but every request's max_tokens is its true output length, learned by a
            first greedy pass (temperature 0) against a backend with a large pool
   vllm     backend --admission none --on-kv-exhaustion recompute (only when the built backend
@@ -253,14 +257,18 @@ def drive(url, workload, a, run, caps=None, progress=None):
 
 # ----- the arms ---------------------------------------------------------------------------------
 
-def filter_config(blocks, secret):
+def filter_config(blocks, secret, elastic_prior=None):
     """The shipped filter config (envoy/kvgate-filter.yaml: from_backend, the demo classes and
-    keys) priced against this pool."""
+    keys) priced against this pool; with `elastic_prior`, every class reserves elastically."""
     doc = yaml.safe_load((ROOT / "envoy" / "kvgate-filter.yaml").read_text())
     cfg = json.loads(doc["resources"][0]["typed_config"]["config"]["configuration"]["value"])
     cfg["kv_budget_bytes"] = blocks * BLOCK_BYTES
     cfg["scratch_margin_bytes"] = BLOCK_BYTES
     cfg["backend"] = {**cfg["backend"], "secret": secret}
+    if elastic_prior is not None:
+        for c in cfg["policy"]["classes"].values():
+            c.update({"reservation": "elastic", "elastic_quantile": 0.9, "elastic_min_samples": 5,
+                      "elastic_prior_tokens": elastic_prior})
     return cfg
 
 
@@ -297,12 +305,14 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
     flags = ["--kv-cache-bytes", a.blocks * BLOCK_BYTES, "--step-delay-ms", a.step_delay_ms]
     flags += {"none": ["--admission", "none"], "reserve": ["--admission", "reserve"],
               "kvgate": ["--admission", "reserve"], "oracle": ["--admission", "reserve"],
+              "elastic": ["--admission", "reserve"],
               "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm]
     b = Backend(d, *flags).start(timeout=120)
     gw = None
     try:
-        if arm in ("kvgate", "oracle"):
-            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret)).start()
+        if arm in ("kvgate", "oracle", "elastic"):
+            prior = a.elastic_prior if arm == "elastic" else None
+            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior)).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
         url = gw.url if gw else b.url
@@ -449,7 +459,9 @@ def main():
     p.add_argument("--max-tries", type=int)
     p.add_argument("--give-up-s", type=float)
     p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--arms", default="none,reserve,kvgate,oracle,vllm")
+    p.add_argument("--arms", default="none,reserve,kvgate,elastic,oracle,vllm")
+    p.add_argument("--elastic-prior", type=int, default=64,
+                   help="output tokens an elastic class reserves until it has learned its outputs")
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
     p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     a = p.parse_args()
