@@ -339,3 +339,68 @@ fn lease_ids_carry_the_gateway_id() {
         vm.finish(s);
     }
 }
+
+#[test]
+fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backend() {
+    let policy = json!({"classes": {"default": {"reservation": "elastic",
+        "elastic_min_samples": 2, "elastic_prior_tokens": 10}}});
+    let mut cfg = fleet(&[A], json!({}));
+    cfg["policy"] = policy;
+    let mut vm = start(10_000, cfg);
+    // The prior: 200 prompt + 10 output tokens reserved, the cap of 1,000 kept in the body.
+    let (s, a) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
+    assert_eq!(a, Action::Continue);
+    assert_eq!(
+        Vm::request_header(s, "x-kvgate-reserve-output").as_deref(),
+        Some("10")
+    );
+    let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
+    assert_eq!(forwarded["max_tokens"], 1_000);
+    assert_eq!(
+        ledger_at(A).lease(lease_of(s)).unwrap().bytes,
+        210 * PER_TOKEN
+    );
+    assert_eq!(Vm::metric("kvgate.elastic_admitted"), 1);
+    vm.respond_from(s, 200, A);
+    vm.finish(s);
+
+    // The backend reports two outputs of the class (and one cut short, which says nothing).
+    poll_round(&vm, |_| {
+        let doc = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
+            "leases": [], "cursor": 3, "finished": [
+                {"cursor": 1, "id": "1", "reason": "stop", "completion_tokens": 30, "class": "default"},
+                {"cursor": 2, "id": "2", "reason": "length", "completion_tokens": 50, "class": "default"},
+                {"cursor": 3, "id": "3", "reason": "cancelled", "completion_tokens": 900, "class": "default"}]});
+        (200, doc.to_string().into_bytes())
+    });
+    let st = vm.open("GET", "/kvgate/status", &[], b"");
+    vm.request_headers(st, true);
+    let e = Vm::replies(st)[0].json()["elastic"]["default"].clone();
+    assert_eq!(
+        (e["samples"].clone(), e["learned_tokens"].clone()),
+        (json!(2), json!(50))
+    );
+
+    // Learned: the 0.9 quantile of {30, 50}.
+    let (s, _) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
+    assert_eq!(
+        Vm::request_header(s, "x-kvgate-reserve-output").as_deref(),
+        Some("50")
+    );
+    assert_eq!(
+        ledger_at(A).lease(lease_of(s)).unwrap().bytes,
+        250 * PER_TOKEN
+    );
+    // A cap below the allowance reserves the cap: the worst case, not elastic.
+    let (s2, _) = vm.post("/v1/completions", &[], &completion(200, Some(20)));
+    assert_eq!(
+        ledger_at(A).lease(lease_of(s2)).unwrap().bytes,
+        220 * PER_TOKEN
+    );
+    assert_eq!(Vm::metric("kvgate.elastic_admitted"), 2);
+    for s in [s, s2] {
+        vm.respond_from(s, 200, A);
+        vm.finish(s);
+    }
+    assert_eq!(ledger_at(A).committed(), 0);
+}
