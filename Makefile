@@ -176,6 +176,13 @@ bench-admission: wasm backend-build model setup-venv
 bench-retry-after: wasm backend-build model setup-venv
 	$(PY) bench/retry_after_bench.py $(ARGS)
 
+# Admission strategies in a discrete-event simulator (issue 11): kvgate-core's own ledger and
+# policy against a modelled backend, at scales the live bench cannot run (seconds, one core).
+# Defaults: the CPU preset, the live bench's mix; ARGS="--preset gpu --context 32768 ..." etc.
+.PHONY: bench-sim
+bench-sim:
+	cargo run --release -p kvgate-core --example sim -- $(ARGS)
+
 # Criterion: token counting and one ledger transition.
 bench-core:
 	cargo bench -p kvgate-core --bench core
