@@ -26,6 +26,13 @@ def elastic_policy(prior=16, min_samples=3):
         "elastic_min_samples": min_samples, "elastic_prior_tokens": prior}}}}
 
 
+def active(gw):
+    """Elastic pricing starts once the backend has reported `--admission reserve` to every worker
+    (each polls for itself; a few polls of 200 ms)."""
+    gw.wait_for(lambda s: s["elastic"]["default"]["active"], 10, "the backend known to lend")
+    time.sleep(1.0)
+
+
 def drained(gw, b):
     gw.assert_drained()
     b.wait_pool_empty()
@@ -48,6 +55,7 @@ def test_elastic_requests_share_a_pool_worst_case_pricing_would_refuse_and_the_c
     # stop: priced at its worst case (~430 tokens) two fit at once; elastic with a prior of 16
     # output tokens, all eight do.
     gw, b = stack(64, elastic_policy(), "--admission", "reserve", "--step-delay-ms", "40")
+    active(gw)
     body = {"model": MODEL, "temperature": 0, "max_tokens": 400, "stop": ["."],
             "messages": [{"role": "user", "content": "What is the capital of France?"}]}
     out, stop, peak = [None] * 8, threading.Event(), {}
@@ -98,6 +106,7 @@ def test_sequences_that_outgrow_their_reservations_are_delayed_and_never_fail(st
     # borrowed blocks back from the younger and recomputes it: both end at their cap with exactly
     # the text each produces alone.
     gw, b = stack(32, elastic_policy(min_samples=512), "--admission", "reserve")
+    active(gw)
     alone = {}
     stream(gw, 300, alone)
     assert alone["status"] == 200 and alone["finish"] == "length", alone
@@ -118,4 +127,19 @@ def test_sequences_that_outgrow_their_reservations_are_delayed_and_never_fail(st
     assert m["kvgate_backend_recompute_preemptions_total"] >= 1
     assert m["kvgate_backend_kv_oom_total"] == 0
     assert gw.stats().get("kvgate.rejected.kv_capacity_exceeded", 0) == 0
+    drained(gw, b)
+
+
+def test_elastic_classes_stay_at_the_worst_case_in_front_of_a_backend_that_does_not_reserve(stack):
+    # A backend that does not reserve (--admission none) cannot lend and reclaim: an elastic
+    # class there would let it run out of KV mid-decode, so the filter prices the worst case.
+    gw, b = stack(64, elastic_policy(), "--admission", "none")
+    gw.wait_for(lambda s: s.get("backend", {}).get("polled"), 10, "the backend polled")
+    time.sleep(1.0)
+    e = gw.status()["elastic"]["default"]
+    assert e["active"] is False and e["reserved_output_tokens"] is None, e
+    r = requests.post(gw.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 400, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert gw.stats().get("kvgate.elastic_admitted", 0) == 0
     drained(gw, b)

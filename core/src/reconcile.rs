@@ -38,6 +38,8 @@ pub struct BackendReport {
     pub finished_outputs: Vec<u64>,
     /// The same outputs with the class the gateway named for them (those that had one).
     pub class_outputs: Vec<(String, u64)>,
+    /// The backend's admission mode (`reserve`, `none`; empty from an older backend).
+    pub admission: String,
 }
 
 /// One request the backend holds now.
@@ -240,6 +242,7 @@ impl From<&LeaseReport> for BackendReport {
                 })
                 .map(|f| f.completion_tokens)
                 .collect(),
+            admission: r.admission.clone(),
             class_outputs: r
                 .finished
                 .iter()

@@ -436,6 +436,7 @@ impl Root {
         // expected (and held back from admission), not drift.
         let d = drift(&ledger, &report) + i128::from(rec.grown_bytes);
         e.grown.set(rec.grown_bytes);
+        e.lends.set(report.admission == "reserve");
         self.worker.learn_outputs(&rt.cfg, &report.class_outputs);
         let before = e.health();
         let was_over = before.drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);

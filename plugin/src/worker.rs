@@ -101,6 +101,10 @@ pub struct Endpoint {
     /// Bytes this gateway's leases hold there beyond their reservations (elastic growth), as
     /// this worker's last poll saw them.
     pub grown: Cell<u64>,
+    /// Its last report said `--admission reserve`: it reserves what the gateway tells it and
+    /// lends and reclaims past elastic reservations. Elastic classes apply only while every
+    /// endpoint does.
+    pub lends: Cell<bool>,
     pub metrics: Option<EndpointMetrics>,
 }
 
@@ -121,6 +125,7 @@ impl Endpoint {
             health: Cell::new(BackendHealth::default()),
             view: Cell::new(View::default()),
             grown: Cell::new(0),
+            lends: Cell::new(false),
             metrics,
         };
         e.update_view(|_| ());
@@ -307,6 +312,11 @@ impl Worker {
         let Reservation::Elastic(p) = class.reservation else {
             return None;
         };
+        // Only a backend that reserves what it is told, and lends and reclaims past it, keeps
+        // the guarantee; until every endpoint has said so, the worst case.
+        if !self.endpoints.borrow().iter().all(|e| e.lends.get()) {
+            return None;
+        }
         let learned = self.outputs.borrow();
         Some(p.allowance(learned.get(&class.name), u64::MAX)).filter(|a| *a < u64::MAX)
     }
@@ -329,6 +339,9 @@ impl Worker {
                     "learned_tokens": l.filter(|l| l.len() >= p.min_samples as usize)
                         .and_then(|l| l.quantile(p.quantile_permille)),
                     "prior_tokens": p.prior_tokens,
+                    // False until every endpoint has reported `--admission reserve`: until
+                    // then the class is priced at its worst case.
+                    "active": self.endpoints.borrow().iter().all(|e| e.lends.get()),
                     "reserved_output_tokens": self.elastic_allowance(c),
                 }),
             );

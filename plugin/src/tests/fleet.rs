@@ -347,6 +347,18 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     let mut cfg = fleet(&[A], json!({}));
     cfg["policy"] = policy;
     let mut vm = start(10_000, cfg);
+    // Until the backend has said it reserves what it is told (and lends past it): worst case.
+    let (s, _) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
+    assert_eq!(Vm::request_header(s, "x-kvgate-reserve-output"), None);
+    assert_eq!(
+        ledger_at(A).lease(lease_of(s)).unwrap().bytes,
+        1_200 * PER_TOKEN
+    );
+    vm.respond_from(s, 200, A);
+    vm.finish(s);
+    let reserving = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
+        "admission": "reserve", "leases": [], "finished": [], "cursor": 0});
+    poll_round(&vm, |_| (200, reserving.to_string().into_bytes()));
     // The prior: 200 prompt + 10 output tokens reserved, the cap of 1,000 kept in the body.
     let (s, a) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
     assert_eq!(a, Action::Continue);
@@ -367,7 +379,7 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     // The backend reports two outputs of the class (and one cut short, which says nothing).
     poll_round(&vm, |_| {
         let doc = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
-            "leases": [], "cursor": 3, "finished": [
+            "admission": "reserve", "leases": [], "cursor": 3, "finished": [
                 {"cursor": 1, "id": "1", "reason": "stop", "completion_tokens": 30, "class": "default"},
                 {"cursor": 2, "id": "2", "reason": "length", "completion_tokens": 50, "class": "default"},
                 {"cursor": 3, "id": "3", "reason": "cancelled", "completion_tokens": 900, "class": "default"}]});
