@@ -160,7 +160,86 @@ impl Progress {
         let remaining = total.saturating_sub(done) as f64 / self.tokens_per_s * 1000.0;
         Some(now_ms.saturating_add(remaining as u64))
     }
+
+    /// Expected ends of several live leases taken together, in `entries`' order (`None` without
+    /// a decode rate). One expected end per lease overshoots when several may each end early —
+    /// three just-started answers, each a short one or a long run: the first of them to end is
+    /// usually a short one — so the ends are sampled jointly: in each of [`JOINT_SAMPLES`]
+    /// draws every lease's total length is drawn from the finished outputs longer than what it
+    /// has produced (or uniformly up to its cap when none was), and the k-th earliest lease is
+    /// expected to end at the median, over the draws, of the k-th earliest end. Leases are
+    /// ranked by their own [`Progress::eta_ms`]. Deterministic (a fixed-seed generator over the
+    /// lease ids), so a CAS retry computes the same.
+    pub fn joint_etas(&self, entries: &[&LiveEntry], now_ms: u64) -> Option<Vec<u64>> {
+        if !(self.tokens_per_s.is_finite() && self.tokens_per_s > 0.0) {
+            return None;
+        }
+        let n = entries.len();
+        let mut seed = entries.iter().fold(0x6b76_6761_7465_u64, |h, e| {
+            crate::retry::splitmix64(h ^ e.id.unwrap_or(0))
+        });
+        let mut kth: Vec<Vec<u64>> = vec![Vec::with_capacity(JOINT_SAMPLES); n];
+        let mut ends = Vec::with_capacity(n);
+        for _ in 0..JOINT_SAMPLES {
+            ends.clear();
+            for e in entries {
+                seed = crate::retry::splitmix64(seed);
+                ends.push(self.sampled_remaining_ms(e, seed));
+            }
+            ends.sort_unstable();
+            for (k, t) in ends.iter().enumerate() {
+                if let Some(v) = kth.get_mut(k) {
+                    v.push(*t);
+                }
+            }
+        }
+        let medians: Vec<u64> = kth
+            .iter_mut()
+            .map(|v| {
+                v.sort_unstable();
+                v.get(v.len() / 2).copied().unwrap_or(0)
+            })
+            .collect();
+        let solo: Vec<u64> = entries
+            .iter()
+            .map(|e| self.eta_ms(e, now_ms).unwrap_or(u64::MAX))
+            .collect();
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&i| (solo.get(i).copied().unwrap_or(u64::MAX), i));
+        let mut out = vec![now_ms; n];
+        for (rank, i) in order.into_iter().enumerate() {
+            if let (Some(slot), Some(m)) = (out.get_mut(i), medians.get(rank)) {
+                *slot = now_ms.saturating_add(*m);
+            }
+        }
+        Some(out)
+    }
+
+    /// One draw of the time `e` still runs, from the 64 random bits `r`.
+    fn sampled_remaining_ms(&self, e: &LiveEntry, r: u64) -> u64 {
+        let done = e.generated();
+        let cap = e.max_tokens.max(done.saturating_add(1));
+        let longer = self
+            .outputs
+            .get(self.outputs.partition_point(|o| *o <= done)..)
+            .unwrap_or(&[]);
+        let u = (r >> 11) as f64 / (1u64 << 53) as f64;
+        let total = match longer.len() {
+            0 => done
+                .saturating_add(1)
+                .saturating_add((u * cap.saturating_sub(done) as f64) as u64),
+            len => {
+                let i = ((u * len as f64) as usize).min(len.saturating_sub(1));
+                longer.get(i).copied().unwrap_or(cap)
+            }
+        }
+        .min(cap);
+        (total.saturating_sub(done) as f64 / self.tokens_per_s * 1000.0) as u64
+    }
 }
+
+/// Draws of every lease's remaining length behind [`Progress::joint_etas`].
+pub const JOINT_SAMPLES: usize = 63;
 
 impl BackendReport {
     /// Does this backend serve the model priced with `spec` (named `model`)? The KV shape and
@@ -313,13 +392,22 @@ pub fn reconcile(
         .filter(|l| !live.contains(&l.id) && l.created_ms.saturating_add(grace_ms) <= now_ms)
         .cloned()
         .collect();
+    let own: Vec<&LiveEntry> = report
+        .entries
+        .iter()
+        .filter(|e| e.id.is_some_and(|id| ledger.lease(id).is_some()))
+        .collect();
+    if let Some(etas) = progress.and_then(|p| p.joint_etas(&own, now_ms)) {
+        for (e, eta) in own.iter().zip(etas) {
+            if let Some(id) = e.id {
+                ledger.set_eta(id, eta);
+            }
+        }
+    }
     let mut gateways = std::collections::BTreeSet::new();
     for e in &report.entries {
         match e.id.filter(|id| ledger.lease(*id).is_some()) {
             Some(id) => {
-                if let Some(eta) = progress.and_then(|p| p.eta_ms(e, now_ms)) {
-                    ledger.set_eta(id, eta);
-                }
                 let reserved = ledger.lease(id).map_or(0, |l| l.bytes);
                 out.grown_bytes = out
                     .grown_bytes
@@ -508,6 +596,39 @@ mod tests {
     }
 
     #[test]
+    fn several_leases_that_may_each_stop_early_are_expected_to_end_jointly() {
+        // Three answers just started; finished outputs are short (10) or long (300) runs.
+        let p = Progress {
+            tokens_per_s: 10.0,
+            outputs: vec![10, 10, 10, 300, 300, 300],
+        };
+        let started = |id| LiveEntry {
+            id: Some(id),
+            bytes: 100,
+            running: true,
+            prompt_tokens: 20,
+            max_tokens: 1000,
+            used_tokens: 21,
+        };
+        let entries = [started(1), started(2), started(3)];
+        // Alone, each is expected at the median of all outputs: a long run, 29.9 s.
+        assert_eq!(p.eta_ms(&entries[0], 0), Some(29_900));
+        // Together: the first to end is a short one (all three long: 1 in 8), the last a long one.
+        let refs: Vec<&LiveEntry> = entries.iter().collect();
+        let mut etas = p.joint_etas(&refs, 0).unwrap();
+        etas.sort_unstable();
+        assert_eq!(etas[0], 900);
+        assert_eq!(etas[2], 29_900);
+        assert_eq!(
+            p.joint_etas(&refs, 0).unwrap(),
+            p.joint_etas(&refs, 0).unwrap()
+        );
+        // One lease alone: the joint draw agrees with its own short-or-long median.
+        let one = p.joint_etas(&refs[..1], 0).unwrap()[0];
+        assert!(one == 900 || one == 29_900, "{one}");
+    }
+
+    #[test]
     fn progress_sets_each_leases_expected_end() {
         let mut l = Ledger::new(10_000, 1);
         admit(&mut l, 1, 100, 0);
@@ -535,17 +656,20 @@ mod tests {
             ],
             ..Default::default()
         };
-        reconcile(&mut l, &report, 1_000, 5_000, Some(&p), 0);
+        let eta = |i: usize| p.eta_ms(&report.entries[i], 1_000).unwrap();
         // 1: past the short answers: a long one, 50 (the median of 50, 50, 60): 35 more at 10/s.
-        assert_eq!(l.lease(1).unwrap().eta_ms, 1_000 + 3_500);
+        assert_eq!(eta(0), 1_000 + 3_500);
         // 2: past every finished output: half of the 20 its cap still allows.
-        assert_eq!(l.lease(2).unwrap().eta_ms, 1_000 + 1_000);
+        assert_eq!(eta(1), 1_000 + 1_000);
         // 3: its cap (30) comes before the median (50).
-        assert_eq!(l.lease(3).unwrap().eta_ms, 1_000 + 3_000);
-        admit(&mut l, 4, 100, 0);
-        reconcile(&mut l, &report, 1_000, 5_000, Some(&p), 0);
+        assert_eq!(eta(2), 1_000 + 3_000);
         // 4: 5 tokens in: the median of all six outputs (50): 45 more.
-        assert_eq!(l.lease(4).unwrap().eta_ms, 1_000 + 4_500);
+        assert_eq!(eta(3), 1_000 + 4_500);
+        // Reconciled, each of the ledger's leases gets an expected end (taken jointly).
+        reconcile(&mut l, &report, 1_000, 5_000, Some(&p), 0);
+        for id in 1..=3 {
+            assert!(l.lease(id).unwrap().eta_ms > 1_000);
+        }
         // No rate known: nothing set.
         let mut fresh = Ledger::new(10_000, 1);
         admit(&mut fresh, 1, 100, 0);
