@@ -95,9 +95,10 @@ pub struct EngineConfig {
 struct Seq<K> {
     id: String,
     class: Option<String>,
-    /// Tokens its reservation covers: it holds at least these blocks from admission to end.
-    /// Blocks beyond are borrowed (elastic growth).
+    /// Tokens its reservation covers: it holds at least `promised_blocks` from admission to
+    /// end. Blocks beyond are borrowed (elastic growth).
     promised: u64,
+    promised_blocks: u32,
     /// Elastic: its reservation is below prompt + cap.
     elastic: bool,
     prompt: Vec<u32>,
@@ -134,9 +135,10 @@ impl<K: KvState> Seq<K> {
         self.prompt.len() + self.generated.len()
     }
 
-    /// Holds blocks beyond its reservation.
+    /// Holds blocks beyond its reservation (counted in blocks: the reservation's last block may
+    /// be partly empty and is still its own).
     fn overgrown(&self) -> bool {
-        self.elastic && self.alloc.tokens() > self.promised
+        self.elastic && self.alloc.blocks() > self.promised_blocks
     }
 }
 
@@ -299,6 +301,7 @@ impl<M: Forward> Engine<M> {
             id,
             class: s.class,
             promised: reserve_tokens,
+            promised_blocks: blocks,
             elastic,
             sampler: Sampler::new(s.params.temperature, s.params.top_p, s.params.seed),
             text: TextStream::new(&s.params.stop),
@@ -318,6 +321,7 @@ impl<M: Forward> Engine<M> {
     /// `blocks` are free or none is borrowed.
     fn reclaim_borrowed(&mut self, blocks: u32) {
         while self.pool.stats().blocks_free < blocks {
+            let free_before = self.pool.stats().blocks_free;
             let running = self
                 .running
                 .iter()
@@ -338,6 +342,10 @@ impl<M: Forward> Engine<M> {
                 }
                 (None, Some(w)) => w.alloc.shrink_to_tokens(w.promised),
                 (None, None) => return,
+            }
+            // Each step gives back at least one block; never spin if one did not.
+            if self.pool.stats().blocks_free <= free_before {
+                return;
             }
         }
     }

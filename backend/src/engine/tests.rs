@@ -567,3 +567,25 @@ fn two_elastic_sequences_outgrowing_the_pool_take_turns_and_both_finish() {
     assert_eq!(e.pool.stats().blocks_free, 8);
     e.pool.check().unwrap();
 }
+
+#[test]
+fn a_reservation_that_ends_inside_a_block_is_not_borrowing() {
+    // Prompt 10 + 3 output tokens: 13 tokens in one 16-token block, all of it its own.
+    let mut e = engine(2, Admission::Reserve, usize::MAX, 8);
+    let mut a = submit_elastic(&mut e, "a", 10, 20, 3);
+    assert!(!e.waiting[0].overgrown());
+    // B needs both blocks: nothing is borrowed, so nothing is taken back and B is refused.
+    let mut b = submit(&mut e, "b", 10, 20);
+    assert!(matches!(events(&mut b).first(), Some(Event::Rejected(_))));
+    assert_eq!(e.waiting[0].alloc.blocks(), 1, "A keeps its reservation");
+    assert_eq!(e.metrics.recompute_preemptions.get(), 0);
+    let mut ea = Vec::new();
+    for _ in 0..400 {
+        e.step();
+        ea.extend(events(&mut a));
+    }
+    // A grows into the free block and ends at its cap.
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 20, false)));
+    assert_eq!(e.pool.stats().blocks_free, 2);
+    e.pool.check().unwrap();
+}
