@@ -28,10 +28,13 @@ fn main() {
     let tok = Tokenizer::from_gguf(&ct).unwrap();
     let ours = Llama::from_gguf(&ct, &mut f, cfg, &dev).unwrap();
     let question = "Explain in detail how a key-value cache speeds up transformer decoding, and why its memory grows with every generated token. Give a worked example with numbers for a small model, then discuss what a server should do when many users send long prompts with large max_tokens at the same time.";
-    let prompt = tok.counter.encode_chat(&[ChatMessage {
-        role: "user".into(),
-        content: question.into(),
-    }]);
+    let prompt = tok
+        .counter
+        .encode_chat(&[ChatMessage {
+            role: "user".into(),
+            content: question.into(),
+        }])
+        .unwrap();
 
     // Reference: candle-transformers with every weight dequantized to f32.
     std::env::set_var("CANDLE_DEQUANTIZE_ALL", "1");

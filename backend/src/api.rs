@@ -24,6 +24,7 @@ use crate::engine::Admission;
 use crate::handle::{EngineHandle, Event, GenParams, Submit};
 use crate::published::Published;
 use crate::tokenizer::Tokenizer;
+use kvgate_core::tokenize::ChatTemplate;
 use kvgate_core::wire::{FinishReason, LeaseReport, LimitsReport, ModelReport, TokenizerReport};
 
 pub struct AppState {
@@ -151,7 +152,16 @@ async fn leases(
         kind: "tiktoken_bpe".into(),
         pattern: st.tok.bpe.pattern.clone(),
         special_tokens: st.tok.bpe.special_tokens.iter().cloned().collect(),
-        chat_template: "chatml".into(),
+        chat_template: st.tok.bpe.chat_template.wire().to_string(),
+        bos_token: match &st.tok.bpe.chat_template {
+            ChatTemplate::Jinja { bos_token, .. } => bos_token.clone(),
+            ChatTemplate::ChatMl => String::new(),
+        },
+        eos_token: match &st.tok.bpe.chat_template {
+            ChatTemplate::Jinja { eos_token, .. } => eos_token.clone(),
+            ChatTemplate::ChatMl => String::new(),
+        },
+        add_bos: st.tok.bpe.add_bos,
         ranks: (q.include.as_deref() == Some("tokenizer")).then(|| st.tok.bpe.to_tiktoken()),
     };
     Ok(Json(LeaseReport {
@@ -230,13 +240,18 @@ fn validate(st: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Validated,
     // The same checks the gateway runs before reserving (kvgate-core's validator).
     let sampling = kvgate_core::validate(&req, &obj, &st.served())?;
     let prompt: Vec<u32> = match &req.input {
-        Input::Chat(messages) => st.tok.counter.encode_chat(messages),
+        Input::Chat(messages) => st.tok.counter.encode_chat(messages).map_err(|e| {
+            ApiError::invalid(
+                "messages",
+                format!("The model's chat template refused the messages: {e}"),
+            )
+        })?,
         Input::Prompts(_) => match obj.get("prompt") {
-            Some(Value::String(s)) => st.tok.counter.encode_text(s),
+            Some(Value::String(s)) => st.tok.counter.encode_prompt(s),
             Some(Value::Array(a)) if a.first().is_some_and(Value::is_string) => st
                 .tok
                 .counter
-                .encode_text(a.first().and_then(Value::as_str).unwrap_or("")),
+                .encode_prompt(a.first().and_then(Value::as_str).unwrap_or("")),
             Some(Value::Array(a)) => {
                 let flat = match a.first() {
                     Some(Value::Array(inner)) => inner,

@@ -124,6 +124,7 @@ pub fn tokenizer(vocab: usize) -> Result<Tokenizer> {
         ranks,
         pattern: GPT2_STYLE_PATTERN.to_string(),
         special_tokens,
+        ..CustomBpe::default()
     };
     let counter = TokenCounter::new(&TokenizerSpec::Custom(bpe.clone()))?;
     Ok(Tokenizer {

@@ -2,22 +2,90 @@
 //! kvgate-core, so the filter and the backend count with the same code), an incremental
 //! detokenizer for streaming, and stop-string hold-back (`TextStream`).
 
-use anyhow::{Context as _, Result};
+use anyhow::{bail, Context as _, Result};
 use candle_core::quantized::gguf_file;
-use kvgate_core::tokenize::{CustomBpe, GPT2_STYLE_PATTERN, IM_END};
+use kvgate_core::tokenize::{ChatTemplate, CustomBpe, GPT2_STYLE_PATTERN};
 use kvgate_core::{TokenCounter, TokenizerSpec};
+
+/// Llama 3's pre-tokenizer (llama.cpp `LLAMA_VOCAB_PRE_TYPE_LLAMA3`; the `(?i:…)` contractions of
+/// its tokenizer.json spelled out, as llama.cpp does): digits in groups of up to three.
+pub const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// Qwen2's pre-tokenizer (llama.cpp `LLAMA_VOCAB_PRE_TYPE_QWEN2`): Llama 3's with single digits.
+pub const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// GPT-2's own pre-tokenizer (llama.cpp `LLAMA_VOCAB_PRE_TYPE_GPT2`): runs of digits together.
+pub const GPT2_PATTERN: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// The `tokenizer.ggml.pre` values served, and their patterns.
+pub const PRE_TOKENIZERS: &[(&str, &str)] = &[
+    ("llama-bpe", LLAMA3_PATTERN),
+    ("llama3", LLAMA3_PATTERN),
+    ("qwen2", QWEN2_PATTERN),
+    ("smollm", GPT2_STYLE_PATTERN),
+    ("default", GPT2_STYLE_PATTERN),
+    ("gpt2", GPT2_PATTERN),
+    ("gpt-2", GPT2_PATTERN),
+];
+
+/// The pre-tokenizer pattern of a GGUF's `tokenizer.ggml.pre` (absent: `default`).
+pub fn pre_tokenizer_pattern(pre: Option<&str>) -> Result<&'static str> {
+    let pre = pre.unwrap_or("default");
+    match PRE_TOKENIZERS.iter().find(|(name, _)| *name == pre) {
+        Some((_, pattern)) => Ok(pattern),
+        None => bail!(
+            "GGUF metadata tokenizer.ggml.pre = {pre:?} is not supported: kvgate-backend serves the \
+             BPE pre-tokenizers {}",
+            PRE_TOKENIZERS
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// End-of-turn special tokens that stop generation when the vocabulary has them as control tokens.
+pub const END_OF_TURN: &[&str] = &[
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+];
 
 pub struct Tokenizer {
     pub counter: TokenCounter,
     pub bpe: CustomBpe,
-    /// Ids that end generation: EOS and ChatML's end of turn.
+    /// Ids that end generation: EOS, EOT and EOM from the metadata, and the vocabulary's
+    /// end-of-turn control tokens.
     pub stop_ids: Vec<u32>,
     /// Number of token ids the model knows.
     pub vocab: u64,
 }
 
+fn md_u32(ct: &gguf_file::Content, key: &str) -> Option<u32> {
+    ct.metadata.get(key).and_then(|v| v.to_u32().ok())
+}
+
+fn md_string(ct: &gguf_file::Content, key: &str) -> Option<String> {
+    ct.metadata
+        .get(key)
+        .and_then(|v| v.to_string().ok())
+        .cloned()
+}
+
 impl Tokenizer {
+    /// The tokenizer a GGUF describes. Refused (with the key, the value and what is served): a
+    /// tokenizer model other than `gpt2` (byte-level BPE), or an unknown pre-tokenizer.
     pub fn from_gguf(ct: &gguf_file::Content) -> Result<Tokenizer> {
+        let model = md_string(ct, "tokenizer.ggml.model").unwrap_or_else(|| "gpt2".into());
+        if model != "gpt2" {
+            bail!(
+                "GGUF metadata tokenizer.ggml.model = {model:?} is not supported: kvgate-backend \
+                 serves byte-level BPE tokenizers (\"gpt2\") only, not SentencePiece (\"llama\") or others"
+            );
+        }
+        let pattern = pre_tokenizer_pattern(md_string(ct, "tokenizer.ggml.pre").as_deref())?;
         let tokens: Vec<String> = ct
             .metadata
             .get("tokenizer.ggml.tokens")
@@ -34,17 +102,45 @@ impl Tokenizer {
                 .collect::<candle_core::Result<_>>()?,
             None => Vec::new(),
         };
-        let bpe = CustomBpe::from_gpt2_vocab(&tokens, &types, GPT2_STYLE_PATTERN)?;
+        let mut bpe = CustomBpe::from_gpt2_vocab(&tokens, &types, pattern)?;
+        let token = |id: Option<u32>| {
+            id.and_then(|i| tokens.get(i as usize))
+                .cloned()
+                .unwrap_or_default()
+        };
+        let bos = md_u32(ct, "tokenizer.ggml.bos_token_id");
+        let eos = md_u32(ct, "tokenizer.ggml.eos_token_id");
+        let add_bos = ct
+            .metadata
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok())
+            .unwrap_or(false);
+        if add_bos {
+            bpe.add_bos = Some(bos.context(
+                "GGUF metadata tokenizer.ggml.add_bos_token is true but tokenizer.ggml.bos_token_id is missing",
+            )?);
+        }
+        if let Some(source) = md_string(ct, "tokenizer.chat_template") {
+            bpe.chat_template = ChatTemplate::Jinja {
+                source,
+                bos_token: token(bos),
+                eos_token: token(eos),
+            };
+        }
         let counter = TokenCounter::new(&TokenizerSpec::Custom(bpe.clone()))?;
         let mut stop_ids = Vec::new();
-        if let Some(eos) = ct
-            .metadata
-            .get("tokenizer.ggml.eos_token_id")
-            .and_then(|v| v.to_u32().ok())
-        {
-            stop_ids.push(eos);
-        }
-        if let Some(id) = counter.special_id(IM_END) {
+        let metadata_ids = [
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ]
+        .into_iter()
+        .filter_map(|k| md_u32(ct, k));
+        let end_of_turn = END_OF_TURN
+            .iter()
+            .filter_map(|s| counter.special_id(s))
+            .filter(|id| types.get(*id as usize) == Some(&3));
+        for id in metadata_ids.chain(end_of_turn) {
             if !stop_ids.contains(&id) {
                 stop_ids.push(id);
             }
@@ -164,6 +260,163 @@ fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gguf_file::Value;
+    use kvgate_core::request::ChatMessage;
+
+    /// GGUF metadata of a small byte-level BPE: specials first (control tokens), then the printable
+    /// ASCII bytes, then a few merges.
+    fn gguf(extra: &[(&str, Value)]) -> gguf_file::Content {
+        let mut tokens: Vec<String> = [
+            "<|begin_of_text|>",
+            "<|eot_id|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eom_id|>",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let mut types = vec![3i32; tokens.len()];
+        // "Ġ" is the space byte and "Ċ" the newline in GPT-2's byte-level alphabet.
+        for t in (b'!'..=b'~').map(|b| (b as char).to_string()).chain(
+            [
+                "Ġ", "Ċ", "ĊĊ", "12", "123", "he", "ll", "hell", "hello", "Ġhello",
+            ]
+            .iter()
+            .map(|s| s.to_string()),
+        ) {
+            tokens.push(t);
+            types.push(1);
+        }
+        let mut md: std::collections::HashMap<String, Value> = [
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre", Value::String("llama-bpe".into())),
+            (
+                "tokenizer.ggml.tokens",
+                Value::Array(tokens.into_iter().map(Value::String).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type",
+                Value::Array(types.into_iter().map(Value::I32).collect()),
+            ),
+            ("tokenizer.ggml.bos_token_id", Value::U32(0)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        for (k, v) in extra {
+            md.insert(k.to_string(), v.clone());
+        }
+        gguf_file::Content {
+            magic: gguf_file::VersionedMagic::GgufV3,
+            metadata: md,
+            tensor_infos: Default::default(),
+            tensor_data_offset: 0,
+        }
+    }
+
+    #[test]
+    fn pre_tokenizers_map_to_their_patterns_and_others_are_refused() {
+        assert_eq!(
+            pre_tokenizer_pattern(Some("llama-bpe")).unwrap(),
+            LLAMA3_PATTERN
+        );
+        assert_eq!(
+            pre_tokenizer_pattern(Some("llama3")).unwrap(),
+            LLAMA3_PATTERN
+        );
+        assert_eq!(pre_tokenizer_pattern(Some("qwen2")).unwrap(), QWEN2_PATTERN);
+        assert_eq!(
+            pre_tokenizer_pattern(Some("smollm")).unwrap(),
+            GPT2_STYLE_PATTERN
+        );
+        assert_eq!(pre_tokenizer_pattern(None).unwrap(), GPT2_STYLE_PATTERN);
+        assert_eq!(pre_tokenizer_pattern(Some("gpt2")).unwrap(), GPT2_PATTERN);
+        let e = pre_tokenizer_pattern(Some("deepseek-llm"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tokenizer.ggml.pre") && e.contains("deepseek-llm") && e.contains("qwen2"),
+            "{e}"
+        );
+        // The patterns differ where the models do: digits.
+        let tok = |pre: &str| {
+            Tokenizer::from_gguf(&gguf(&[("tokenizer.ggml.pre", Value::String(pre.into()))]))
+                .unwrap()
+        };
+        assert_eq!(
+            tok("llama-bpe").counter.encode_text("1234").len(),
+            2,
+            "123 4"
+        );
+        assert_eq!(
+            tok("qwen2").counter.encode_text("1234").len(),
+            4,
+            "one digit a token"
+        );
+        let bad = gguf(&[("tokenizer.ggml.pre", Value::String("falcon".into()))]);
+        assert!(Tokenizer::from_gguf(&bad).is_err());
+        let spm = gguf(&[("tokenizer.ggml.model", Value::String("llama".into()))]);
+        let e = Tokenizer::from_gguf(&spm).err().unwrap().to_string();
+        assert!(
+            e.contains("tokenizer.ggml.model") && e.contains("\"llama\"") && e.contains("gpt2"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn stop_ids_and_bos_come_from_the_metadata() {
+        let t = Tokenizer::from_gguf(&gguf(&[])).unwrap();
+        // EOS (2), then the vocabulary's end-of-turn control tokens.
+        assert_eq!(t.stop_ids, vec![2, 1, 5]);
+        assert_eq!(t.bpe.add_bos, None);
+        assert_eq!(
+            t.counter.encode_prompt("hello"),
+            t.counter.encode_text("hello")
+        );
+        let t = Tokenizer::from_gguf(&gguf(&[
+            ("tokenizer.ggml.eot_token_id", Value::U32(1)),
+            ("tokenizer.ggml.eom_token_id", Value::U32(5)),
+            ("tokenizer.ggml.add_bos_token", Value::Bool(true)),
+        ]))
+        .unwrap();
+        assert_eq!(t.stop_ids, vec![2, 1, 5]);
+        assert_eq!(t.counter.encode_prompt("hello").first(), Some(&0));
+        let no_bos = gguf(&[("tokenizer.ggml.add_bos_token", Value::Bool(true))]);
+        let mut no_bos = no_bos;
+        no_bos.metadata.remove("tokenizer.ggml.bos_token_id");
+        assert!(Tokenizer::from_gguf(&no_bos).is_err());
+    }
+
+    #[test]
+    fn the_chat_template_comes_from_the_gguf() {
+        let llama3 = "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+        let t = Tokenizer::from_gguf(&gguf(&[(
+            "tokenizer.chat_template",
+            Value::String(llama3.into()),
+        )]))
+        .unwrap();
+        let msgs = [ChatMessage {
+            role: "user".into(),
+            content: " hello ".into(),
+        }];
+        let ids = t.counter.encode_chat(&msgs).unwrap();
+        let mut want = vec![0, 3];
+        want.extend(t.counter.encode_text("user"));
+        want.push(4);
+        want.extend(t.counter.encode_text("\n\nhello"));
+        want.extend([1, 3]);
+        want.extend(t.counter.encode_text("assistant"));
+        want.push(4);
+        want.extend(t.counter.encode_text("\n\n"));
+        assert_eq!(ids, want);
+        assert_eq!(t.counter.count_chat(&msgs), ids.len() as u64);
+        // Without a template in the GGUF: the built-in ChatML.
+        let t = Tokenizer::from_gguf(&gguf(&[])).unwrap();
+        assert_eq!(t.bpe.chat_template, ChatTemplate::ChatMl);
+    }
 
     #[test]
     fn detokenizer_waits_for_whole_characters() {

@@ -22,10 +22,12 @@ fn model_path() -> PathBuf {
 }
 
 fn chat(tok: &Tokenizer, q: &str) -> Vec<u32> {
-    tok.counter.encode_chat(&[ChatMessage {
-        role: "user".into(),
-        content: q.into(),
-    }])
+    tok.counter
+        .encode_chat(&[ChatMessage {
+            role: "user".into(),
+            content: q.into(),
+        }])
+        .unwrap()
 }
 
 /// Greedy decode with candle-transformers' reference implementation (all weights dequantized).
@@ -157,10 +159,10 @@ fn tokenizer_counts_what_the_filter_counts() {
     }];
     assert_eq!(
         tok.counter.count_chat(&msgs),
-        tok.counter.encode_chat(&msgs).len() as u64
+        tok.counter.encode_chat(&msgs).unwrap().len() as u64
     );
     // ChatML specials are single tokens of this vocabulary.
-    let ids = tok.counter.encode_chat(&msgs);
+    let ids = tok.counter.encode_chat(&msgs).unwrap();
     assert_eq!(ids.first().copied(), tok.counter.special_id("<|im_start|>"));
     assert_eq!(
         tok.counter

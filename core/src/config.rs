@@ -598,6 +598,7 @@ fn tokenizer_spec(raw: RawTokenizer) -> Result<TokenizerSpec, ConfigError> {
                 ranks: CustomBpe::parse_tiktoken(&ranks)?,
                 pattern,
                 special_tokens: raw.special_tokens.into_iter().collect(),
+                ..CustomBpe::default()
             }))
         }
     }

@@ -846,6 +846,12 @@ impl Descriptor {
                     .iter()
                     .map(|(k, v)| (k.clone(), *v))
                     .collect(),
+                chat_template: crate::tokenize::ChatTemplate::from_wire(
+                    &tok.chat_template,
+                    &tok.bos_token,
+                    &tok.eos_token,
+                ),
+                add_bos: tok.add_bos,
             }),
         }))
     }
@@ -879,5 +885,27 @@ mod descriptor_tests {
         let no_ranks = br#"{"pool":{"capacity_bytes":1,"used_bytes":0},"model":{"tokenizer":{"pattern":"x"}}}"#;
         assert_eq!(Descriptor::parse(no_ranks).unwrap(), None);
         assert!(Descriptor::parse(b"[]").is_err());
+        // An older backend sends "chatml" (or nothing): the built-in rendering, no BOS.
+        let crate::tokenize::TokenizerSpec::Custom(bpe) = &d.tokenizer else {
+            panic!("custom")
+        };
+        assert_eq!(bpe.chat_template, crate::tokenize::ChatTemplate::ChatMl);
+        assert_eq!(bpe.add_bos, None);
+    }
+
+    #[test]
+    fn carries_the_models_chat_template_and_bos() {
+        let body = br#"{"pool":{"capacity_bytes":1,"used_bytes":0},"model":{"spec":{"layers":1,"kv_heads":1,"head_dim":1,"kv_dtype_bytes":4,"context_tokens":64},
+            "tokenizer":{"pattern":"\\w+|\\s+","special_tokens":{"<s>":3},"ranks":"YQ== 0\nYg== 1\nYWI= 2\n",
+              "chat_template":"{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}","bos_token":"<s>","eos_token":"</s>","add_bos":3}}}"#;
+        let d = Descriptor::parse(body).unwrap().unwrap();
+        let c = crate::TokenCounter::new(&d.tokenizer).unwrap();
+        let msgs = [crate::request::ChatMessage {
+            role: "user".into(),
+            content: "ab".into(),
+        }];
+        assert_eq!(c.encode_chat(&msgs).unwrap(), vec![3, 2]);
+        assert_eq!(c.count_chat(&msgs), 2);
+        assert_eq!(c.encode_prompt("ab"), vec![3, 2]);
     }
 }

@@ -1,12 +1,14 @@
 //! Token counting with tiktoken-rs: built-in encodings, or a custom byte-level BPE given as ranks,
 //! pattern and special tokens (how a served model's own tokenizer is described), and ChatML
-//! rendering so a chat prompt is counted as the model will see it.
+//! rendering so a chat prompt is counted as the model will see it: the built-in ChatML, or the
+//! model's own Jinja chat template (`template`).
 //!
 //! Counting must never panic: tiktoken-rs indexes its rank table by single bytes, so every byte
 //! value missing from a custom vocabulary gets an out-of-vocab rank, and duplicate ranks (which
 //! tiktoken-rs asserts against) are refused as a configuration error.
 
 mod capped;
+mod template;
 
 use std::collections::HashSet;
 
@@ -18,6 +20,7 @@ use crate::error::ConfigError;
 use crate::request::{ChatMessage, Input, PromptItem};
 pub use capped::{Capped, Over, LONG_PIECE_BYTES, SLACK_PER_CUT};
 use capped::{PieceCounter, Tally};
+pub use template::{ChatTemplate, CHATML};
 
 /// Built-in encodings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -45,12 +48,17 @@ impl Encoding {
     }
 }
 
-/// A custom BPE: ranks keyed by token bytes, a pre-tokenizer pattern, and special tokens.
+/// A custom BPE: ranks keyed by token bytes, a pre-tokenizer pattern, and special tokens; how a
+/// chat is rendered, and the BOS id a completions prompt starts with (when the model adds one).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CustomBpe {
     pub ranks: Vec<(Vec<u8>, Rank)>,
     pub pattern: String,
     pub special_tokens: Vec<(String, Rank)>,
+    pub chat_template: ChatTemplate,
+    /// Prepended to every text prompt of `/v1/completions` (GGUF `tokenizer.ggml.add_bos_token`).
+    /// Chat prompts get it only where the template writes `bos_token`.
+    pub add_bos: Option<Rank>,
 }
 
 /// The pre-tokenizer pattern of GPT-2-style byte-level BPE as used by SmolLM2 / many Llama-family
@@ -145,6 +153,7 @@ impl CustomBpe {
             ranks,
             pattern: pattern.to_string(),
             special_tokens,
+            ..CustomBpe::default()
         })
     }
 }
@@ -186,8 +195,20 @@ pub struct TokenCounter {
     bpe: CoreBPE,
     /// The admission path's counter: capped and linear (see `capped`).
     pieces: PieceCounter,
-    specials: HashSet<String>,
+    /// Special tokens and their ids.
+    specials: FxHashMap<String, Rank>,
+    /// Finds special tokens in rendered chat text, longest first (`None`: the vocabulary has none).
+    special_regex: Option<fancy_regex::Regex>,
+    /// `None`: the built-in ChatML.
+    template: Option<template::Compiled>,
+    add_bos: Option<Rank>,
     name: String,
+}
+
+/// A part of rendered chat text: ordinary text, or a special token's id.
+enum Part<'a> {
+    Text(&'a str),
+    Special(Rank),
 }
 
 impl std::fmt::Debug for TokenCounter {
@@ -235,15 +256,42 @@ impl TokenCounter {
                 format!("invalid pattern: {e}"),
             )
         })?;
-        let specials = bpe
-            .special_tokens()
-            .into_iter()
-            .map(str::to_string)
-            .collect();
+        let specials: FxHashMap<String, Rank> = match spec {
+            TokenizerSpec::Custom(c) => c.special_tokens.iter().cloned().collect(),
+            TokenizerSpec::Builtin(_) => bpe
+                .special_tokens()
+                .into_iter()
+                .filter_map(|s| {
+                    let ids = bpe.encode_with_special_tokens(s);
+                    match ids.as_slice() {
+                        [id] => Some((s.to_string(), *id)),
+                        _ => None,
+                    }
+                })
+                .collect(),
+        };
+        let special_regex = special_regex(&specials)?;
+        let (template, add_bos) = match spec {
+            TokenizerSpec::Custom(c) => {
+                let template = match &c.chat_template {
+                    ChatTemplate::ChatMl => None,
+                    ChatTemplate::Jinja {
+                        source,
+                        bos_token,
+                        eos_token,
+                    } => Some(template::Compiled::new(source, bos_token, eos_token)?),
+                };
+                (template, c.add_bos)
+            }
+            TokenizerSpec::Builtin(_) => (None, None),
+        };
         Ok(TokenCounter {
             bpe,
             pieces: PieceCounter::new(ranks, regex),
             specials,
+            special_regex,
+            template,
+            add_bos,
             name,
         })
     }
@@ -277,7 +325,10 @@ impl TokenCounter {
         Tally::finish(self.pieces.count(text, &mut tally).map(|()| tally.n))
     }
 
-    /// Tokens of a chat as the model sees it (ChatML), counting no further than `limit`.
+    /// Tokens of a chat as the model sees it (its chat template, or ChatML), counting no further
+    /// than `limit`. The messages' bytes alone may prove it over: then nothing is rendered. A chat
+    /// the template refuses (`raise_exception`) is counted as ChatML: the backend refuses it (400)
+    /// with the template's message.
     pub fn count_chat_capped(&self, messages: &[ChatMessage], limit: u64) -> Capped {
         let bytes = messages.iter().fold(0usize, |a, m| {
             a.saturating_add(m.content.len())
@@ -287,13 +338,51 @@ impl TokenCounter {
             return Capped::Over;
         }
         let mut tally = Tally::new(limit);
-        Tally::finish(self.tally_chat(messages, &mut tally).map(|()| tally.n))
+        let counted = match self.template.as_ref().map(|t| t.render(messages)) {
+            Some(Ok(text)) => self.tally_rendered(&text, &mut tally),
+            None | Some(Err(_)) => self.tally_chat(messages, &mut tally),
+        };
+        Tally::finish(counted.map(|()| tally.n))
     }
 
-    /// The same parts as `encode_chat`, counted.
+    /// Rendered chat text, counted: special-token strings are one token each.
+    fn tally_rendered(&self, text: &str, tally: &mut Tally) -> Result<(), Over> {
+        for part in self.parts(text) {
+            match part {
+                Part::Text(t) => self.pieces.count(t, tally)?,
+                Part::Special(_) => tally.add(1)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Rendered text split at special-token strings (leftmost, longest first).
+    fn parts<'a>(&self, text: &'a str) -> Vec<Part<'a>> {
+        let mut out = Vec::new();
+        let mut at = 0usize;
+        if let Some(re) = &self.special_regex {
+            for m in re.find_iter(text) {
+                let Ok(m) = m else { break };
+                let Some(id) = self.specials.get(m.as_str()) else {
+                    continue;
+                };
+                if let Some(t) = text.get(at..m.start()).filter(|t| !t.is_empty()) {
+                    out.push(Part::Text(t));
+                }
+                out.push(Part::Special(*id));
+                at = m.end();
+            }
+        }
+        if let Some(t) = text.get(at..).filter(|t| !t.is_empty()) {
+            out.push(Part::Text(t));
+        }
+        out
+    }
+
+    /// The same parts as the ChatML branch of `encode_chat`, counted.
     fn tally_chat(&self, messages: &[ChatMessage], tally: &mut Tally) -> Result<(), Over> {
         let special = |s: &str, tally: &mut Tally| {
-            if self.specials.contains(s) {
+            if self.specials.contains_key(s) {
                 tally.add(1)
             } else {
                 self.pieces.count(s, tally)
@@ -320,19 +409,51 @@ impl TokenCounter {
         self.bpe.decode_bytes(ids).ok()
     }
 
+    /// Encode a completions prompt: the BOS id first when the model adds one, then the text.
+    pub fn encode_prompt(&self, text: &str) -> Vec<Rank> {
+        let mut out: Vec<Rank> = self.add_bos.into_iter().collect();
+        out.extend(self.bpe.encode_ordinary(text));
+        out
+    }
+
+    /// The BOS id every completions text prompt starts with, if the model adds one.
+    pub fn add_bos(&self) -> Option<Rank> {
+        self.add_bos
+    }
+
     /// The id of a special token, if this tokenizer has it.
     pub fn special_id(&self, token: &str) -> Option<Rank> {
-        if !self.specials.contains(token) {
-            return None;
+        self.specials.get(token).copied()
+    }
+
+    /// Encode a chat as the model's template renders it (special-token strings in the rendered
+    /// text become their ids), or as ChatML; with the generation prompt for the assistant's turn.
+    /// Errors: the template refused the messages (its `raise_exception` message).
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<Rank>, String> {
+        let Some(t) = &self.template else {
+            return Ok(self.encode_chatml(messages));
+        };
+        let text = t.render(messages)?;
+        let mut out = Vec::new();
+        for part in self.parts(&text) {
+            match part {
+                Part::Text(t) => out.extend(self.bpe.encode_ordinary(t)),
+                Part::Special(id) => out.push(id),
+            }
         }
-        self.bpe.encode_with_special_tokens(token).first().copied()
+        Ok(out)
+    }
+
+    /// The chat as this counter's template renders it (`None`: the built-in ChatML).
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Option<Result<String, String>> {
+        self.template.as_ref().map(|t| t.render(messages))
     }
 
     /// Encode a chat as ChatML, with the generation prompt for the assistant's turn.
-    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Vec<Rank> {
+    fn encode_chatml(&self, messages: &[ChatMessage]) -> Vec<Rank> {
         let mut out = Vec::new();
         let special = |s: &str, out: &mut Vec<Rank>| {
-            if self.specials.contains(s) {
+            if self.specials.contains_key(s) {
                 out.extend(self.bpe.encode_with_special_tokens(s));
             } else {
                 out.extend(self.bpe.encode_ordinary(s));
@@ -379,13 +500,44 @@ impl TokenCounter {
             Input::Prompts(items) => items
                 .iter()
                 .map(|p| match p {
-                    PromptItem::Text(t) => one(self.count_text_capped(t, limit)),
+                    PromptItem::Text(t) => match self.add_bos {
+                        None => one(self.count_text_capped(t, limit)),
+                        Some(_) => one(self.count_text_capped(t, limit.saturating_sub(1)))
+                            .map(|n| n.saturating_add(1))
+                            .and_then(|n| if n > limit { Err(Over) } else { Ok(n) }),
+                    },
                     PromptItem::Tokens(n) if *n > limit => Err(Over),
                     PromptItem::Tokens(n) => Ok(*n),
                 })
                 .collect(),
         }
     }
+}
+
+/// One regex matching every special token, longest first so that one special that is a prefix of
+/// another never wins (the leftmost-longest match Hugging Face's added-token splitting makes).
+fn special_regex(
+    specials: &FxHashMap<String, Rank>,
+) -> Result<Option<fancy_regex::Regex>, ConfigError> {
+    if specials.is_empty() {
+        return Ok(None);
+    }
+    let mut names: Vec<&str> = specials.keys().map(String::as_str).collect();
+    names.sort_unstable_by(|a, b| b.len().cmp(&a.len()).then(a.cmp(b)));
+    let alternation: Vec<String> = names
+        .into_iter()
+        .map(fancy_regex::escape)
+        .map(|s| s.into_owned())
+        .collect();
+    fancy_regex::Regex::new(&alternation.join("|"))
+        .map(Some)
+        .map_err(|e| {
+            ConfigError::new(
+                "tokenizer.special_tokens",
+                "",
+                format!("cannot match them: {e}"),
+            )
+        })
 }
 
 /// The ordinary tokens of a built-in encoding, read back from tiktoken-rs (which keeps its rank
@@ -525,7 +677,7 @@ mod tests {
         // Bytes absent from the vocab still encode (one out-of-vocab id each), never panic.
         assert_eq!(c.count_text("€"), 3);
         // ChatML: specials count one token each.
-        let ids = c.encode_chat(&[msg("user", "hello")]);
+        let ids = c.encode_chat(&[msg("user", "hello")]).unwrap();
         assert_eq!(ids.first(), Some(&1));
         assert_eq!(ids.iter().filter(|i| **i == 2).count(), 1);
         assert_eq!(c.decode_bytes(&[12, 13]), Some(b"hello hello".to_vec()));
@@ -594,6 +746,7 @@ mod tests {
                 ranks,
                 pattern: GPT2_STYLE_PATTERN.into(),
                 special_tokens: vec![(IM_START.into(), 50300), (IM_END.into(), 50301)],
+                ..CustomBpe::default()
             };
             v.push(TokenCounter::new(&TokenizerSpec::Custom(custom)).unwrap());
             v
@@ -720,11 +873,51 @@ mod tests {
                 msg("system", "Be brief."),
                 msg("user", "hello, what's 2+2? 😀"),
             ];
-            let n = c.encode_chat(&msgs).len() as u64;
+            let n = c.encode_chat(&msgs).unwrap().len() as u64;
             assert_eq!(c.count_chat(&msgs), n, "{}", c.name());
             assert_eq!(c.count_chat_capped(&msgs, n), Capped::Within(n));
             assert_eq!(c.count_chat_capped(&msgs, n - 1), Capped::Over);
         }
+    }
+
+    #[test]
+    fn a_jinja_template_is_counted_as_encoded_and_bos_is_counted() {
+        let mut v = tiny_vocab();
+        v.chat_template = ChatTemplate::Jinja {
+            source: "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}".into(),
+            bos_token: "<|endoftext|>".into(),
+            eos_token: IM_END.into(),
+        };
+        v.add_bos = Some(0);
+        let c = TokenCounter::new(&TokenizerSpec::Custom(v)).unwrap();
+        let msgs = [msg("user", " hello ")];
+        let ids = c.encode_chat(&msgs).unwrap();
+        // BOS, then ChatML around the trimmed content: specials in the rendered text are ids.
+        let mut want = vec![0, 1];
+        want.extend(c.encode_text("user\nhello"));
+        want.extend([2]);
+        want.extend(c.encode_text("\n"));
+        want.push(1);
+        want.extend(c.encode_text("assistant\n"));
+        assert_eq!(ids, want);
+        let n = ids.len() as u64;
+        assert_eq!(c.count_chat(&msgs), n);
+        assert_eq!(c.count_chat_capped(&msgs, n - 1), Capped::Over);
+        // Completions text prompts start with BOS, counted.
+        assert_eq!(c.encode_prompt("hello"), vec![0, 12]);
+        let p = Input::Prompts(vec![PromptItem::Text("hello".into())]);
+        assert_eq!(c.count_input_capped(&p, 2), Ok(vec![2]));
+        assert_eq!(c.count_input_capped(&p, 1), Err(Over));
+        // A template that raises: encoding says why; counting falls back to ChatML.
+        let mut v = tiny_vocab();
+        v.chat_template = ChatTemplate::Jinja {
+            source: "{{ raise_exception('no') }}".into(),
+            bos_token: String::new(),
+            eos_token: String::new(),
+        };
+        let c = TokenCounter::new(&TokenizerSpec::Custom(v)).unwrap();
+        assert_eq!(c.encode_chat(&msgs).unwrap_err(), "no");
+        assert!(c.count_chat(&msgs) > 0);
     }
 
     #[test]

@@ -87,8 +87,17 @@ pub struct TokenizerReport {
     pub pattern: String,
     #[serde(default)]
     pub special_tokens: BTreeMap<String, u32>,
+    /// `"chatml"`: the built-in ChatML rendering (what older backends send); anything else is the
+    /// source of the model's Jinja chat template, rendered with `bos_token` and `eos_token`.
     #[serde(default)]
     pub chat_template: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub bos_token: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub eos_token: String,
+    /// The id a completions text prompt starts with (the model adds BOS); absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub add_bos: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks: Option<String>,
 }
@@ -254,6 +263,7 @@ mod tests {
                     special_tokens: [("<|e|>".to_string(), 3)].into_iter().collect(),
                     chat_template: "chatml".into(),
                     ranks: None,
+                    ..TokenizerReport::default()
                 }),
                 vocab: Some(4),
                 limits: LimitsReport {
