@@ -89,10 +89,11 @@ gateway: wasm setup-venv
 backend-build:
 	cargo build --release -p kvgate-backend
 
-# Unit tests, the token-for-token reference test, then the binary with the real model.
+# Unit tests, the token-for-token reference test, then the binary with the real model, and with
+# small generated Llama-3- and Qwen-style GGUFs (tokenizer, template, stop ids checked against HF).
 test-backend: backend-build model setup-venv
 	cargo test --release -p kvgate-backend
-	cd tests && ../$(PY) -m pytest -q test_backend.py
+	cd tests && ../$(PY) -m pytest -q test_backend.py test_gguf_models.py
 
 # Run the backend in the foreground on 127.0.0.1:8000 with the default model.
 backend: backend-build model
