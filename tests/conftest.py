@@ -41,15 +41,16 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture
 def gateway(request, tmp_path, wasm, upstream):
-    """A factory: gateway(config_overrides, concurrency=2, ecds=False) -> started Envoy."""
+    """A factory: gateway(config_overrides, concurrency=2, ecds=False, bootstrap=None) -> started
+    Envoy (`bootstrap`: the shipped one unless given)."""
     started = []
 
-    def make(overrides=None, concurrency=2, ecds=False):
+    def make(overrides=None, concurrency=2, ecds=False, bootstrap=None):
         cfg = shipped_plugin_config()
         cfg.update(overrides or {})
         d = tmp_path / f"envoy{len(started)}"
         d.mkdir()
-        e = Envoy(d, upstream.port, cfg, concurrency=concurrency, ecds=ecds)
+        e = Envoy(d, upstream.port, cfg, concurrency=concurrency, ecds=ecds, bootstrap=bootstrap)
         started.append(e)
         return e.start()
 

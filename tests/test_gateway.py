@@ -623,3 +623,75 @@ def test_shadow_mode_lets_everything_through_and_counts_what_it_would_do(gateway
     assert st["kvgate.shadow.would_reject.invalid_request"] == 1
     assert st.get("kvgate.rejected.kv_capacity_exceeded", 0) == 0
     gw.assert_drained()
+
+
+def jwt_hs256(secret, claims):
+    """A signed JWT (HS256), built with the standard library."""
+    import base64
+    import hashlib
+    import hmac
+
+    def b64(b):
+        return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+    head = b64(json.dumps({"alg": "HS256", "typ": "JWT", "kid": "k1"}).encode())
+    body = b64(json.dumps(claims).encode())
+    sig = hmac.new(secret, f"{head}.{body}".encode(), hashlib.sha256).digest()
+    return f"{head}.{body}.{b64(sig)}"
+
+
+def test_the_class_comes_from_a_verified_jwt_claim_or_the_route(gateway, upstream):
+    import base64
+    from harness import shipped_bootstrap, wasm_filter  # noqa: F401
+
+    secret = b"kvgate-test-hs256-secret-of-32-bytes"
+    jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1",
+                      "k": base64.urlsafe_b64encode(secret).rstrip(b"=").decode()}]}
+    boot = shipped_bootstrap()
+    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    # Envoy's own JWT filter verifies the token before kvgate and puts its payload in dynamic
+    # metadata; a request without a token passes (allow_missing), a bad one gets 401 there.
+    hcm["http_filters"].insert(0, {
+        "name": "envoy.filters.http.jwt_authn",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.jwt_authn.v3.JwtAuthentication",
+            "providers": {"test": {"issuer": "kvgate-test", "local_jwks": {"inline_string": json.dumps(jwks)},
+                                   "payload_in_metadata": "jwt_payload"}},
+            "rules": [{"match": {"prefix": "/"}, "requires": {"requires_any": {"requirements": [
+                {"provider_name": "test"}, {"allow_missing": {}}]}}}]}})
+    # The completions route says "batch" in its metadata; chat completions say nothing.
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    (completions,) = [r for r in routes if r["match"].get("path") == "/v1/completions"]
+    completions["metadata"] = {"filter_metadata": {"kvgate": {"class": "batch"}}}
+    policy = {"default_class": "std", "class_from_route": True,
+              "class_claim": {"payload_in_metadata": "jwt_payload", "claim": "tier"},
+              "classes": {"std": {}, "batch": {}, "vip": {"priority": 9}}}
+    gw = gateway(budget(20_000, policy=policy), bootstrap=boot)
+
+    def class_of(path, token=None, body=None):
+        upstream.clear()
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        body = body or ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5}
+                        if "chat" in path else {"prompt": tokens(10), "max_tokens": 5})
+        r = requests.post(gw.url + path, json=body, headers=headers, timeout=10)
+        if r.status_code != 200:
+            return r.status_code
+        (seen,) = upstream.requests()
+        return seen["headers"]["x-kvgate-class"]
+
+    exp = int(time.time()) + 3600
+    vip = jwt_hs256(secret, {"iss": "kvgate-test", "tier": "vip", "exp": exp})
+    gold = jwt_hs256(secret, {"iss": "kvgate-test", "tier": "gold", "exp": exp})
+    forged = jwt_hs256(b"not-the-secret-not-the-secret-xx", {"iss": "kvgate-test", "tier": "vip", "exp": exp})
+    assert class_of("/v1/completions") == "batch", "the route's class"
+    assert class_of("/v1/chat/completions") == "std", "no route class: the default"
+    assert class_of("/v1/completions", vip) == "vip", "a verified claim comes before the route"
+    assert class_of("/v1/chat/completions", vip) == "vip"
+    assert class_of("/v1/completions", gold) == "batch", "a claim naming no class: the route's"
+    assert class_of("/v1/chat/completions", forged) == 401, "a forged token never reaches kvgate"
+    # A client-sent claim header or class header is nothing: only the verified payload counts.
+    upstream.clear()
+    r = requests.post(gw.url + "/v1/chat/completions", timeout=10,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5},
+                      headers={"x-kvgate-class": "vip", "tier": "vip", "x-jwt-payload": "eyJ0aWVyIjoidmlwIn0"})
+    assert r.status_code == 200 and upstream.requests()[0]["headers"]["x-kvgate-class"] == "std"
+    gw.assert_drained()

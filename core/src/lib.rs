@@ -30,7 +30,7 @@ pub use ledger::{
     AdmitOutcome, AdmitRequest, Claim, ClaimTicket, Lease, Ledger, Level, LevelThresholds,
     RejectReason, ReleaseOutcome,
 };
-pub use policy::{Action, ClassPolicy, PolicyTable, Reservation};
+pub use policy::{Action, ClassPolicy, ClassSources, PolicyTable, Reservation};
 pub use request::{parse_request, write_cap, Endpoint, Input, ParsedRequest};
 pub use retry::{estimate_retry_after, RetryAfter, RetryAfterConfig};
 pub use spec::{ModelSpec, Pricing, ESTIMATOR_VERSION};

@@ -54,6 +54,42 @@ pub struct PolicyTable {
     pub class_header: Option<String>,
     /// SHA-256 digests of API keys (sent as `Authorization: Bearer KEY`) → class name.
     api_keys: Vec<([u8; 32], String)>,
+    /// Where a verified JWT's claim naming the class is (the `jwt_authn` filter's dynamic
+    /// metadata): the property path the filter reads. `None`: no claim is read.
+    pub claim_path: Option<Vec<String>>,
+    /// Read the class from the route's metadata (`filter_metadata.kvgate.class`).
+    pub class_from_route: bool,
+}
+
+/// What the class of a request may come from, as the filter found them. Each is read only when
+/// its source is configured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ClassSources<'a> {
+    /// The `Authorization` header (API keys).
+    pub authorization: Option<&'a str>,
+    /// The configured claim of a JWT the `jwt_authn` filter verified.
+    pub claim: Option<&'a str>,
+    /// The route's `filter_metadata.kvgate.class`.
+    pub route: Option<&'a str>,
+    /// The trusted class header.
+    pub header: Option<&'a str>,
+}
+
+/// Where the `jwt_authn` filter puts a verified JWT's payload, and the claim naming the class.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawClaim {
+    /// `payload_in_metadata` of the jwt_authn provider.
+    pub payload_in_metadata: String,
+    /// The claim whose (string) value names the class.
+    pub claim: String,
+    /// The dynamic metadata namespace (the jwt_authn filter's name).
+    #[serde(default = "default_jwt_namespace")]
+    pub namespace: String,
+}
+
+fn default_jwt_namespace() -> String {
+    "envoy.filters.http.jwt_authn".to_string()
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -100,6 +136,13 @@ pub struct RawPolicy {
     /// `"sha256:<64 hex digits>"` of an API key → class name. Keys are never stored in clear.
     #[serde(default)]
     pub api_keys: BTreeMap<String, String>,
+    /// The class from a claim of a JWT that Envoy's `jwt_authn` filter verified (it must run
+    /// before kvgate, with `payload_in_metadata`).
+    #[serde(default)]
+    pub class_claim: Option<RawClaim>,
+    /// The class from the route's metadata: `metadata: {filter_metadata: {kvgate: {class: NAME}}}`.
+    #[serde(default)]
+    pub class_from_route: bool,
     #[serde(default)]
     pub classes: BTreeMap<String, RawClass>,
 }
@@ -115,6 +158,8 @@ impl Default for RawPolicy {
             class_header: None,
             class_header_trusted: false,
             api_keys: BTreeMap::new(),
+            class_claim: None,
+            class_from_route: false,
             classes: BTreeMap::new(),
         }
     }
@@ -298,11 +343,38 @@ impl TryFrom<RawPolicy> for PolicyTable {
             }
             api_keys.push((d, class.clone()));
         }
+        let claim_path = match &raw.class_claim {
+            None => None,
+            Some(c) => {
+                for (f, v) in [
+                    ("payload_in_metadata", &c.payload_in_metadata),
+                    ("claim", &c.claim),
+                    ("namespace", &c.namespace),
+                ] {
+                    if v.is_empty() || v.len() > 128 || v.contains('\0') {
+                        return Err(ConfigError::new(
+                            format!("policy.class_claim.{f}"),
+                            format!("{v:?}"),
+                            "must be 1-128 characters without NUL",
+                        ));
+                    }
+                }
+                Some(vec![
+                    "metadata".to_string(),
+                    "filter_metadata".to_string(),
+                    c.namespace.clone(),
+                    c.payload_in_metadata.clone(),
+                    c.claim.clone(),
+                ])
+            }
+        };
         Ok(PolicyTable {
             classes,
             default_class,
             class_header: raw.class_header,
             api_keys,
+            claim_path,
+            class_from_route: raw.class_from_route,
         })
     }
 }
@@ -338,13 +410,12 @@ impl PolicyTable {
 
     /// The class of a request from what a client cannot forge: its API key (the `Authorization`
     /// header's bearer token) when it is mapped, else the trusted class header, else the default.
-    pub fn classify(
-        &self,
-        authorization: Option<&str>,
-        header_value: Option<&str>,
-    ) -> &ClassPolicy {
+    /// The class of a request, from the first source that names a defined class: an API key,
+    /// a verified JWT claim, the route, the trusted header; else the default class. Sources that
+    /// are not configured are ignored whatever the request carries.
+    pub fn classify(&self, src: ClassSources<'_>) -> &ClassPolicy {
         if !self.api_keys.is_empty() {
-            let key = authorization.and_then(|a| {
+            let key = src.authorization.and_then(|a| {
                 a.strip_prefix("Bearer ")
                     .or_else(|| a.strip_prefix("bearer "))
                     .map(str::trim)
@@ -359,12 +430,16 @@ impl PolicyTable {
                 }
             }
         }
-        let header = if self.class_header.is_some() {
-            header_value
-        } else {
-            None
-        };
-        self.resolve(header)
+        let named = [
+            src.claim.filter(|_| self.claim_path.is_some()),
+            src.route.filter(|_| self.class_from_route),
+            src.header.filter(|_| self.class_header.is_some()),
+        ];
+        named
+            .into_iter()
+            .flatten()
+            .find_map(|name| self.get(name.trim()))
+            .unwrap_or_else(|| self.default_class())
     }
 }
 
@@ -392,10 +467,10 @@ mod api_key_tests {
                 "classes":{"std":{},"vip":{"priority":9}}}"#,
         )
         .unwrap();
-        assert_eq!(t.classify(Some("Bearer secret-vip-key"), None).name, "vip");
-        assert_eq!(t.classify(Some("Bearer wrong"), None).name, "std");
+        assert_eq!(t.classify(auth("Bearer secret-vip-key")).name, "vip");
+        assert_eq!(t.classify(auth("Bearer wrong")).name, "std");
         assert_eq!(
-            t.classify(None, Some("vip")).name,
+            t.classify(header("vip")).name,
             "std",
             "no trusted header: ignored"
         );
@@ -416,8 +491,59 @@ mod api_key_tests {
                 "classes":{"std":{},"vip":{}}}"#,
         )
         .unwrap();
-        assert_eq!(t.classify(None, Some("vip")).name, "vip");
-        assert_eq!(t.classify(None, Some("nope")).name, "std");
+        assert_eq!(t.classify(header("vip")).name, "vip");
+        assert_eq!(t.classify(header("nope")).name, "std");
+    }
+
+    fn auth(a: &str) -> ClassSources<'_> {
+        ClassSources {
+            authorization: Some(a),
+            ..Default::default()
+        }
+    }
+
+    fn header(h: &str) -> ClassSources<'_> {
+        ClassSources {
+            header: Some(h),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_verified_claim_and_the_route_pick_the_class_only_when_configured() {
+        let classes = r#""classes":{"std":{},"batch":{},"vip":{"priority":9}}"#;
+        let both = table(&format!(
+            r#"{{"default_class":"std","class_claim":{{"payload_in_metadata":"jwt_payload","claim":"tier"}},
+                "class_from_route":true,{classes}}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            both.claim_path.as_deref().unwrap(),
+            [
+                "metadata",
+                "filter_metadata",
+                "envoy.filters.http.jwt_authn",
+                "jwt_payload",
+                "tier"
+            ]
+        );
+        let src = ClassSources {
+            claim: Some("vip"),
+            route: Some("batch"),
+            ..Default::default()
+        };
+        // The claim first, then the route; a claim naming no class falls through to the route.
+        assert_eq!(both.classify(src).name, "vip");
+        let unknown = ClassSources {
+            claim: Some("gold"),
+            ..src
+        };
+        assert_eq!(both.classify(unknown).name, "batch");
+        // Neither configured: whatever the request carried, the default class.
+        let neither = table(&format!(r#"{{"default_class":"std",{classes}}}"#)).unwrap();
+        assert_eq!(neither.classify(src).name, "std");
+        let e = table(r#"{"class_claim":{"payload_in_metadata":"","claim":"tier"}}"#).unwrap_err();
+        assert_eq!(e.field, "policy.class_claim.payload_in_metadata");
     }
 }
 

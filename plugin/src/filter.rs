@@ -419,10 +419,31 @@ impl HttpContext for Filter {
             .as_deref()
             .and_then(|h| abi::header(REQ, h));
         let authorization = abi::header(REQ, "authorization");
-        let class_policy = rt
-            .cfg
-            .policy
-            .classify(authorization.as_deref(), class_value.as_deref());
+        let policy = &rt.cfg.policy;
+        let property =
+            |path: &[&str]| abi::get_property(path).and_then(|v| String::from_utf8(v).ok());
+        let claim = policy.claim_path.as_ref().and_then(|p| {
+            let path: Vec<&str> = p.iter().map(String::as_str).collect();
+            property(&path)
+        });
+        let route = policy
+            .class_from_route
+            .then(|| {
+                property(&[
+                    "xds",
+                    "route_metadata",
+                    "filter_metadata",
+                    "kvgate",
+                    "class",
+                ])
+            })
+            .flatten();
+        let class_policy = policy.classify(kvgate_core::ClassSources {
+            authorization: authorization.as_deref(),
+            claim: claim.as_deref(),
+            route: route.as_deref(),
+            header: class_value.as_deref(),
+        });
         let class = class_policy.name.clone();
         // Elastic classes reserve a learned allowance instead of the whole cap; the backend is
         // told it here (headers cannot be set from the body callback) and clamps it to the cap.
