@@ -2,13 +2,16 @@
 //! tokens, each built-in encoding) and one ledger transition (decode + admit + encode, the work
 //! done inside each CAS) at 10, 100 and 1,000 live leases; the worst case per MB (no whitespace)
 //! and ordinary text, before (tiktoken-rs) and after (the capped, linear counter) in one run;
-//! one admission + release across 1, 8 and 64 endpoints against one ledger without a fleet.
+//! one admission + release across 1, 8 and 64 endpoints against one ledger without a fleet; a
+//! chat of 8k tokens counted with the built-in ChatML and with a Jinja chat template (SmolLM2's).
 #![allow(clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvgate_core::fleet;
+use kvgate_core::request::ChatMessage;
 use kvgate_core::retry::{splitmix64, RetryAfterConfig};
 use kvgate_core::store::{self, MemoryStore};
+use kvgate_core::tokenize::{ChatTemplate, CustomBpe, GPT2_STYLE_PATTERN};
 use kvgate_core::{AdmitOutcome, AdmitRequest, Encoding, Ledger, TokenCounter, TokenizerSpec};
 
 const WORDS: &[&str] = &[
@@ -331,8 +334,62 @@ fn ordinary_before_after(c: &mut Criterion) {
     g.finish();
 }
 
+/// SmolLM2-135M-Instruct's GGUF chat template.
+const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+/// A chat of about 8k tokens (four turns), counted as ChatML and through a Jinja template, with
+/// the same vocabulary (the 256 bytes, then each word and " word"): what rendering costs.
+fn chat_templates(c: &mut Criterion) {
+    let mut g = c.benchmark_group("chat_8k_tokens");
+    let mut ranks: Vec<(Vec<u8>, u32)> = (0..=255u8).map(|b| (vec![b], u32::from(b))).collect();
+    for w in WORDS {
+        for t in [w.to_string(), format!(" {w}")] {
+            let r = ranks.len() as u32;
+            ranks.push((t.into_bytes(), r));
+        }
+    }
+    let specials = vec![
+        ("<|im_start|>".to_string(), 1000),
+        ("<|im_end|>".to_string(), 1001),
+    ];
+    let base = CustomBpe {
+        ranks,
+        pattern: GPT2_STYLE_PATTERN.into(),
+        special_tokens: specials,
+        ..CustomBpe::default()
+    };
+    let jinja = CustomBpe {
+        chat_template: ChatTemplate::Jinja {
+            source: SMOLLM2_TEMPLATE.into(),
+            bos_token: "<|im_start|>".into(),
+            eos_token: "<|im_end|>".into(),
+        },
+        ..base.clone()
+    };
+    for (name, spec) in [("chatml", base), ("jinja_smollm2", jinja)] {
+        let counter = TokenCounter::new(&TokenizerSpec::Custom(spec)).expect("tokenizer");
+        let turn = text_of_tokens(&counter, 1_250);
+        let msgs: Vec<ChatMessage> = ["system", "user", "assistant", "user"]
+            .iter()
+            .map(|r| ChatMessage {
+                role: r.to_string(),
+                content: turn.clone(),
+            })
+            .collect();
+        g.throughput(Throughput::Elements(counter.count_chat(&msgs)));
+        g.bench_with_input(BenchmarkId::new(name, "count"), &msgs, |b, m| {
+            b.iter(|| counter.count_chat(black_box(m)))
+        });
+        g.bench_with_input(BenchmarkId::new(name, "encode"), &msgs, |b, m| {
+            b.iter(|| counter.encode_chat(black_box(m)).expect("renders"))
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    chat_templates,
     counting,
     transition,
     fleet_admission,

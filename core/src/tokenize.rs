@@ -748,7 +748,17 @@ mod tests {
                 special_tokens: vec![(IM_START.into(), 50300), (IM_END.into(), 50301)],
                 ..CustomBpe::default()
             };
+            // The same vocabulary with SmolLM2's own Jinja chat template.
+            let jinja = CustomBpe {
+                chat_template: ChatTemplate::Jinja {
+                    source: template::tests::SMOLLM2.into(),
+                    bos_token: IM_START.into(),
+                    eos_token: IM_END.into(),
+                },
+                ..custom.clone()
+            };
             v.push(TokenCounter::new(&TokenizerSpec::Custom(custom)).unwrap());
+            v.push(TokenCounter::new(&TokenizerSpec::Custom(jinja)).unwrap());
             v
         })
     }
@@ -918,6 +928,9 @@ mod tests {
         let c = TokenCounter::new(&TokenizerSpec::Custom(v)).unwrap();
         assert_eq!(c.encode_chat(&msgs).unwrap_err(), "no");
         assert!(c.count_chat(&msgs) > 0);
+        // A chat whose bytes alone prove it past the limit is refused before any rendering.
+        let big = [msg("user", &"x".repeat(4 << 20))];
+        assert_eq!(c.count_chat_capped(&big, 8192), Capped::Over);
     }
 
     #[test]

@@ -120,7 +120,7 @@ fn raise_exception(msg: String) -> Result<Value, minijinja::Error> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn msg(role: &str, content: &str) -> ChatMessage {
