@@ -245,6 +245,29 @@ def test_tokenization_and_chat_template_match_hf(served, kind):
     assert d["eos_token"] == kind["eos"]
 
 
+def random_texts(n, seed):
+    """Strings that exercise every branch of the pre-tokenizers: contractions in both cases,
+    digit runs, punctuation runs with newlines, every kind of whitespace, non-Latin scripts."""
+    rng = np.random.default_rng(seed)
+    atoms = ["'s", "'S", "'ll", "'LL", "'Re", "'ve", "'d", "'m", "'t", "a", "e", "The", "fox", "ÉTÉ", "ß",
+             "東京", "ж", "😀", "1", "22", "333", "4444", "7", " ", "  ", "\t", "\n", "\n\n", "\r\n", " \n ",
+             "\u00a0", ".", "!!", "?\n", "--", "$", "(", "'", "\"", "#"]
+    return ["".join(rng.choice(atoms, size=rng.integers(1, 40))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", [LLAMA3, QWEN], ids=["llama3", "qwen2"])
+def test_random_text_counts_match_hf(served, kind):
+    b, tok = served(kind)
+    bos = 1 if kind["add_bos"] else 0
+    bad = []
+    for text in random_texts(150, seed=12):
+        want = len(tok.encode(text, add_special_tokens=False).ids) + bos
+        got = usage(b, "/v1/completions", {"prompt": text})
+        if got != want:
+            bad.append((text, got, want))
+    assert not bad, bad[:5]
+
+
 def test_the_template_can_refuse_a_chat(served):
     b, _ = served(QWEN)
     r = requests.post(b.url + "/v1/chat/completions", timeout=30, json={
