@@ -116,6 +116,9 @@ async fn main() -> Result<()> {
                 .with_context(|| format!("reading GGUF {}", args.model.display()))?;
             let cfg = model::Config::from_gguf(&ct, args.max_context)?;
             let tok = tokenizer::Tokenizer::from_gguf(&ct)?;
+            if let Some(w) = tokenizer::merge_order_warning(&ct) {
+                eprintln!("kvgate-backend: {w}");
+            }
             let llama = model::Llama::from_gguf(&ct, &mut file, cfg.clone(), &dev)?;
             (cfg, tok, llama, "smollm2-135m-instruct".to_string())
         }

@@ -154,6 +154,54 @@ impl Tokenizer {
     }
 }
 
+/// Counting uses token ids as BPE ranks (tiktoken's merge rule: the adjacent pair whose joined
+/// bytes have the lowest id merges first). That is the reference tokenizer's own rule when every
+/// merge `a b` (GGUF `tokenizer.ggml.merges`, in priority order) makes a token of a higher id
+/// than the merges before it, as in GPT-2, Llama 3, Qwen 2 and SmolLM2 vocabularies. Returns a
+/// warning naming the first merge out of that order, if any.
+pub fn merge_order_warning(ct: &gguf_file::Content) -> Option<String> {
+    let strings = |key: &str| -> Option<Vec<String>> {
+        ct.metadata
+            .get(key)?
+            .to_vec()
+            .ok()?
+            .iter()
+            .map(|v| v.to_string().ok().cloned())
+            .collect()
+    };
+    let merges = strings("tokenizer.ggml.merges")?;
+    let tokens = strings("tokenizer.ggml.tokens")?;
+    let ids: std::collections::HashMap<&str, usize> = tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.as_str(), i))
+        .collect();
+    let mut last = None;
+    let mut out_of_order = 0usize;
+    let mut first = None;
+    for (i, m) in merges.iter().enumerate() {
+        let joined: String = m.split(' ').collect();
+        let id = ids.get(joined.as_str()).copied();
+        let ok = match (last, id) {
+            (Some(prev), Some(id)) => id > prev,
+            (_, None) => false,
+            (None, Some(_)) => true,
+        };
+        if !ok {
+            out_of_order += 1;
+            first.get_or_insert_with(|| format!("merge {i} {m:?} (token id {id:?})"));
+        }
+        last = id.or(last);
+    }
+    first.map(|f| {
+        format!(
+            "warning: {out_of_order} of {} GGUF merges are not in token-id order (first: {f}); kvgate \
+             counts with ids as merge ranks, so its token counts may differ from the model's reference tokenizer",
+            merges.len()
+        )
+    })
+}
+
 /// Turns a growing list of token ids into text chunks, never splitting a UTF-8 character.
 #[derive(Default)]
 pub struct Detokenizer {
@@ -363,6 +411,28 @@ mod tests {
         assert!(
             e.contains("tokenizer.ggml.model") && e.contains("\"llama\"") && e.contains("gpt2"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn merges_out_of_id_order_are_reported() {
+        let merges = |ms: &[&str]| {
+            gguf(&[(
+                "tokenizer.ggml.merges",
+                Value::Array(ms.iter().map(|m| Value::String(m.to_string())).collect()),
+            )])
+        };
+        // "he" < "ll" < "hell" < "hello" in id order, as their merges.
+        assert_eq!(
+            merge_order_warning(&merges(&["h e", "l l", "he ll", "hell o"])),
+            None
+        );
+        assert_eq!(merge_order_warning(&gguf(&[])), None);
+        let w = merge_order_warning(&merges(&["l l", "h e", "he ll"])).unwrap();
+        assert!(w.contains("1 of 3") && w.contains("\"h e\""), "{w}");
+        assert!(
+            merge_order_warning(&merges(&["x y"])).is_some(),
+            "a merge making no token"
         );
     }
 
