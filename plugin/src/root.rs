@@ -611,6 +611,22 @@ impl RootContext for Root {
                     host::warn(&format!("kvgate: reaper at {}: {err}", e.name(&rt.cfg)));
                 }
             }
+            // Dropped from the configuration: watched until nothing is left in their ledgers.
+            for e in self.worker.retired() {
+                match self.reap(&rt, &e, now) {
+                    Ok(()) if e.view.get().leases == 0 && e.view.get().claimed == 0 => {
+                        self.worker.forget_retired(&e);
+                    }
+                    Ok(()) => {}
+                    Err(err) => {
+                        self.worker.metrics.ledger_errors.inc();
+                        host::warn(&format!(
+                            "kvgate: reaper at retired {}: {err}",
+                            e.name(&rt.cfg)
+                        ));
+                    }
+                }
+            }
             self.worker.metrics.observe(&self.worker, &rt.cfg);
         }
         if !self.worker.queue.borrow().is_empty() {

@@ -266,6 +266,10 @@ pub struct Worker {
     pub cancels: RefCell<HashMap<u32, Rc<Ticket>>>,
     /// The backend endpoints of the current configuration (one, without `backend.endpoints`).
     endpoints: RefCell<Vec<Rc<Endpoint>>>,
+    /// Endpoints a new configuration dropped whose ledgers may still hold leases: their
+    /// requests release them as they end; the reaper keeps watching them for leases whose
+    /// worker is gone, until their ledger is empty.
+    retired: RefCell<Vec<Rc<Endpoint>>>,
     lease_seed: u64,
     /// This gateway's number (configured, or drawn once per Envoy in shared data).
     gateway: Cell<u16>,
@@ -289,6 +293,7 @@ impl Worker {
             lease_seed: h.finish(),
             lease_counter: Cell::new(0),
             endpoints: RefCell::new(Vec::new()),
+            retired: RefCell::new(Vec::new()),
             gateway: Cell::new(0),
             outputs: RefCell::new(BTreeMap::new()),
         }
@@ -397,8 +402,9 @@ impl Worker {
             Some(b) if !b.endpoints.is_empty() => b.endpoints.iter().cloned().map(Some).collect(),
             _ => vec![None],
         };
-        let old = self.endpoints.borrow().clone();
-        let next = wanted
+        let mut old = self.endpoints.borrow().clone();
+        old.extend(self.retired.borrow_mut().drain(..));
+        let next: Vec<Rc<Endpoint>> = wanted
             .into_iter()
             .map(|a| {
                 old.iter()
@@ -407,7 +413,21 @@ impl Worker {
                     .unwrap_or_else(|| Rc::new(Endpoint::new(a)))
             })
             .collect();
+        *self.retired.borrow_mut() = old
+            .into_iter()
+            .filter(|e| !next.iter().any(|n| Rc::ptr_eq(n, e)))
+            .collect();
         *self.endpoints.borrow_mut() = next;
+    }
+
+    /// Endpoints no longer configured whose ledgers the reaper still watches.
+    pub fn retired(&self) -> Vec<Rc<Endpoint>> {
+        self.retired.borrow().clone()
+    }
+
+    /// Stop watching a retired endpoint (its ledger is empty).
+    pub fn forget_retired(&self, e: &Rc<Endpoint>) {
+        self.retired.borrow_mut().retain(|r| !Rc::ptr_eq(r, e));
     }
 
     pub fn endpoints(&self) -> Vec<Rc<Endpoint>> {

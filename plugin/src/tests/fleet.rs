@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::host::EnvoyStore;
-use crate::testhost::{Stream, Vm};
+use crate::testhost::{Stream, Vm, EPOCH_MS};
 
 const A: &str = "10.0.0.1:8000";
 const B: &str = "10.0.0.2:8000";
@@ -326,6 +326,47 @@ fn a_changed_endpoint_list_keeps_the_leases_of_endpoints_that_stay() {
         .filter_map(|c| c.header("x-kvgate-endpoint").map(str::to_string))
         .collect();
     assert_eq!(polled, [A, c]);
+}
+
+#[test]
+fn a_dropped_endpoints_ledger_is_still_reaped_until_it_is_empty() {
+    let mut extra = fleet(&[A, B], json!({}));
+    extra["owner_timeout_ms"] = json!(5_000);
+    let vm = start(10_000, extra);
+    // A lease on B of a worker that is gone (another Envoy worker that crashed).
+    let gone = 0x0dea_d000_0000_0001_u64;
+    write_heartbeat(gone, EPOCH_MS - 60_000);
+    let (out, _) = store::transact(&EnvoyStore, &format!("{LEDGER_KEY}@{B}"), 1, |l| {
+        l.try_admit(
+            &kvgate_core::AdmitRequest {
+                id: Some(11),
+                bytes: 1_000 * PER_TOKEN,
+                class: "default",
+                priority: 0,
+                fingerprint: 0,
+                now_ms: Vm::now_ms(),
+                ttl_ms: 1_000,
+                owner: gone,
+                claim: None,
+            },
+            &kvgate_core::RetryAfterConfig::default(),
+            0,
+        )
+    })
+    .unwrap();
+    assert!(matches!(out, kvgate_core::AdmitOutcome::Admitted { .. }));
+    // B leaves the list before the reaper ran: its ledger is still watched, and emptied.
+    let mut next = fleet(&[A], json!({}));
+    next["owner_timeout_ms"] = json!(5_000);
+    assert!(vm.reconfigure(&config(10_000, next)));
+    vm.advance_ms(200);
+    vm.tick();
+    assert!(
+        ledger_at(B).lease(11).is_none(),
+        "reaped at the dropped endpoint"
+    );
+    assert_eq!(ledger_at(B).committed(), 0);
+    assert_eq!(Vm::metric("kvgate.reaped"), 1);
 }
 
 #[test]
