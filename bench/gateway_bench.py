@@ -103,6 +103,30 @@ def gateway_config(port, admin, upstream_port, with_filter):
     return boot
 
 
+def start_gateways(work, concurrency):
+    """A direct-response upstream and two gateways in front of it, one with the kvgate filter
+    ("kvgate") and one without ("plain"), all ready. Returns (processes, {name: port})."""
+    up_port, up_admin = free_port(), free_port()
+    ports = {name: (free_port(), free_port()) for name in ("plain", "kvgate")}
+    procs = [start(upstream_config(up_port, up_admin), work, "upstream", 1)]
+    try:
+        wait_ready(up_admin, procs[0])
+        for name, (port, admin) in ports.items():
+            procs.append(start(gateway_config(port, admin, up_port, name == "kvgate"), work, name, concurrency))
+            wait_ready(admin, procs[-1])
+    except Exception:
+        stop(procs)
+        raise
+    return procs, {name: port for name, (port, _) in ports.items()}
+
+
+def stop(procs):
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait()
+
+
 def wrk(url, body_file, duration, connections):
     lua = Path(body_file).with_suffix(".lua")
     lua.write_text(
@@ -127,21 +151,15 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gateway.md"))
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="kvgate-bench-")
-    up_port, up_admin = free_port(), free_port()
-    ports = {name: (free_port(), free_port()) for name in ("plain", "kvgate")}
-    procs = [start(upstream_config(up_port, up_admin), work, "upstream", 1)]
+    procs, ports = start_gateways(work, 1)
     try:
-        wait_ready(up_admin, procs[0])
-        for name, (port, admin) in ports.items():
-            procs.append(start(gateway_config(port, admin, up_port, name == "kvgate"), work, name, 1))
-            wait_ready(admin, procs[-1])
         rows = []
         for target in (100, 1000, 8000):
             # Calibrate the prompt to the filter's own count: with no cap, max_tokens = context - prompt.
             words = target
             for _ in range(6):
                 body = {"model": "m", "prompt": text(words)}
-                r = requests.post(f"http://127.0.0.1:{ports['kvgate'][0]}/v1/completions", json=body, timeout=10)
+                r = requests.post(f"http://127.0.0.1:{ports['kvgate']}/v1/completions", json=body, timeout=10)
                 prompt = 32768 - int(r.headers["x-kvgate-max-tokens"])
                 words = max(1, round(words * target / prompt))
             body = {"model": "m", "prompt": text(words), "max_tokens": 64}
@@ -153,7 +171,7 @@ def main():
                                     capture_output=True, text=True, check=True).stdout.split()
             native_us = float(native[1])
             res = {}
-            for name, (port, _) in ports.items():
+            for name, port in ports.items():
                 res[name] = wrk(f"http://127.0.0.1:{port}", body_file, args.duration, args.connections)
             rows.append((prompt, len(body_file.read_bytes()), res, native_us))
             print(f"prompt {prompt} tokens: {json.dumps(res)}", flush=True)
@@ -181,10 +199,7 @@ def main():
         Path(args.out).write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
+        stop(procs)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
-from gateway_bench import gateway_config, start, upstream_config, wait_ready  # noqa: E402
-from harness import free_port  # noqa: E402
+from gateway_bench import start_gateways, stop  # noqa: E402
 
 MB = 1 << 20
 
@@ -100,25 +99,16 @@ def main():
     ap.add_argument("--seconds", type=float, default=10.0)
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="kvgate-hostile-")
-    up_port, up_admin = free_port(), free_port()
-    ports = {name: (free_port(), free_port()) for name in ("plain", "kvgate")}
-    procs = [start(upstream_config(up_port, up_admin), work, "upstream", 1)]
+    procs, ports = start_gateways(work, 2)
     try:
-        wait_ready(up_admin, procs[0])
-        for name, (port, admin) in ports.items():
-            procs.append(start(gateway_config(port, admin, up_port, name == "kvgate"), work, name, 2))
-            wait_ready(admin, procs[-1])
         sizes = [1 * MB, 2 * MB, int(3.5 * MB)]
         bodies = {(s, k): body(s, k) for s in sizes for k in ("repeated", "random")}
-        res = {name: per_mb(f"http://127.0.0.1:{port}", bodies) for name, (port, _) in ports.items()}
+        res = {name: per_mb(f"http://127.0.0.1:{port}", bodies) for name, port in ports.items()}
         big = bodies[(int(3.5 * MB), "random")]
         side = {name: beside_big_prompts(f"http://127.0.0.1:{port}", big, a.seconds)
-                for name, (port, _) in ports.items()}
+                for name, port in ports.items()}
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
+        stop(procs)
     print("| prompt | size | without the filter: ms (status) | with it: ms (status) | with it, ms per MB | added ms per MB |")
     print("|---|---|---|---|---|---|")
     for (size, kind) in bodies:

@@ -323,12 +323,8 @@ impl<M: Forward> Engine<M> {
         while self.pool.stats().blocks_free < blocks {
             let free_before = self.pool.stats().blocks_free;
             let running = self
-                .running
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.overgrown())
-                .max_by_key(|(_, s)| s.order)
-                .map(|(i, s)| (i, s.order));
+                .youngest_overgrown()
+                .and_then(|i| Some((i, self.running.get(i)?.order)));
             let waiting = self
                 .waiting
                 .iter_mut()
@@ -348,6 +344,17 @@ impl<M: Forward> Engine<M> {
                 return;
             }
         }
+    }
+
+    /// The running sequence to give borrowed blocks back first: the youngest grown past its
+    /// reservation.
+    fn youngest_overgrown(&self) -> Option<usize> {
+        self.running
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.overgrown())
+            .max_by_key(|(_, s)| s.order)
+            .map(|(i, _)| i)
     }
 
     fn preempt(&mut self, id: &str) -> bool {
@@ -508,16 +515,10 @@ impl<M: Forward> Engine<M> {
         while i < self.running.len() {
             match self.make_room(i) {
                 Room::Ready => i += 1,
-                Room::NoBlock if self.running.iter().any(Seq::overgrown) => {
+                Room::NoBlock if self.youngest_overgrown().is_some() => {
                     // Borrowed blocks go back first: the youngest sequence grown past its
                     // reservation (perhaps this one) is recomputed later.
-                    let victim = self
-                        .running
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, s)| s.overgrown())
-                        .max_by_key(|(_, s)| s.order)
-                        .map_or(i, |(v, _)| v);
+                    let victim = self.youngest_overgrown().unwrap_or(i);
                     let seq = self.running.remove(victim);
                     if victim < i {
                         i -= 1;
