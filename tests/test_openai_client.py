@@ -42,3 +42,22 @@ def test_the_clients_own_retry_honours_kvgate_429(stack):
     t.join()
     assert res["status"] == 200
     drained(gw, b)
+
+
+def test_the_default_client_completes_when_the_pool_is_busy(stack):
+    # The shipped Retry-After settings and the client's defaults (2 retries, honouring
+    # retry-after-ms): a request refused while a stream holds the pool comes back when told and
+    # is admitted within its retries (its place is held for it meanwhile: fair retries).
+    # 32 blocks = 512 tokens, 460 usable: an 80-token stream leaves too little for a 350 cap.
+    gw, b = stack(32)
+    t, res = long_stream(gw, 80)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    c = client(gw)
+    assert c.max_retries == 2, "the client's default"
+    comp = c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=350, temperature=0, stop=[" 9,"])
+    assert comp.choices[0].finish_reason == "stop"
+    st = gw.stats()
+    assert st["kvgate.rejected.kv_capacity_exceeded"] >= 1, "the first attempt was a 429"
+    t.join()
+    assert res["status"] == 200
+    drained(gw, b)
