@@ -111,6 +111,39 @@ def test_backend_down_turns_the_level_red_and_back(stack):
     drained(gw, b)
 
 
+def test_a_hung_backend_gets_no_new_requests_keeps_its_streams_leases_and_comes_back(stack):
+    """The backend hangs (SIGSTOP): its lease polls time out (the callout is slow, then silent).
+    The stream in flight stalls and keeps its reservation (its request has not ended); new
+    requests get a fast 503 with Retry-After instead of hanging with it; the gateway's own status
+    answers at once. Resumed (SIGCONT), the stream finishes and everything returns to zero."""
+    import signal
+    gw, b = stack(64)
+    gw.wait_for(lambda s: s.get("backend", {}).get("up") is True, what="first poll")
+    t, res = long_stream(gw, 120)
+    gw.wait_for(lambda s: s["leases"] == 1, what="the stream admitted")
+    time.sleep(0.5)
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        s = gw.wait_for(lambda s: s["backend"]["up"] is False, timeout=15, what="the hung backend marked down")
+        assert s["leases"] == 1 and s["committed_bytes"] > 0, "the stalled stream keeps its reservation"
+        t0 = time.time()
+        r = requests.post(gw.url + "/v1/completions", timeout=10,
+                          json={"model": MODEL, "prompt": "Hi", "max_tokens": 5})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "backend_unavailable", r.text
+        assert "retry-after" in r.headers
+        t0s = time.time()
+        assert gw.status()["level"] == "red"
+        assert time.time() - t0 < 2 and time.time() - t0s < 1, "answered at once, not with the hung backend"
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    gw.wait_for(lambda s: s["backend"]["up"] is True, timeout=15, what="the backend to come back")
+    t.join(timeout=120)
+    assert res.get("status") == 200 and "cut" not in res, res
+    finish = [e["choices"][0].get("finish_reason") for e in res["events"] if e.get("choices")]
+    assert finish[-1] == "length", finish[-3:]
+    drained(gw, b)
+
+
 def test_full_budget_429_then_client_retry_succeeds(stack):
     gw, b = stack(64, {"retry_after": {"min_ms": 500, "max_ms": 3000, "jitter": 0.1, "default_lease_ms": 2000}})
     t, res = long_stream(gw, 700)
