@@ -718,18 +718,30 @@ impl<M: Forward> Engine<M> {
 
     fn publish(&self) {
         let per_token = self.pool.block_bytes / u64::from(self.pool.block_tokens.max(1));
-        let view = |s: &Seq<M::Kv>, state: LeaseState| LeaseEntry {
-            id: s.id.clone(),
-            state,
-            prompt_tokens: s.prompt.len() as u64,
-            max_tokens: s.params.max_tokens,
-            reserved_tokens: s.alloc.tokens(),
-            reserved_bytes: s.alloc.bytes(),
-            used_tokens: s.used_tokens(),
-            used_bytes: s.used_tokens() * per_token,
-            elastic_output_tokens: s
-                .elastic
-                .then(|| s.promised.saturating_sub(s.prompt.len() as u64)),
+        let block_tokens = u64::from(self.pool.block_tokens.max(1));
+        let view = |s: &Seq<M::Kv>, state: LeaseState| {
+            // An elastic sequence preempted to be recomputed counts what it needs to resume
+            // (its reservation plus what it borrowed): the gateway holds that back from new
+            // admissions until it runs again, rather than admitting into the blocks it needs.
+            let resume = if s.elastic && s.kv.is_none() && !s.generated.is_empty() {
+                (s.prefill_len() as u64 + 1).div_ceil(block_tokens) * block_tokens
+            } else {
+                0
+            };
+            let reserved_tokens = s.alloc.tokens().max(resume);
+            LeaseEntry {
+                id: s.id.clone(),
+                state,
+                prompt_tokens: s.prompt.len() as u64,
+                max_tokens: s.params.max_tokens,
+                reserved_tokens,
+                reserved_bytes: reserved_tokens * per_token,
+                used_tokens: s.used_tokens(),
+                used_bytes: s.used_tokens() * per_token,
+                elastic_output_tokens: s
+                    .elastic
+                    .then(|| s.promised.saturating_sub(s.prompt.len() as u64)),
+            }
         };
         let leases = self
             .waiting

@@ -427,10 +427,14 @@ pub fn reconcile(
             }
         }
     }
+    // Held back: what the backend uses beyond this ledger, what other gateways' leases hold,
+    // or what this ledger's own leases hold or need there beyond their reservations (elastic
+    // growth, and preempted elastic sequences waiting to resume), whichever is most.
     let base = report
         .used_bytes
         .saturating_sub(ledger.committed())
-        .max(out.foreign_bytes);
+        .max(out.foreign_bytes)
+        .max(out.grown_bytes);
     // Other gateways admit onto this backend too, and this one learns of it only at its next
     // poll: until then it takes only its share of the room free now, 1/(others + 1), so that
     // gateways racing for the same room rarely over-admit it (the backend refuses what they
@@ -512,9 +516,27 @@ mod tests {
         };
         let r = reconcile(&mut l, &report, 100, 5_000, None, 0);
         assert_eq!(r.grown_bytes, 600);
-        // The backend holds 3,100 of the 3,000 committed: the 100 beyond is held back.
-        assert_eq!(r.held_back, 100);
-        assert_eq!(l.free(), 10_000 - 3_000 - 100);
+        // A preempted elastic sequence holds little but needs its growth back to resume: the
+        // backend reports the need, and it is held back even though the pool does not use it.
+        let mut waiting = l.clone();
+        let needs = BackendReport {
+            used_bytes: 1_000 + 1_500,
+            entries: vec![
+                LiveEntry {
+                    running: false,
+                    ..entry(1, 1_600)
+                },
+                entry(2, 1_500),
+            ],
+            ..report.clone()
+        };
+        let w = reconcile(&mut waiting, &needs, 100, 5_000, None, 0);
+        assert_eq!((w.grown_bytes, w.held_back), (600, 600));
+        // The backend holds 3,100 bytes for the 3,000 committed, but lease 2 may still grow into
+        // the 500 of its reservation it does not use yet: what is promised or borrowed is 3,600,
+        // so the growth (600), not the pool's excess (100), is held back.
+        assert_eq!(r.held_back, 600);
+        assert_eq!(l.free(), 10_000 - 3_000 - 600);
         assert_eq!(drift(&l, &report) + i128::from(r.grown_bytes), 500);
     }
 

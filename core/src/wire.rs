@@ -156,6 +156,8 @@ pub struct LeaseEntry {
     pub prompt_tokens: u64,
     #[serde(default)]
     pub max_tokens: u64,
+    /// What it holds; for an elastic sequence preempted to be recomputed, what it needs to
+    /// resume (the gateway holds that back).
     #[serde(default)]
     pub reserved_tokens: u64,
     #[serde(default)]

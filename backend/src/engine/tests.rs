@@ -529,6 +529,13 @@ fn a_reservation_takes_borrowed_blocks_back_and_the_elastic_sequence_is_only_del
     );
     assert_eq!(e.metrics.recompute_preemptions.get(), 1);
     assert_eq!(e.pool.stats().blocks_free, 2, "8 - A's 1 - B's 5");
+    // The report counts what A needs to resume (prompt + 60 generated + the next token: 5
+    // blocks), so the gateway holds it back from new admissions.
+    e.publish();
+    let a_entry = e.published.lock().unwrap().leases.clone();
+    let a_entry = a_entry.iter().find(|l| l.id == "a").unwrap().clone();
+    assert_eq!(a_entry.state, LeaseState::Waiting);
+    assert_eq!(a_entry.reserved_tokens, 80);
     let mut eb = eb0;
     for _ in 0..400 {
         e.step();
