@@ -12,7 +12,7 @@
 //!   bypassed this gateway, block rounding, a release the backend has not caught up with) are
 //!   held back from admission until the next report says otherwise.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use crate::ledger::{Lease, Ledger};
 use crate::wire::LeaseReport;
@@ -392,26 +392,18 @@ pub fn reconcile(
         .filter(|l| !live.contains(&l.id) && l.created_ms.saturating_add(grace_ms) <= now_ms)
         .cloned()
         .collect();
-    let own: Vec<&LiveEntry> = report
-        .entries
-        .iter()
-        .filter(|e| e.id.is_some_and(|id| ledger.lease(id).is_some()))
-        .collect();
-    if let Some(etas) = progress.and_then(|p| p.joint_etas(&own, now_ms)) {
-        for (e, eta) in own.iter().zip(etas) {
-            if let Some(id) = e.id {
-                ledger.set_eta(id, eta);
-            }
-        }
-    }
-    let mut gateways = std::collections::BTreeSet::new();
+    // One pass over the report: this ledger's own leases (with what each reserved here), and
+    // the rest, foreign.
+    let reserved: HashMap<u64, u64> = ledger.leases().iter().map(|l| (l.id, l.bytes)).collect();
+    let mut own: Vec<&LiveEntry> = Vec::new();
+    let mut gateways = BTreeSet::new();
     for e in &report.entries {
-        match e.id.filter(|id| ledger.lease(*id).is_some()) {
-            Some(id) => {
-                let reserved = ledger.lease(id).map_or(0, |l| l.bytes);
+        match e.id.and_then(|id| reserved.get(&id)) {
+            Some(bytes) => {
+                own.push(e);
                 out.grown_bytes = out
                     .grown_bytes
-                    .saturating_add(e.bytes.saturating_sub(reserved));
+                    .saturating_add(e.bytes.saturating_sub(*bytes));
             }
             None => {
                 out.foreign_leases += 1;
@@ -424,6 +416,13 @@ pub fn reconcile(
                 {
                     gateways.insert(g);
                 }
+            }
+        }
+    }
+    if let Some(etas) = progress.and_then(|p| p.joint_etas(&own, now_ms)) {
+        for (e, eta) in own.iter().zip(etas) {
+            if let Some(id) = e.id {
+                ledger.set_eta(id, eta);
             }
         }
     }
