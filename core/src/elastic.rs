@@ -122,17 +122,27 @@ pub const OUTPUTS_KEPT: usize = 512;
 
 /// The output lengths of a class's most recent finished requests (ones that stopped by
 /// themselves or at their cap; a cut-short request says nothing of how long it would have run).
+/// Kept in arrival order (to drop the oldest) and sorted (so a quantile, read on every request
+/// of an elastic class, is an index, not a sort).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OutputLengths {
     recent: VecDeque<u64>,
+    sorted: Vec<u64>,
 }
 
 impl OutputLengths {
+    /// O(kept): learned at each poll, off the request path.
     pub fn push(&mut self, tokens: u64) {
         if self.recent.len() == OUTPUTS_KEPT {
-            self.recent.pop_front();
+            if let Some(old) = self.recent.pop_front() {
+                if let Ok(i) = self.sorted.binary_search(&old) {
+                    self.sorted.remove(i);
+                }
+            }
         }
         self.recent.push_back(tokens);
+        let at = self.sorted.partition_point(|t| *t <= tokens);
+        self.sorted.insert(at, tokens);
     }
 
     pub fn len(&self) -> usize {
@@ -146,11 +156,9 @@ impl OutputLengths {
     /// The `permille`/1000 quantile (nearest rank, rounding up: at least that share of the
     /// samples are at or below it). `None` without samples.
     pub fn quantile(&self, permille: u16) -> Option<u64> {
-        let mut v: Vec<u64> = self.recent.iter().copied().collect();
-        v.sort_unstable();
-        let n = v.len();
+        let n = self.sorted.len();
         let rank = (n * usize::from(permille.min(1000))).div_ceil(1000).max(1);
-        v.get(rank.checked_sub(1)?).copied()
+        self.sorted.get(rank.checked_sub(1)?).copied()
     }
 }
 
@@ -186,6 +194,18 @@ mod tests {
         }
         assert_eq!(l.len(), OUTPUTS_KEPT);
         assert_eq!(l.quantile(1000), Some(3));
+        // Arrival order and sorted order agree on what is kept.
+        let mut l = lengths(&[5, 1, 9]);
+        for t in 0..OUTPUTS_KEPT as u64 - 2 {
+            l.push(100 + t);
+        }
+        assert_eq!(
+            l.quantile(0),
+            Some(1),
+            "5 was dropped first, 1 is still kept"
+        );
+        l.push(1_000);
+        assert_eq!(l.quantile(0), Some(9), "then 1");
     }
 
     #[test]
