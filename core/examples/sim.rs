@@ -751,6 +751,17 @@ impl Backend {
         self.waiting.push_front(seq);
     }
 
+    /// A sampled token: the sequence ends at its true length, else runs on.
+    fn accept_token(&mut self, mut seq: Seq, later: &mut Vec<(usize, Note)>) {
+        seq.generated += 1;
+        if seq.generated >= seq.target {
+            let n = seq.generated;
+            self.end(seq, Note::Done(n), later);
+        } else {
+            self.running.push(seq);
+        }
+    }
+
     fn end(&mut self, mut seq: Seq, note: Note, notes: &mut Vec<(usize, Note)>) {
         release(&mut seq, &mut self.free);
         self.finished_leases.extend(seq.lease);
@@ -808,13 +819,7 @@ impl Backend {
                 later.push((seq.req, Note::FirstToken));
             }
             seq.kv = Some(len);
-            seq.generated += 1;
-            if seq.generated >= seq.target {
-                let n = seq.generated;
-                self.end(seq, Note::Done(n), later);
-            } else {
-                self.running.push(seq);
-            }
+            self.accept_token(seq, later);
         }
         prefilled
     }
@@ -872,13 +877,7 @@ impl Backend {
         let decoded = self.running.len();
         for mut seq in std::mem::take(&mut self.running) {
             seq.kv = seq.kv.map(|k| k + 1);
-            seq.generated += 1;
-            if seq.generated >= seq.target {
-                let n = seq.generated;
-                self.end(seq, Note::Done(n), later);
-            } else {
-                self.running.push(seq);
-            }
+            self.accept_token(seq, later);
         }
         decoded
     }
