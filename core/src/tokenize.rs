@@ -381,6 +381,15 @@ impl TokenCounter {
     }
 
     fn escape(&self, text: &str) -> String {
+        let typed_special = |t: &str| {
+            self.special_regex
+                .as_ref()
+                .is_some_and(|re| re.is_match(t).unwrap_or(true))
+        };
+        // The common case, plain content: one copy.
+        if !text.contains([TEXT_OPEN, TEXT_CLOSE]) && !typed_special(text) {
+            return text.to_string();
+        }
         let clean: String = if text.contains([TEXT_OPEN, TEXT_CLOSE]) {
             text.chars()
                 .filter(|c| *c != TEXT_OPEN && *c != TEXT_CLOSE)
