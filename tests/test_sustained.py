@@ -41,15 +41,35 @@ def request_for(rng):
 
 
 def test_sustained_load_with_a_slow_backend_never_ooms_and_never_reclaims_a_live_lease(stack):
-    seconds = float(os.environ.get("SUSTAINED_SECONDS", "60"))
+    sustained(stack, float(os.environ.get("SUSTAINED_SECONDS", "60")), {}, "--admission", "none")
+
+
+def test_sustained_load_with_elastic_reservations_never_fails_a_request_mid_decode(stack):
+    """The same mix with every request elastic (a 32-token prior, then the learned 0.9 quantile):
+    the backend (`--admission reserve`, `--on-kv-exhaustion error`) lends past reservations and
+    takes blocks back by recompute. Nothing may fail mid-decode or be reaped, and the gateway
+    must really have admitted elastically."""
+    policy = {"policy": {"default_class": "default", "classes": {"default": {
+        "action": "reject", "reservation": "elastic", "elastic_min_samples": 5,
+        "elastic_prior_tokens": 32}}}}
+    gw, b = sustained(stack, float(os.environ.get("ELASTIC_SUSTAINED_SECONDS", "40")), policy,
+                      "--admission", "reserve", wait_elastic=True)
+    assert gw.stats()["kvgate.elastic_admitted"] > 0
+
+
+def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False):
     blocks = 160  # 2,560 tokens: a few long prompts at once
     gw, b = stack(blocks, {
         "model": "from_backend", "fallback_model": SPEC, "fallback_token_multiplier": 1.5,
         "tick_ms": 100,
         "lease_ttl": {"base_ms": 1000, "per_output_token_ms": 0, "max_ms": 1000},
         "backend": {"poll_ms": 200, "timeout_ms": 1000, "lost_grace_ms": 400, "down_after_failures": 5},
-    }, "--admission", "none", "--step-delay-ms", "150", concurrency=2)
+        **overrides,
+    }, *backend_flags, "--step-delay-ms", "150", concurrency=2)
     gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
+    if wait_elastic:
+        gw.wait_for(lambda s: s["elastic"]["default"]["active"], 10, "the backend known to lend")
+        time.sleep(1.0)  # every worker has polled
     capacity = gw.status()["capacity_bytes"]
     pool_capacity = b.leases()["pool"]["capacity_bytes"]
     counts = {}
@@ -119,3 +139,4 @@ def test_sustained_load_with_a_slow_backend_never_ooms_and_never_reclaims_a_live
     assert st["kvgate.reaped"] == 0, "a lease was taken back while its request was alive"
     assert "reaped lease" not in gw.logs()
     assert peak["pool"] <= pool_capacity and peak["over"] == 0
+    return gw, b
