@@ -13,7 +13,7 @@ WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
 # the tests check.
 WASI_RUN  := node --no-warnings --no-incremental-marking $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: backend-test-build bench-prefill bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -89,9 +89,15 @@ gateway: wasm setup-venv
 backend-build:
 	cargo build --release -p kvgate-backend
 
+# The same binary as `cargo test --release` builds it (with the test-only dependencies' features
+# unified in): `make test` then compiles the backend's dependency tree once, not twice (about 2
+# minutes on 2 cores). It lands at the same path, target/release/kvgate-backend.
+backend-test-build:
+	cargo test --release -p kvgate-backend --no-run
+
 # Unit tests, the token-for-token reference test, then the binary with the real model, and with
 # small generated Llama-3- and Qwen-style GGUFs (tokenizer, template, stop ids checked against HF).
-test-backend: backend-build model setup-venv
+test-backend: backend-test-build model setup-venv
 	cargo test --release -p kvgate-backend
 	cd tests && ../$(PY) -m pytest -q test_backend.py test_gguf_models.py
 
@@ -116,7 +122,7 @@ down:
 	$(PY) tools/stack.py down
 
 # The closed loop: Envoy + filter + the real backend with the real model.
-test-loop: wasm backend-build model setup-venv
+test-loop: wasm backend-test-build model setup-venv
 	cd tests && ../$(PY) -m pytest -q test_loop.py test_openai_client.py test_sustained.py test_fleet.py test_elastic.py
 
 # Every config that ships: accepted by Envoy with the real filter; compose and Istio files parse.
@@ -156,6 +162,11 @@ bench: bench-core bench-gateway bench-backend bench-fleet
 # Decode tok/s vs candle-transformers, batching at 1/4/8/16 streams, time to first token.
 bench-backend: model
 	cargo run --release -p kvgate-backend --example decode_bench
+
+# A 4k-token prompt prefilled whole vs in chunks: peak extra memory against the stated bound,
+# and how long running streams pause while it is prefilled (issue 12).
+bench-prefill: model
+	cargo run --release -p kvgate-backend --example prefill_bench
 
 # One gateway into one backend vs two backends vs two gateways racing for two (issue 10): peak
 # admitted requests in flight, tokens/s, backend 429s per admission (bench/results/fleet.md).

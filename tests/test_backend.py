@@ -211,9 +211,32 @@ def test_leases_report_finished_with_cursor(backend):
     assert requests.get(b.url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 1024
     assert "serving a context of 1024 tokens" in b.logs()
     assert model["kv_bytes_per_token"] == 46_080 and len(model["fingerprint"]) == 16
+    # The gateway adds one block to every reservation (whole blocks are allocated); a prefill
+    # step's scratch is bounded and said.
+    assert model["scratch_margin_bytes"] == BLOCK_BYTES
+    assert 10 << 20 < model["prefill_scratch_bytes"] < 100 << 20
+    assert f"scratch at most {model['prefill_scratch_bytes']} bytes" in b.logs()
     assert model["tokenizer"]["special_tokens"]["<|im_end|>"] == 2
     full = requests.get(b.url + "/v1/admission/leases?include=tokenizer", timeout=10, headers=b.gateway_headers()).json()
     assert len(full["model"]["tokenizer"]["ranks"].splitlines()) > 49_000
+
+
+def test_a_long_prompt_fed_in_chunks_answers_as_it_does_fed_whole(backend):
+    text = ("The key-value cache of a transformer keeps the keys and values of every past token, "
+            "so each new token reads them instead of recomputing them. ") * 12
+    body = {"model": MODEL, "prompt": text + "In one sentence, the cache", "max_tokens": 24, "temperature": 0}
+    answers = []
+    for budget in ("16", "4096"):
+        b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES, "--prefill-token-budget", budget)
+        r = requests.post(b.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        answers.append(r.json())
+        b.wait_pool_empty()
+        b.stop()
+    chunked, whole = answers
+    assert chunked["usage"]["prompt_tokens"] > 300, "fed in 20+ chunks of 16"
+    assert chunked["choices"][0]["text"] == whole["choices"][0]["text"]
+    assert chunked["usage"] == whole["usage"]
 
 
 def test_leases_are_acknowledged_at_arrival_single_use_and_refusals_are_reported(backend):

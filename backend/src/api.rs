@@ -35,6 +35,10 @@ pub struct AppState {
     pub admission: Admission,
     /// What the gateway sends as `x-kvgate-secret`; `None`: the admission API is open.
     pub admission_secret: Option<String>,
+    /// Published in the descriptor: the margin the gateway adds to every reservation (one KV
+    /// block) and the bound on one prefill step's scratch memory.
+    pub scratch_margin_bytes: u64,
+    pub prefill_scratch_bytes: u64,
 }
 
 impl AppState {
@@ -179,6 +183,8 @@ async fn leases(
                 max_choices: 1,
                 batched_prompts: false,
             },
+            scratch_margin_bytes: Some(st.scratch_margin_bytes),
+            prefill_scratch_bytes: Some(st.prefill_scratch_bytes),
         }),
         leases,
         finished,

@@ -3,8 +3,9 @@
 //!
 //! Handlers talk to it through a cloneable `EngineHandle` (a channel). Each loop iteration:
 //! take commands; drop sequences whose client went away (their KV blocks return to the pool at
-//! once); prefill waiting sequences within a token budget; then run ONE batched decode forward
-//! for every running sequence. Forward passes never touch the async executor.
+//! once); prefill within a token budget (`--prefill-token-budget`: a long prompt goes in chunks
+//! over several steps); then run ONE batched decode forward for every running sequence whose
+//! prefill is done. Forward passes never touch the async executor.
 //!
 //! Admission (`--admission`): `reserve` takes blocks for prompt + cap when a request arrives
 //! and answers 429 if they are not free, so a sequence can never run out mid-decode; `none`
@@ -37,7 +38,6 @@
 //! `kvgate_core::wire`), stop-string hold-back in `tokenizer::TextStream`, metrics in
 //! `metrics.rs`.
 
-use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
@@ -114,6 +114,12 @@ struct Seq<K> {
     order: u64,
     /// When its last token was sampled (inter-token latency).
     last_token: Option<Instant>,
+    /// Running but part-way through its prefill: its cache holds the first chunks of
+    /// `prefill_tokens`, and it joins the decode batch once the last chunk is in.
+    prefilling: bool,
+    /// Prompt tokens counted as prefilled so far (a prompt fed again after a preemption counts
+    /// as recomputed).
+    prompt_fed: usize,
 }
 
 impl<K: KvState> Seq<K> {
@@ -121,14 +127,17 @@ impl<K: KvState> Seq<K> {
         self.kv.as_ref().map_or(0, |k| k.len() as u64)
     }
 
-    /// What its prefill runs over: the prompt, and after a preemption the tokens it generated
-    /// (all of them: the last one, never fed yet, is what the skipped decode step would feed).
-    fn prefill_tokens(&self) -> Cow<'_, [u32]> {
-        if self.generated.is_empty() {
-            Cow::Borrowed(&self.prompt)
-        } else {
-            Cow::Owned([self.prompt.as_slice(), &self.generated].concat())
-        }
+    /// `n` tokens from position `from` of what its prefill runs over: the prompt, and after a
+    /// preemption the tokens it generated (all of them: the last one, never fed yet, is what the
+    /// skipped decode step would feed).
+    fn prefill_chunk(&self, from: usize, n: usize) -> Vec<u32> {
+        self.prompt
+            .iter()
+            .chain(&self.generated)
+            .skip(from)
+            .take(n)
+            .copied()
+            .collect()
     }
 
     fn prefill_len(&self) -> usize {
@@ -250,7 +259,7 @@ impl<M: Forward> Engine<M> {
         if busy && !self.cfg.step_delay.is_zero() {
             std::thread::sleep(self.cfg.step_delay);
         }
-        self.prefill_waiting();
+        self.prefill_step();
         self.publish();
         self.decode_step();
         self.publish();
@@ -314,6 +323,8 @@ impl<M: Forward> Engine<M> {
             arrived: Instant::now(),
             order: self.arrivals,
             last_token: None,
+            prefilling: false,
+            prompt_fed: 0,
         });
     }
 
@@ -401,20 +412,33 @@ impl<M: Forward> Engine<M> {
         }
     }
 
-    fn prefill_waiting(&mut self) {
+    /// Prefill within the step's token budget: sequences part-way through their prefill go on
+    /// first (oldest first), then waiting ones start. What does not fit in the budget is fed in
+    /// chunks over the next steps, between decode steps, so a long prompt delays the running
+    /// decoders by at most `prefill_token_budget` tokens of prefill per step, never by its
+    /// whole prefill, and its attention scratch is that of one chunk.
+    fn prefill_step(&mut self) {
         let mut budget = self.cfg.prefill_token_budget;
+        let (mut partial, decoding): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|s| s.prefilling);
+        self.running = decoding;
+        partial.sort_by_key(|s| s.order);
+        for seq in partial {
+            if budget == 0 {
+                self.running.push(seq);
+            } else {
+                budget -= self.feed(seq, budget);
+            }
+        }
         // Elastic sequences waiting for blocks beyond their reservation, passed over.
         let mut passed = 0;
-        while self.running.len() < self.cfg.max_batch {
+        while budget > 0 && self.running.len() < self.cfg.max_batch {
             let others_can_free = !self.running.is_empty() || self.waiting.len() > passed + 1;
             let Some(front) = self.waiting.get_mut(passed) else {
                 break;
             };
             let len = front.prefill_len();
-            // Always take at least one sequence so a long prompt cannot starve.
-            if len > budget && budget < self.cfg.prefill_token_budget {
-                break;
-            }
             // Room for what it prefills (in reserve mode it holds prompt + cap already).
             let mut room = front.alloc.ensure_tokens(len as u64);
             if !room && front.elastic {
@@ -449,9 +473,7 @@ impl<M: Forward> Engine<M> {
             let Some(mut seq) = self.waiting.remove(passed) else {
                 break;
             };
-            budget = budget.saturating_sub(len);
-            let recompute = !seq.generated.is_empty();
-            if !recompute {
+            if seq.generated.is_empty() {
                 let queued = seq.arrived.elapsed().as_secs_f64();
                 self.metrics.queue_seconds.inc_by(queued);
                 self.metrics.queue_wait.observe(queued);
@@ -460,48 +482,70 @@ impl<M: Forward> Engine<M> {
                 self.kv_oom(seq);
                 continue;
             }
-            let started = Instant::now();
-            let result = self
-                .model
-                .new_kv(seq.alloc.tokens() as usize)
-                .and_then(|mut kv| {
-                    self.model
-                        .prefill(&seq.prefill_tokens(), &mut kv)
-                        .map(|logits| (kv, logits))
-                });
-            self.metrics
-                .prefill_seconds
-                .inc_by(started.elapsed().as_secs_f64());
-            match result {
-                Ok((kv, logits)) => {
-                    if recompute {
-                        self.metrics.recomputed_tokens.inc_by(len as u64);
-                    } else {
-                        self.metrics.prompt_tokens.inc_by(len as u64);
-                    }
+            match self.model.new_kv(seq.alloc.tokens() as usize) {
+                Ok(kv) => {
                     seq.kv = Some(kv);
-                    let next = seq.sampler.sample(&logits);
-                    let now = Instant::now();
-                    match seq.last_token.replace(now) {
-                        // After a preemption: the stall its client saw between two tokens.
-                        Some(last) => self
-                            .metrics
-                            .inter_token_latency
-                            .observe(now.duration_since(last).as_secs_f64()),
-                        None => self
-                            .metrics
-                            .time_to_first_token
-                            .observe(seq.arrived.elapsed().as_secs_f64()),
-                    }
-                    if let Some((reason, error)) = self.accept_token(&mut seq, next) {
-                        self.finish(seq, reason, error);
-                    } else {
-                        self.running.push(seq);
-                    }
+                    seq.prefilling = true;
+                    budget -= self.feed(seq, budget);
                 }
                 Err(e) => self.internal_failure(seq, &e),
             }
         }
+    }
+
+    /// Feed a prefilling sequence its next chunk, at most `budget` tokens; returns how many it
+    /// took. After the last chunk it samples its next token and joins the decode batch (or ends).
+    fn feed(&mut self, mut seq: Seq<M::Kv>, budget: usize) -> usize {
+        let total = seq.prefill_len();
+        let done = seq.kv.as_ref().map_or(0, |kv| kv.len());
+        let n = total.saturating_sub(done).min(budget);
+        let chunk = seq.prefill_chunk(done, n);
+        let started = Instant::now();
+        let result = match seq.kv.as_mut() {
+            Some(kv) => self.model.prefill(&chunk, kv),
+            None => Err(anyhow::anyhow!("a prefilling sequence without a KV cache")),
+        };
+        self.metrics
+            .prefill_seconds
+            .inc_by(started.elapsed().as_secs_f64());
+        let logits = match result {
+            Ok(logits) => logits,
+            Err(e) => {
+                self.internal_failure(seq, &e);
+                return n;
+            }
+        };
+        // Prompt positions fed for the first time count as prompt; the rest was recomputed.
+        let fresh = (done + n)
+            .min(seq.prompt.len())
+            .saturating_sub(seq.prompt_fed.max(done));
+        seq.prompt_fed = seq.prompt_fed.max((done + n).min(seq.prompt.len()));
+        self.metrics.prompt_tokens.inc_by(fresh as u64);
+        self.metrics.recomputed_tokens.inc_by((n - fresh) as u64);
+        if done + n < total {
+            self.running.push(seq);
+            return n;
+        }
+        seq.prefilling = false;
+        let next = seq.sampler.sample(&logits);
+        let now = Instant::now();
+        match seq.last_token.replace(now) {
+            // After a preemption: the stall its client saw between two tokens.
+            Some(last) => self
+                .metrics
+                .inter_token_latency
+                .observe(now.duration_since(last).as_secs_f64()),
+            None => self
+                .metrics
+                .time_to_first_token
+                .observe(seq.arrived.elapsed().as_secs_f64()),
+        }
+        if let Some((reason, error)) = self.accept_token(&mut seq, next) {
+            self.finish(seq, reason, error);
+        } else {
+            self.running.push(seq);
+        }
+        n
     }
 
     fn decode_step(&mut self) {
@@ -513,6 +557,11 @@ impl<M: Forward> Engine<M> {
         self.running.sort_by_key(|s| s.order);
         let mut i = 0;
         while i < self.running.len() {
+            if self.running.get(i).is_some_and(|s| s.prefilling) {
+                // It holds the blocks for its whole prefill already.
+                i += 1;
+                continue;
+            }
             match self.make_room(i) {
                 Room::Ready => i += 1,
                 Room::NoBlock if self.youngest_overgrown().is_some() => {
@@ -545,21 +594,21 @@ impl<M: Forward> Engine<M> {
                 }
             }
         }
-        if self.running.is_empty() {
+        let (mut decoding, prefilling): (Vec<_>, Vec<_>) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(|s| !s.prefilling);
+        self.running = prefilling;
+        if decoding.is_empty() {
             return;
         }
-        let tokens: Vec<u32> = self
-            .running
+        let tokens: Vec<u32> = decoding
             .iter()
             .map(|s| s.generated.last().copied().unwrap_or(0))
             .collect();
         let started = Instant::now();
         let result = {
-            let mut kvs: Vec<&mut M::Kv> = self
-                .running
-                .iter_mut()
-                .filter_map(|s| s.kv.as_mut())
-                .collect();
+            let mut kvs: Vec<&mut M::Kv> =
+                decoding.iter_mut().filter_map(|s| s.kv.as_mut()).collect();
             self.model.decode(&tokens, &mut kvs)
         };
         self.metrics
@@ -569,15 +618,14 @@ impl<M: Forward> Engine<M> {
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
-                for seq in std::mem::take(&mut self.running) {
+                for seq in decoding {
                     self.internal_failure(seq, &e);
                 }
                 return;
             }
         };
-        let running = std::mem::take(&mut self.running);
         let now = Instant::now();
-        for (mut seq, row) in running.into_iter().zip(logits) {
+        for (mut seq, row) in decoding.into_iter().zip(logits) {
             let next = seq.sampler.sample(&row);
             if let Some(last) = seq.last_token.replace(now) {
                 self.metrics
@@ -621,6 +669,7 @@ impl<M: Forward> Engine<M> {
     fn requeue_for_recompute(&mut self, mut seq: Seq<M::Kv>) {
         self.metrics.recompute_preemptions.inc();
         seq.kv = None;
+        seq.prefilling = false;
         if seq.elastic {
             // It keeps its reservation (the gateway counts it) and gives back what it borrowed.
             seq.alloc.shrink_to_tokens(seq.promised);

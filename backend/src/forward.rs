@@ -9,7 +9,8 @@ pub trait Forward {
     type Kv: KvState + Send;
     fn new_kv(&self, capacity: usize) -> anyhow::Result<Self::Kv>;
     fn grow_kv(&self, kv: &mut Self::Kv, capacity: usize) -> anyhow::Result<()>;
-    /// Logits of the last prompt position.
+    /// Feed `tokens` into the cache after what it holds (a whole prompt, or the next chunk of
+    /// one); logits of the last token fed.
     fn prefill(&self, tokens: &[u32], kv: &mut Self::Kv) -> anyhow::Result<Vec<f32>>;
     /// Logits, one row per sequence.
     fn decode(&self, tokens: &[u32], kvs: &mut [&mut Self::Kv]) -> anyhow::Result<Vec<Vec<f32>>>;

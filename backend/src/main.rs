@@ -61,8 +61,11 @@ struct Args {
     /// Most sequences decoded together in one batched step.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
-    /// Prompt tokens prefilled per scheduler step (at least one prompt is always taken).
-    #[arg(long, default_value_t = 2048)]
+    /// Prompt tokens prefilled per scheduler step, between decode steps: a longer prompt is fed
+    /// in chunks over several steps. Smaller: running streams pause less while a long prompt
+    /// arrives; larger: the prompt's first token comes sooner. It also bounds the prefill's
+    /// scratch memory (logged at start, and in the descriptor as `prefill_scratch_bytes`).
+    #[arg(long, default_value_t = 256)]
     prefill_token_budget: usize,
     /// Cap on the context length (the model's own is used when smaller).
     #[arg(long, default_value_t = 8192)]
@@ -152,6 +155,9 @@ async fn main() -> Result<()> {
         );
         spec.context_tokens = pool_tokens;
     }
+    let prefill_token_budget = args.prefill_token_budget.max(1);
+    let prefill_scratch =
+        llama.prefill_scratch_bytes(prefill_token_budget, spec.context_tokens as usize);
     let metrics = Arc::new(metrics::Metrics::default());
     let engine = engine::spawn(
         llama,
@@ -161,7 +167,7 @@ async fn main() -> Result<()> {
             admission: args.admission,
             on_kv_exhaustion: args.on_kv_exhaustion,
             max_batch: args.max_batch.max(1),
-            prefill_token_budget: args.prefill_token_budget.max(1),
+            prefill_token_budget,
             step_delay: std::time::Duration::from_millis(args.step_delay_ms),
         },
         metrics,
@@ -189,6 +195,8 @@ async fn main() -> Result<()> {
         spec,
         admission: args.admission,
         admission_secret,
+        scratch_margin_bytes: stats.block_bytes,
+        prefill_scratch_bytes: prefill_scratch,
     });
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
@@ -197,7 +205,7 @@ async fn main() -> Result<()> {
         .await
         .with_context(|| format!("binding {addr}"))?;
     eprintln!(
-        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; admission {:?}; on KV exhaustion {:?}; loaded in {:.1}s)",
+        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; prefill {} tokens a step, scratch at most {} bytes beside the pool; admission {:?}; on KV exhaustion {:?}; loaded in {:.1}s)",
         env!("CARGO_PKG_VERSION"),
         model_name,
         listener.local_addr()?,
@@ -210,6 +218,8 @@ async fn main() -> Result<()> {
         stats.block_tokens,
         stats.capacity_bytes,
         per_token,
+        prefill_token_budget,
+        prefill_scratch,
         args.admission,
         args.on_kv_exhaustion,
         started.elapsed().as_secs_f64(),

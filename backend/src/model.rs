@@ -119,7 +119,14 @@ pub struct Llama {
     cos: Tensor,
     sin: Tensor,
     device: Device,
+    /// The most bytes of attention scores one prefill tile holds (`ATTENTION_TILE_BYTES`).
+    attention_tile_bytes: usize,
 }
+
+/// The most bytes of attention scores a prefill computes at once (per KV head, a tile of query
+/// rows × every cached position). A larger tile is a few percent faster on a long prompt; this
+/// one keeps the prefill's scratch small beside a KV pool of a few hundred MB.
+pub const ATTENTION_TILE_BYTES: usize = 8 << 20;
 
 /// One sequence's KV cache, in host memory: per layer, K and V as `[position][kv_head][head_dim]`
 /// f32, so appending a token is one contiguous copy and growing never re-lays out the data.
@@ -246,7 +253,14 @@ impl Llama {
             lm_head,
             device: device.clone(),
             cfg,
+            attention_tile_bytes: ATTENTION_TILE_BYTES,
         })
+    }
+
+    /// The same model with another attention tile size (tests: tiles of a few rows).
+    pub fn with_attention_tile_bytes(mut self, bytes: usize) -> Llama {
+        self.attention_tile_bytes = bytes.max(1);
+        self
     }
 
     /// An empty KV cache holding room for `capacity` tokens.
@@ -281,25 +295,30 @@ impl Llama {
         Ok(())
     }
 
-    /// Prefill an empty cache with `tokens`; returns the logits of the last position, `[vocab]`.
+    /// Prefill `tokens` into a cache that may already hold earlier chunks of the same sequence
+    /// (chunked prefill: the engine feeds a long prompt a few hundred tokens per step, between
+    /// decode steps); returns the logits of the last token fed, `[vocab]`.
+    ///
+    /// Attention runs per KV head over tiles of query rows, each tile's scores at most
+    /// `attention_tile_bytes`, so its scratch is bounded whatever the prompt's length
+    /// (`prefill_scratch_bytes` states the whole bound).
     pub fn prefill(&self, tokens: &[u32], kv: &mut SeqKv) -> Result<Tensor> {
         let t = tokens.len();
         if t == 0 {
-            bail!("empty prompt");
+            bail!("empty prefill chunk");
         }
-        if !kv.is_empty() {
-            bail!("prefill needs an empty KV cache");
+        let p = kv.len;
+        if p + t > kv.capacity {
+            bail!("KV cache too small: {} > {}", p + t, kv.capacity);
         }
-        if t > kv.capacity {
-            bail!("KV cache too small: {t} > {}", kv.capacity);
+        if p + t > self.cfg.context {
+            bail!("past the context: {} > {}", p + t, self.cfg.context);
         }
         let c = &self.cfg;
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?; // [t, hidden]
-        let cos = self.cos.narrow(0, 0, t)?;
-        let sin = self.sin.narrow(0, 0, t)?;
-        let mask = causal_mask(t, &self.device)?;
-        let groups = c.heads / c.kv_heads;
+        let cos = self.cos.narrow(0, p, t)?;
+        let sin = self.sin.narrow(0, p, t)?;
         for (layer, (kc, vc)) in self.layers.iter().zip(kv.layers.iter_mut()) {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
             let q = h
@@ -312,33 +331,88 @@ impl Llama {
                 .reshape((1, t, c.kv_heads, c.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let v = h.matmul(&layer.wv)?.reshape((t, c.kv_heads, c.head_dim))?;
+            let v = h.matmul(&layer.wv)?.flatten_all()?.to_vec1::<f32>()?;
             let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?.squeeze(0)?; // [heads, t, hd]
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?.squeeze(0)?; // [kv, t, hd]
-                                                                                // The cache is [position][kv][hd]: store K transposed back, V as projected.
+                                                                                // The cache is [position][kv][hd]: K transposed back, V as projected.
             kc.extend(k.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?);
-            vc.extend(v.flatten_all()?.to_vec1::<f32>()?);
-            // Causal attention over the prompt, grouped-query: head h reads KV head h / groups.
-            let v = v.transpose(0, 1)?.contiguous()?; // [kv, t, hd]
-            let q = q.reshape((c.kv_heads, groups * t, c.head_dim))?;
-            let att = (q.matmul(&k.t()?)? / (c.head_dim as f64).sqrt())?; // [kv, groups*t, t]
-            let att = att
-                .reshape((c.kv_heads, groups, t, t))?
-                .broadcast_add(&mask)?
-                .reshape((c.kv_heads, groups * t, t))?;
-            let att = candle_nn::ops::softmax_last_dim(&att)?;
-            let y = att.matmul(&v)?; // [kv, groups*t, hd]
-            let y = y
-                .reshape((c.heads, t, c.head_dim))?
-                .transpose(0, 1)?
-                .reshape((t, c.heads * c.head_dim))?;
+            vc.extend(v);
+            let y = self.attend_chunk(&q, kc, vc, p, t)?;
             x = (x + y.matmul(&layer.wo)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
-        kv.len = t;
+        kv.len = p + t;
         let last = x.i(t - 1)?.unsqueeze(0)?;
         let last = candle_nn::ops::rms_norm(&last, &self.norm, c.rms_eps as f32)?;
         Ok(last.matmul(&self.lm_head)?.squeeze(0)?)
+    }
+
+    /// Causal attention of a chunk's queries `[heads, t, hd]` (positions `p..p + t`) over the
+    /// cached positions `0..p + t`; returns `[t, heads * hd]`. Grouped-query: head `h` reads KV
+    /// head `h / groups`. Per KV head, query rows go in tiles whose scores `[rows, p + t]` stay
+    /// under `attention_tile_bytes`.
+    fn attend_chunk(
+        &self,
+        q: &Tensor,
+        kc: &[f32],
+        vc: &[f32],
+        p: usize,
+        t: usize,
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (len, groups, hd) = (p + t, c.heads / c.kv_heads, c.head_dim);
+        let row = c.kv_heads * hd;
+        let (Some(kc), Some(vc)) = (kc.get(..len * row), vc.get(..len * row)) else {
+            bail!("KV cache shorter than {len} positions");
+        };
+        let cached = |data: &[f32]| -> Result<Tensor> {
+            Ok(
+                Tensor::from_slice(data, (len, c.kv_heads, hd), &self.device)?
+                    .transpose(0, 1)?
+                    .contiguous()?,
+            ) // [kv, len, hd]
+        };
+        let (k_all, v_all) = (cached(kc)?, cached(vc)?);
+        let q = (q.reshape((c.kv_heads, groups, t, hd))? / (hd as f64).sqrt())?;
+        let rows = (self.attention_tile_bytes / (4 * groups * len).max(1)).clamp(1, t);
+        let mut per_kv_head = Vec::with_capacity(c.kv_heads);
+        for g in 0..c.kv_heads {
+            let (qg, kt, vg) = (q.i(g)?, k_all.i(g)?.t()?, v_all.i(g)?);
+            let mut tiles = Vec::with_capacity(t.div_ceil(rows));
+            for start in (0..t).step_by(rows) {
+                let r = rows.min(t - start);
+                let qt = qg
+                    .narrow(1, start, r)?
+                    .contiguous()?
+                    .reshape((groups * r, hd))?;
+                // At most two tiles of scores are alive at once (explicit drops).
+                let scores = qt.matmul(&kt)?.reshape((groups, r, len))?;
+                let masked = scores.broadcast_add(&chunk_mask(p + start, r, len, &self.device)?)?;
+                drop(scores);
+                let weights = candle_nn::ops::softmax_last_dim(&masked)?;
+                drop(masked);
+                let y = weights.reshape((groups * r, len))?.matmul(&vg)?;
+                tiles.push(y.reshape((groups, r, hd))?);
+            }
+            per_kv_head.push(Tensor::cat(&tiles, 1)?); // [groups, t, hd]
+        }
+        Ok(Tensor::cat(&per_kv_head, 0)? // [heads, t, hd]
+            .transpose(0, 1)?
+            .reshape((t, c.heads * hd))?)
+    }
+
+    /// Bytes a prefill chunk of `chunk` tokens may use beyond the weights and the KV cache, at
+    /// a context of `context` tokens (f32): two tiles of attention scores plus the mask, the
+    /// cached K and V laid out per head, and the chunk's activations (projections, MLP, logits).
+    /// `decode_bench --prefill` measures the real peak against it.
+    pub fn prefill_scratch_bytes(&self, chunk: usize, context: usize) -> u64 {
+        let c = &self.cfg;
+        let f32s = |n: usize| 4 * n as u64;
+        let tiles = 3 * self.attention_tile_bytes as u64;
+        let cached = f32s(4 * context * c.kv_heads * c.head_dim);
+        let per_token =
+            6 * c.hidden + 6 * c.heads * c.head_dim + 4 * c.kv_heads * c.head_dim + 4 * c.ffn;
+        tiles + cached + f32s(chunk * per_token) + f32s(2 * c.vocab)
     }
 
     /// One decode step for a batch: `tokens[b]` is appended to `kvs[b]`. Returns logits
@@ -417,18 +491,19 @@ impl Llama {
     }
 }
 
-/// `[t, t]` additive causal mask: query `i` sees keys `≤ i`.
-fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
-    let m: Vec<f32> = (0..t * t)
+/// `[rows, len]` additive causal mask for queries at positions `first..first + rows`: each
+/// sees the keys at or before its own position.
+fn chunk_mask(first: usize, rows: usize, len: usize, device: &Device) -> Result<Tensor> {
+    let m: Vec<f32> = (0..rows * len)
         .map(|n| {
-            if n % t > n / t {
+            if n % len > first + n / len {
                 f32::NEG_INFINITY
             } else {
                 0.0
             }
         })
         .collect();
-    Ok(Tensor::from_vec(m, (t, t), device)?)
+    Ok(Tensor::from_vec(m, (rows, len), device)?)
 }
 
 /// One query token's attention over `len` cached positions (layout `[pos][kv][hd]`), written to

@@ -281,4 +281,59 @@ mod tests {
         assert!(diff < 1e-4, "{diff}");
         assert!(full.iter().all(|v| v.is_finite()));
     }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max)
+    }
+
+    #[test]
+    fn a_prompt_fed_in_chunks_and_tiles_gives_what_one_prefill_gives() {
+        let cfg = config("tiny", 256).unwrap();
+        let dev = Device::Cpu;
+        let prompt: Vec<u32> = (0..61u32).map(|i| (i * 37 + 11) % 512).collect();
+        let whole = Llama::synthetic(cfg.clone(), 3, &dev).unwrap();
+        let mut kv = whole.new_kv(64).unwrap();
+        let one = whole
+            .prefill(&prompt, &mut kv)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let next = whole
+            .decode(&[7], &mut [&mut kv])
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        // Tiles of one query row (groups × len × 4 bytes is over 64), and uneven chunks.
+        let tiled = Llama::synthetic(cfg, 3, &dev)
+            .unwrap()
+            .with_attention_tile_bytes(64);
+        let mut kv2 = tiled.new_kv(64).unwrap();
+        let mut last = Vec::new();
+        let mut at = 0;
+        for n in [7, 13, 1, 40] {
+            last = tiled
+                .prefill(&prompt[at..at + n], &mut kv2)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            at += n;
+            assert_eq!(kv2.len(), at);
+        }
+        assert!(max_diff(&one, &last) < 1e-4, "{}", max_diff(&one, &last));
+        // The cache the chunks left behind is the same: the next decode step agrees.
+        let next2 = tiled
+            .decode(&[7], &mut [&mut kv2])
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert!(max_diff(&next[0], &next2[0]) < 1e-4);
+        // A chunk past the cache's capacity or the context is refused, the cache untouched.
+        assert!(tiled.prefill(&[1, 2, 3, 4], &mut kv2).is_err());
+        assert_eq!(kv2.len(), 62);
+        assert!(tiled.prefill(&[], &mut kv2).is_err());
+    }
 }

@@ -605,20 +605,22 @@ fn tokenizer_spec(raw: RawTokenizer) -> Result<TokenizerSpec, ConfigError> {
 }
 
 impl Config {
-    /// This configuration with the backend's model descriptor applied: its spec and KV budget,
-    /// its tokenizer, and exact counting.
-    pub fn with_descriptor(
-        &self,
-        spec: ModelSpec,
-        kv_budget_bytes: u64,
-        tokenizer: TokenizerSpec,
-        served: crate::validate::Served,
-    ) -> Result<Config, ConfigError> {
+    /// This configuration with the backend's model descriptor applied: its spec, KV budget and
+    /// scratch margin (the configured margin when larger), its tokenizer, and exact counting.
+    pub fn with_descriptor(&self, d: crate::reconcile::Descriptor) -> Result<Config, ConfigError> {
+        let crate::reconcile::Descriptor {
+            spec,
+            kv_capacity_bytes,
+            scratch_margin_bytes,
+            tokenizer,
+            served,
+            ..
+        } = d;
         let pricing = Pricing::new(
             spec,
-            kv_budget_bytes,
+            kv_capacity_bytes,
             self.pricing.safety_fraction,
-            self.pricing.scratch_margin_bytes,
+            self.pricing.scratch_margin_bytes.max(scratch_margin_bytes),
         )?;
         Ok(Config {
             pricing,
@@ -639,6 +641,40 @@ mod tests {
     fn with(extra: &str) -> Result<Config, ConfigError> {
         let json = format!("{},{}}}", &MIN[..MIN.len() - 1], extra);
         Config::from_json(json.as_bytes())
+    }
+
+    #[test]
+    fn a_descriptor_prices_with_the_backends_spec_budget_and_at_least_its_margin() {
+        let c = with(r#""scratch_margin_bytes":1000"#).unwrap();
+        let mut d = crate::reconcile::Descriptor {
+            spec: ModelSpec {
+                layers: 2,
+                kv_heads: 1,
+                head_dim: 4,
+                kv_dtype_bytes: 2,
+                context_tokens: 512,
+            },
+            fingerprint: String::new(),
+            kv_capacity_bytes: 1 << 20,
+            scratch_margin_bytes: 5000,
+            tokenizer: c.tokenizer.clone(),
+            served: c.served.clone(),
+        };
+        let p = c.with_descriptor(d.clone()).unwrap().pricing;
+        assert_eq!(
+            (
+                p.bytes_per_token,
+                p.scratch_margin_bytes,
+                p.spec.context_tokens
+            ),
+            (32, 5000, 512)
+        );
+        // A larger configured margin stays.
+        d.scratch_margin_bytes = 10;
+        assert_eq!(
+            c.with_descriptor(d).unwrap().pricing.scratch_margin_bytes,
+            1000
+        );
     }
 
     #[test]

@@ -825,6 +825,9 @@ pub struct Descriptor {
     pub spec: crate::spec::ModelSpec,
     pub fingerprint: String,
     pub kv_capacity_bytes: u64,
+    /// Added to every reservation (one KV block: the backend allocates whole blocks); 0 when
+    /// the backend does not say.
+    pub scratch_margin_bytes: u64,
     pub tokenizer: crate::tokenize::TokenizerSpec,
     /// What the backend serves (model name, vocabulary, limits): the filter validates with it.
     pub served: crate::validate::Served,
@@ -859,6 +862,7 @@ impl Descriptor {
             spec,
             fingerprint: model.fingerprint.clone().unwrap_or_default(),
             kv_capacity_bytes: r.pool.capacity_bytes,
+            scratch_margin_bytes: model.scratch_margin_bytes.unwrap_or(0),
             tokenizer: crate::tokenize::TokenizerSpec::Custom(crate::tokenize::CustomBpe {
                 ranks,
                 pattern: tok.pattern.clone(),
@@ -890,6 +894,7 @@ mod descriptor_tests {
         let d = Descriptor::parse(body).unwrap().unwrap();
         assert_eq!(d.spec.layers, 30);
         assert_eq!(d.kv_capacity_bytes, 737_280);
+        assert_eq!(d.scratch_margin_bytes, 0, "not sent: nothing added");
         assert_eq!(d.served.model.as_deref(), Some("smol"));
         assert_eq!(
             (
@@ -917,9 +922,11 @@ mod descriptor_tests {
     #[test]
     fn carries_the_models_chat_template_and_bos() {
         let body = br#"{"pool":{"capacity_bytes":1,"used_bytes":0},"model":{"spec":{"layers":1,"kv_heads":1,"head_dim":1,"kv_dtype_bytes":4,"context_tokens":64},
+            "scratch_margin_bytes":128,"prefill_scratch_bytes":4096,
             "tokenizer":{"pattern":"\\w+|\\s+","special_tokens":{"<s>":3},"ranks":"YQ== 0\nYg== 1\nYWI= 2\n",
               "chat_template":"{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}","bos_token":"<s>","eos_token":"</s>","add_bos":3}}}"#;
         let d = Descriptor::parse(body).unwrap().unwrap();
+        assert_eq!(d.scratch_margin_bytes, 128);
         let c = crate::TokenCounter::new(&d.tokenizer).unwrap();
         let msgs = [crate::request::ChatMessage {
             role: "user".into(),

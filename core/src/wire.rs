@@ -75,6 +75,15 @@ pub struct ModelReport {
     pub vocab: Option<u64>,
     #[serde(default)]
     pub limits: LimitsReport,
+    /// What the gateway adds to every reservation: the backend allocates whole KV blocks, so a
+    /// request holds up to one block more than its tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scratch_margin_bytes: Option<u64>,
+    /// The most memory one prefill step uses beyond the weights and the KV pool (attention
+    /// tiles and activations of a `--prefill-token-budget` chunk at the full context): a device
+    /// needs weights + pool + this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_scratch_bytes: Option<u64>,
 }
 
 /// The served tokenizer. `ranks` (tiktoken format, one `base64 rank` a line) is only sent when
@@ -272,6 +281,8 @@ mod tests {
                     max_choices: 1,
                     batched_prompts: false,
                 },
+                scratch_margin_bytes: Some(16),
+                prefill_scratch_bytes: Some(1 << 20),
             }),
             leases: vec![LeaseEntry {
                 id: "7".into(),

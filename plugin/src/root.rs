@@ -158,9 +158,8 @@ impl Root {
             return Ok(());
         };
         let started = host::now_ms();
-        let cfg = base
-            .with_descriptor(d.spec, d.kv_capacity_bytes, d.tokenizer, d.served)
-            .map_err(|e| e.to_string())?;
+        let (spec, budget, fingerprint) = (d.spec, d.kv_capacity_bytes, d.fingerprint.clone());
+        let cfg = base.with_descriptor(d).map_err(|e| e.to_string())?;
         let counter = Rc::new(TokenCounter::new(&cfg.tokenizer).map_err(|e| e.to_string())?);
         let capacity = cfg.pricing.capacity_bytes;
         let (_, ledger) = store::transact(&EnvoyStore, &endpoint.ledger_key, CAS_ATTEMPTS, |l| {
@@ -169,18 +168,19 @@ impl Root {
         .map_err(|e| e.to_string())?;
         endpoint.observe(&ledger);
         host::info(&format!(
-            "kvgate: model descriptor from the backend {}: fingerprint {} ({} layers, {} KV heads x {}, context {}), KV budget {} B (capacity {} B), its own tokenizer; built in {} ms",
+            "kvgate: model descriptor from the backend {}: fingerprint {} ({} layers, {} KV heads x {}, context {}), KV budget {} B (capacity {} B), scratch margin {} B per reservation, its own tokenizer; built in {} ms",
             endpoint.name(&cfg),
-            d.fingerprint,
-            d.spec.layers,
-            d.spec.kv_heads,
-            d.spec.head_dim,
-            d.spec.context_tokens,
-            d.kv_capacity_bytes,
+            fingerprint,
+            spec.layers,
+            spec.kv_heads,
+            spec.head_dim,
+            spec.context_tokens,
+            budget,
             capacity,
+            cfg.pricing.scratch_margin_bytes,
             host::now_ms().saturating_sub(started),
         ));
-        self.descriptor_fingerprint = Some(d.fingerprint);
+        self.descriptor_fingerprint = Some(fingerprint);
         self.want_descriptor = false;
         *self.worker.runtime.borrow_mut() = Some(Rc::new(Runtime { cfg, counter }));
         Ok(())

@@ -58,8 +58,8 @@ impl Forward for Fake {
         Ok(())
     }
     fn prefill(&self, tokens: &[u32], kv: &mut FakeKv) -> anyhow::Result<Vec<f32>> {
-        anyhow::ensure!(tokens.len() <= kv.cap, "prefill past capacity");
-        kv.context = tokens.to_vec();
+        anyhow::ensure!(kv.len() + tokens.len() <= kv.cap, "prefill past capacity");
+        kv.context.extend_from_slice(tokens);
         Ok(self.logits(&kv.context))
     }
     fn decode(&self, tokens: &[u32], kvs: &mut [&mut FakeKv]) -> anyhow::Result<Vec<Vec<f32>>> {
@@ -305,6 +305,66 @@ fn batching_respects_max_batch_and_decodes_all_running_together() {
         );
     }
     assert_eq!(e.metrics.decode_steps.get(), 18, "9 steps for each pair");
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_in_chunks_between_decode_steps() {
+    // Budget 64 tokens of prefill per step; B's prompt is 150.
+    let mut e = engine(64, Admission::Reserve, usize::MAX, 8);
+    let mut a = submit(&mut e, "a", 4, 100);
+    e.step();
+    let mut b = submit(&mut e, "b", 150, 5);
+    let generated = |e: &Engine<Fake>, id: &str| {
+        e.running
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| (s.generated.len(), s.used_tokens(), s.prefilling))
+    };
+    let a0 = generated(&e, "a").unwrap().0;
+    for (step, fed) in [(1, 64), (2, 128)] {
+        e.step();
+        // A decoded one token in each step while B was part-way through its prompt.
+        assert_eq!(generated(&e, "a").unwrap().0, a0 + step);
+        assert_eq!(generated(&e, "b"), Some((0, fed, true)));
+        let lease = e.published.lock().unwrap().leases.clone();
+        let lb = lease.iter().find(|l| l.id == "b").unwrap();
+        assert_eq!((lb.state, lb.used_tokens), (LeaseState::Running, fed));
+        assert!(events(&mut b)
+            .iter()
+            .all(|ev| !matches!(ev, Event::Text(_))));
+    }
+    // The last 22 tokens and its first token; it decodes with A in the same step.
+    e.step();
+    assert_eq!(generated(&e, "b"), Some((2, 151, false)));
+    for _ in 0..10 {
+        e.step();
+    }
+    let evs = events(&mut b);
+    assert_eq!(finished(&evs), Some((FinishReason::Length, 5, false)));
+    // Fed in chunks, it says exactly what it says fed at once (the model reads its whole
+    // context), and its prompt is counted once.
+    let mut whole = engine(64, Admission::Reserve, usize::MAX, 8);
+    whole.cfg.prefill_token_budget = 1000;
+    let mut w = submit(&mut whole, "b", 150, 5);
+    for _ in 0..10 {
+        whole.step();
+    }
+    assert_eq!(text(&evs), text(&events(&mut w)));
+    assert_eq!(e.metrics.prompt_tokens.get(), 154);
+    assert_eq!(e.metrics.recomputed_tokens.get(), 0);
+
+    // A client gone, or a cancel, part-way through a prefill frees its blocks at once.
+    let free = e.pool.stats().blocks_free;
+    let c = submit(&mut e, "c", 200, 5);
+    let _d = submit(&mut e, "d", 200, 5);
+    e.step();
+    assert_eq!(generated(&e, "c").map(|g| g.2), Some(true));
+    drop(c);
+    assert!(e.preempt("d"));
+    e.step();
+    assert_eq!(e.pool.stats().blocks_free, free);
+    assert!(finished(&events(&mut a)).is_none(), "A still running");
+    e.pool.check().unwrap();
 }
 
 /// Two sequences that each fit the pool alone but not together: A (prompt 10) and B (prompt
