@@ -215,6 +215,7 @@ def test_leases_report_finished_with_cursor(backend):
     # step's scratch is bounded and said.
     assert model["scratch_margin_bytes"] == BLOCK_BYTES
     assert 10 << 20 < model["prefill_scratch_bytes"] < 100 << 20
+    assert 0 < model["decode_scratch_bytes"] < model["prefill_scratch_bytes"], "host KV: a row of scores"
     assert f"scratch at most {model['prefill_scratch_bytes']} bytes" in b.logs()
     assert model["tokenizer"]["special_tokens"]["<|im_end|>"] == 2
     full = requests.get(b.url + "/v1/admission/leases?include=tokenizer", timeout=10, headers=b.gateway_headers()).json()
@@ -237,6 +238,34 @@ def test_a_long_prompt_fed_in_chunks_answers_as_it_does_fed_whole(backend):
     assert chunked["usage"]["prompt_tokens"] > 300, "fed in 20+ chunks of 16"
     assert chunked["choices"][0]["text"] == whole["choices"][0]["text"]
     assert chunked["usage"] == whole["usage"]
+
+
+def test_the_paged_kv_arena_answers_as_the_host_caches_do(backend):
+    """`--kv-layout paged` (the CUDA default: one preallocated arena whose blocks are the pool's,
+    attention over it on the device) against the host caches, on CPU: the same greedy text for
+    requests decoded together in one batch, across block boundaries."""
+    prompts = ["Once upon a time", "The capital of France is", "1, 2, 3, 4,",
+               "Write a haiku about the sea. " * 6]
+    answers = {}
+    for layout in ("host", "paged"):
+        b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES, "--kv-layout", layout, "--prefill-token-budget", "32")
+        assert f"{layout} KV" in b.logs()
+        out = [None] * len(prompts)
+
+        def run(i):
+            out[i] = requests.post(b.url + "/v1/completions", timeout=120, json={
+                "model": MODEL, "prompt": prompts[i], "max_tokens": 40, "temperature": 0}).json()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        answers[layout] = [o["choices"][0]["text"] for o in out]
+        assert all(o["usage"]["completion_tokens"] > 0 for o in out)
+        b.wait_pool_empty()
+        b.stop()
+    assert answers["paged"] == answers["host"]
 
 
 def test_leases_are_acknowledged_at_arrival_single_use_and_refusals_are_reported(backend):

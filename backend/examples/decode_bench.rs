@@ -1,6 +1,7 @@
 //! Decode benchmark, same run, same model, same dequantized f32 weights:
 //! - single-stream greedy decode tok/s: ours vs candle-transformers' `quantized_llama`;
-//! - aggregate decode tok/s of our batched forward at 1, 4, 8 and 16 concurrent sequences;
+//! - aggregate decode tok/s of our batched forward at 1, 4, 8 and 16 concurrent sequences, with
+//!   host caches and with the paged KV arena;
 //! - time to first token (prefill + first sample) for a ~100-token chat prompt.
 //!
 //! `cargo run --release -p kvgate-backend --example decode_bench [-- MODEL.gguf]`
@@ -63,30 +64,32 @@ fn main() {
     }
     let ref_tps = STEPS as f64 / t0.elapsed().as_secs_f64();
 
+    // The same weights with the paged KV arena (`--kv-layout paged`, the CUDA default): each
+    // sequence in its own run of the pool's blocks.
+    let block_tokens = 16;
+    let per_seq = (prompt.len() + STEPS + 1).div_ceil(block_tokens);
+    let mut f3 = std::fs::File::open(&path).unwrap();
+    let ct3 = gguf_file::Content::read(&mut f3).unwrap();
+    let paged = Llama::from_gguf(&ct3, &mut f3, ours.cfg.clone(), &dev)
+        .unwrap()
+        .with_paged_kv(16 * per_seq, block_tokens)
+        .unwrap();
     let mut rows = Vec::new();
     let mut ttft = None;
     for batch in [1usize, 4, 8, 16] {
-        let mut kvs: Vec<_> = (0..batch)
-            .map(|_| ours.new_kv(prompt.len() + STEPS + 1).unwrap())
-            .collect();
-        let mut next = Vec::with_capacity(batch);
-        for kv in kvs.iter_mut() {
-            let t0 = Instant::now();
-            let logits = ours.prefill(&prompt, kv).unwrap();
-            next.push(argmax(&logits.to_vec1::<f32>().unwrap()));
-            ttft.get_or_insert(t0.elapsed());
-        }
-        let t0 = Instant::now();
-        for _ in 0..STEPS {
-            let mut refs: Vec<_> = kvs.iter_mut().collect();
-            let logits = ours
-                .decode(&next, &mut refs)
-                .unwrap()
-                .to_vec2::<f32>()
-                .unwrap();
-            next = logits.iter().map(|r| argmax(r)).collect();
-        }
-        rows.push((batch, (batch * STEPS) as f64 / t0.elapsed().as_secs_f64()));
+        let host_tps = decode_tps(&ours, &prompt, batch, |_| vec![], &mut ttft);
+        let paged_tps = decode_tps(
+            &paged,
+            &prompt,
+            batch,
+            |i| {
+                (0..per_seq as u32)
+                    .map(|b| i as u32 * per_seq as u32 + b)
+                    .collect()
+            },
+            &mut None,
+        );
+        rows.push((batch, host_tps, paged_tps));
     }
     let single = rows[0].1;
     println!(
@@ -108,9 +111,45 @@ fn main() {
         ours_ttft / (ref_ttft.as_secs_f64() * 1e3)
     );
     println!();
-    println!("| concurrent streams | aggregate decode tok/s | vs 1 stream |");
-    println!("|---|---|---|");
-    for (b, tps) in rows {
-        println!("| {b} | {tps:.1} | {:.2}x |", tps / single);
+    println!("| concurrent streams | aggregate decode tok/s | vs 1 stream | paged KV arena tok/s | paged / host |");
+    println!("|---|---|---|---|---|");
+    for (b, tps, paged) in rows {
+        println!(
+            "| {b} | {tps:.1} | {:.2}x | {paged:.1} | {:.2} |",
+            tps / single,
+            paged / tps
+        );
     }
+}
+
+/// Aggregate decode tok/s of `batch` sequences decoded together for `STEPS` steps after their
+/// prefill; `blocks(i)` is sequence `i`'s block table (empty for host caches).
+fn decode_tps(
+    m: &Llama,
+    prompt: &[u32],
+    batch: usize,
+    blocks: impl Fn(usize) -> Vec<u32>,
+    ttft: &mut Option<std::time::Duration>,
+) -> f64 {
+    let mut kvs: Vec<_> = (0..batch)
+        .map(|i| m.new_kv(&blocks(i), prompt.len() + STEPS + 1).unwrap())
+        .collect();
+    let mut next = Vec::with_capacity(batch);
+    for kv in kvs.iter_mut() {
+        let t0 = Instant::now();
+        let logits = m.prefill(prompt, kv).unwrap();
+        next.push(argmax(&logits.to_vec1::<f32>().unwrap()));
+        ttft.get_or_insert(t0.elapsed());
+    }
+    let t0 = Instant::now();
+    for _ in 0..STEPS {
+        let mut refs: Vec<_> = kvs.iter_mut().collect();
+        let logits = m
+            .decode(&next, &mut refs)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        next = logits.iter().map(|r| argmax(r)).collect();
+    }
+    (batch * STEPS) as f64 / t0.elapsed().as_secs_f64()
 }

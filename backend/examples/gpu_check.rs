@@ -1,6 +1,9 @@
 //! GPU readiness check on synthetic weights (no model file needed); `tools/gpu-check.sh` runs the
 //! prebuilt binary on a CUDA machine.
 //!
+//! Both parts run the device with the paged KV arena (`--kv-layout paged`, what the server uses
+//! on CUDA: KV and attention stay on the device); the CPU side keeps host caches.
+//!
 //! 1. Correctness: the same synthetic weights (same seed) on the CPU and on `--device`; three
 //!    prompts of different lengths are prefilled, then decoded together in batched steps. Both
 //!    devices are fed the CPU's greedy tokens (teacher forcing, so one near-tie cannot cascade).
@@ -168,7 +171,8 @@ fn check(shape: &str, layers: Option<usize>, dev: &Device, steps: usize) -> Resu
         cfg.layers = l;
     }
     let cpu = Llama::synthetic(cfg.clone(), SEED, &Device::Cpu)?;
-    let gpu = Llama::synthetic(cfg.clone(), SEED, dev)?;
+    let per = (64 + steps + 1).div_ceil(BLOCK);
+    let gpu = Llama::synthetic(cfg.clone(), SEED, dev)?.with_paged_kv(3 * per, BLOCK)?;
     let prompts: Vec<Vec<u32>> = [7usize, 33, 64]
         .iter()
         .zip(1u32..)
@@ -178,9 +182,9 @@ fn check(shape: &str, layers: Option<usize>, dev: &Device, steps: usize) -> Resu
     let mut kc = Vec::new();
     let mut kg = Vec::new();
     let mut next = Vec::new();
-    for p in &prompts {
-        let mut a = cpu.new_kv(p.len() + steps + 1)?;
-        let mut b = gpu.new_kv(p.len() + steps + 1)?;
+    for (i, p) in prompts.iter().enumerate() {
+        let mut a = cpu.new_kv(&[], p.len() + steps + 1)?;
+        let mut b = gpu.new_kv(&table(i, per), p.len() + steps + 1)?;
         let lc = cpu.prefill(p, &mut a)?.to_vec1::<f32>()?;
         let lg = gpu.prefill(p, &mut b)?.to_vec1::<f32>()?;
         cmp.add(&lc, &lg)?;
@@ -201,6 +205,14 @@ fn check(shape: &str, layers: Option<usize>, dev: &Device, steps: usize) -> Resu
     Ok(cmp)
 }
 
+/// Tokens per KV block of the paged arena (the server's default `--block-size`).
+const BLOCK: usize = 16;
+
+/// Sequence `i`'s block table: its own run of `per` blocks.
+fn table(i: usize, per: usize) -> Vec<u32> {
+    (i * per..(i + 1) * per).map(|b| b as u32).collect()
+}
+
 struct Bench {
     shape: String,
     params: u64,
@@ -215,13 +227,14 @@ fn bench(shape: &str, dev: &Device, steps: usize, prompt_len: usize) -> Result<B
     let cfg = synthetic::config(shape, 8192)?;
     let params = synthetic::parameters(&cfg);
     let t0 = Instant::now();
-    let m = Llama::synthetic(cfg.clone(), SEED, dev)?;
+    let per = (prompt_len + steps + 4).div_ceil(BLOCK);
+    let m = Llama::synthetic(cfg.clone(), SEED, dev)?.with_paged_kv(17 * per, BLOCK)?;
     dev.synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();
     // Warm-up: kernels load lazily, cuBLAS picks algorithms on first use.
     {
         let p = prompt(prompt_len, 99, cfg.vocab);
-        let mut kv = m.new_kv(p.len() + 4)?;
+        let mut kv = m.new_kv(&table(0, per), p.len() + 4)?;
         let l = m.prefill(&p, &mut kv)?.to_vec1::<f32>()?;
         let mut refs = [&mut kv];
         m.decode(&[argmax(&l)], &mut refs)?.to_vec2::<f32>()?;
@@ -230,7 +243,7 @@ fn bench(shape: &str, dev: &Device, steps: usize, prompt_len: usize) -> Result<B
     let mut ttfts = Vec::new();
     for salt in 0..3 {
         let p = prompt(prompt_len, salt, cfg.vocab);
-        let mut kv = m.new_kv(p.len() + 1)?;
+        let mut kv = m.new_kv(&table(0, per), p.len() + 1)?;
         let t0 = Instant::now();
         let l = m.prefill(&p, &mut kv)?.to_vec1::<f32>()?;
         let _ = argmax(&l);
@@ -244,7 +257,7 @@ fn bench(shape: &str, dev: &Device, steps: usize, prompt_len: usize) -> Result<B
         let mut next = Vec::new();
         for s in 0..streams {
             let p = prompt(prompt_len, 1000 + s as u32, cfg.vocab);
-            let mut kv = m.new_kv(p.len() + steps + 1)?;
+            let mut kv = m.new_kv(&table(s + 1, per), p.len() + steps + 1)?;
             next.push(argmax(&m.prefill(&p, &mut kv)?.to_vec1::<f32>()?));
             kvs.push(kv);
         }

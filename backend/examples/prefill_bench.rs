@@ -98,10 +98,10 @@ fn memory_arm(o: &Opts, chunk: usize) {
     let (model, tok, per_token) = load(o);
     let prompt = long_prompt(&tok, o.prompt);
     // Warm the allocator and the kernels on a short prefill first.
-    let mut warm = model.new_kv(64).unwrap();
+    let mut warm = model.new_kv(&[], 64).unwrap();
     model.prefill(&prompt[..32], &mut warm).unwrap();
     drop(warm);
-    let mut kv = model.new_kv(o.prompt).unwrap();
+    let mut kv = model.new_kv(&[], o.prompt).unwrap();
     std::fs::write("/proc/self/clear_refs", "5").unwrap();
     let before = proc_status("VmRSS:");
     let t0 = Instant::now();

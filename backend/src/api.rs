@@ -39,6 +39,7 @@ pub struct AppState {
     /// block) and the bound on one prefill step's scratch memory.
     pub scratch_margin_bytes: u64,
     pub prefill_scratch_bytes: u64,
+    pub decode_scratch_bytes: u64,
 }
 
 impl AppState {
@@ -185,6 +186,7 @@ async fn leases(
             },
             scratch_margin_bytes: Some(st.scratch_margin_bytes),
             prefill_scratch_bytes: Some(st.prefill_scratch_bytes),
+            decode_scratch_bytes: Some(st.decode_scratch_bytes),
         }),
         leases,
         finished,

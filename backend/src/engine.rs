@@ -482,7 +482,10 @@ impl<M: Forward> Engine<M> {
                 self.kv_oom(seq);
                 continue;
             }
-            match self.model.new_kv(seq.alloc.tokens() as usize) {
+            match self
+                .model
+                .new_kv(seq.alloc.ids(), seq.alloc.tokens() as usize)
+            {
                 Ok(kv) => {
                     seq.kv = Some(kv);
                     seq.prefilling = true;
@@ -651,7 +654,7 @@ impl<M: Forward> Engine<M> {
         let cap = s.alloc.tokens() as usize;
         if let Some(kv) = s.kv.as_mut() {
             if cap > kv.capacity() {
-                if let Err(e) = self.model.grow_kv(kv, cap) {
+                if let Err(e) = self.model.grow_kv(kv, s.alloc.ids(), cap) {
                     eprintln!("kvgate-backend: growing a KV cache failed: {e:#}");
                 }
             }

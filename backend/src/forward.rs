@@ -7,8 +7,10 @@ use crate::model::{Llama, SeqKv};
 
 pub trait Forward {
     type Kv: KvState + Send;
-    fn new_kv(&self, capacity: usize) -> anyhow::Result<Self::Kv>;
-    fn grow_kv(&self, kv: &mut Self::Kv, capacity: usize) -> anyhow::Result<()>;
+    /// An empty cache for `capacity` tokens in the KV blocks `blocks` (the pool's ids).
+    fn new_kv(&self, blocks: &[u32], capacity: usize) -> anyhow::Result<Self::Kv>;
+    /// Grow to `capacity` tokens in `blocks` (the blocks it had, then new ones).
+    fn grow_kv(&self, kv: &mut Self::Kv, blocks: &[u32], capacity: usize) -> anyhow::Result<()>;
     /// Feed `tokens` into the cache after what it holds (a whole prompt, or the next chunk of
     /// one); logits of the last token fed.
     fn prefill(&self, tokens: &[u32], kv: &mut Self::Kv) -> anyhow::Result<Vec<f32>>;
@@ -37,11 +39,11 @@ impl KvState for SeqKv {
 
 impl Forward for Llama {
     type Kv = SeqKv;
-    fn new_kv(&self, capacity: usize) -> anyhow::Result<SeqKv> {
-        Llama::new_kv(self, capacity)
+    fn new_kv(&self, blocks: &[u32], capacity: usize) -> anyhow::Result<SeqKv> {
+        Llama::new_kv(self, blocks, capacity)
     }
-    fn grow_kv(&self, kv: &mut SeqKv, capacity: usize) -> anyhow::Result<()> {
-        Llama::grow_kv(self, kv, capacity)
+    fn grow_kv(&self, kv: &mut SeqKv, blocks: &[u32], capacity: usize) -> anyhow::Result<()> {
+        Llama::grow_kv(self, kv, blocks, capacity)
     }
     fn prefill(&self, tokens: &[u32], kv: &mut SeqKv) -> anyhow::Result<Vec<f32>> {
         Ok(Llama::prefill(self, tokens, kv)?.to_vec1::<f32>()?)

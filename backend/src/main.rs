@@ -41,6 +41,12 @@ struct Args {
     /// Device: `cpu`, or `cuda:N` (build with `--features cuda`).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Where the KV cache lives. `paged`: one arena of `--kv-cache-bytes`, allocated at start on
+    /// the device, whose blocks are the pool's blocks; attention reads it there. `host`: each
+    /// sequence's cache in host memory, attention in a tight host loop (faster on CPU).
+    /// `auto`: `paged` on CUDA, `host` on CPU.
+    #[arg(long, value_enum, default_value_t = KvLayout::Auto)]
+    kv_layout: KvLayout,
     /// Hard budget of the KV cache in bytes (rounded down to whole blocks).
     #[arg(long, default_value_t = 512 * 1024 * 1024)]
     kv_cache_bytes: u64,
@@ -79,6 +85,13 @@ struct Args {
     /// demand, for sustained-load tests of the gateway).
     #[arg(long, default_value_t = 0, hide = true)]
     step_delay_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum KvLayout {
+    Auto,
+    Paged,
+    Host,
 }
 
 fn device(spec: &str) -> Result<Device> {
@@ -145,6 +158,18 @@ async fn main() -> Result<()> {
     // Serve no more context than the pool can hold for one sequence (vLLM refuses to start in
     // that case; we clamp and say so): a request without max_tokens is then priced at what can
     // really run, not refused as larger than the whole pool.
+    let paged = match args.kv_layout {
+        KvLayout::Paged => true,
+        KvLayout::Host => false,
+        KvLayout::Auto => !dev.is_cpu(),
+    };
+    let llama = if paged {
+        llama
+            .with_paged_kv(stats.blocks_total as usize, stats.block_tokens as usize)
+            .context("allocating the KV arena (lower --kv-cache-bytes)")?
+    } else {
+        llama
+    };
     let mut spec = spec;
     let pool_tokens = u64::from(stats.blocks_total) * u64::from(stats.block_tokens);
     if pool_tokens < spec.context_tokens {
@@ -158,6 +183,8 @@ async fn main() -> Result<()> {
     let prefill_token_budget = args.prefill_token_budget.max(1);
     let prefill_scratch =
         llama.prefill_scratch_bytes(prefill_token_budget, spec.context_tokens as usize);
+    let decode_scratch =
+        llama.decode_scratch_bytes(args.max_batch.max(1), spec.context_tokens as usize);
     let metrics = Arc::new(metrics::Metrics::default());
     let engine = engine::spawn(
         llama,
@@ -197,6 +224,7 @@ async fn main() -> Result<()> {
         admission_secret,
         scratch_margin_bytes: stats.block_bytes,
         prefill_scratch_bytes: prefill_scratch,
+        decode_scratch_bytes: decode_scratch,
     });
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
@@ -205,7 +233,7 @@ async fn main() -> Result<()> {
         .await
         .with_context(|| format!("binding {addr}"))?;
     eprintln!(
-        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; prefill {} tokens a step, scratch at most {} bytes beside the pool; admission {:?}; on KV exhaustion {:?}; loaded in {:.1}s)",
+        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; {} KV; prefill {} tokens a step, scratch at most {} bytes beside the pool (a decode step's: {} bytes); admission {:?}; on KV exhaustion {:?}; loaded in {:.1}s)",
         env!("CARGO_PKG_VERSION"),
         model_name,
         listener.local_addr()?,
@@ -218,8 +246,10 @@ async fn main() -> Result<()> {
         stats.block_tokens,
         stats.capacity_bytes,
         per_token,
+        if paged { "paged" } else { "host" },
         prefill_token_budget,
         prefill_scratch,
+        decode_scratch,
         args.admission,
         args.on_kv_exhaustion,
         started.elapsed().as_secs_f64(),

@@ -121,6 +121,19 @@ pub struct Llama {
     device: Device,
     /// The most bytes of attention scores one prefill tile holds (`ATTENTION_TILE_BYTES`).
     attention_tile_bytes: usize,
+    /// Paged KV (`with_paged_kv`): every sequence's K and V in one preallocated arena on the
+    /// model's device, indexed by the pool's block ids. `None`: per-sequence host caches.
+    arena: Option<Arena>,
+}
+
+/// One preallocated KV cache for every sequence: per layer, K and V as `[slots, kv_heads *
+/// head_dim]` on the model's device, where slot `block * block_tokens + i` is token `i` of KV
+/// block `block` (the pool's block ids: the block table is the allocation). Its size is the
+/// pool's budget, allocated once at start.
+struct Arena {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    block_tokens: usize,
 }
 
 /// The most bytes of attention scores a prefill computes at once (per KV head, a tile of query
@@ -128,11 +141,13 @@ pub struct Llama {
 /// one keeps the prefill's scratch small beside a KV pool of a few hundred MB.
 pub const ATTENTION_TILE_BYTES: usize = 8 << 20;
 
-/// One sequence's KV cache, in host memory: per layer, K and V as `[position][kv_head][head_dim]`
+/// One sequence's KV cache. Host layout: per layer, K and V as `[position][kv_head][head_dim]`
 /// f32, so appending a token is one contiguous copy and growing never re-lays out the data.
-/// `capacity` is what the caller's KV blocks pay for; the vectors never hold more.
+/// Paged layout: no storage of its own, only its block table into the model's arena.
+/// `capacity` is what the caller's KV blocks pay for; it never holds more.
 pub struct SeqKv {
     layers: Vec<(Vec<f32>, Vec<f32>)>,
+    table: Vec<u32>,
     len: usize,
     capacity: usize,
 }
@@ -254,6 +269,7 @@ impl Llama {
             device: device.clone(),
             cfg,
             attention_tile_bytes: ATTENTION_TILE_BYTES,
+            arena: None,
         })
     }
 
@@ -263,8 +279,31 @@ impl Llama {
         self
     }
 
-    /// An empty KV cache holding room for `capacity` tokens.
-    pub fn new_kv(&self, capacity: usize) -> Result<SeqKv> {
+    /// Keep every sequence's KV in one preallocated arena of `blocks` blocks of `block_tokens`
+    /// tokens on the model's device (the pool's blocks; `new_kv` gets each sequence's ids).
+    pub fn with_paged_kv(mut self, blocks: usize, block_tokens: usize) -> Result<Llama> {
+        let slots = blocks * block_tokens;
+        let row = self.cfg.kv_heads * self.cfg.head_dim;
+        let zeros = || Tensor::zeros((slots, row), DType::F32, &self.device);
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for _ in 0..self.cfg.layers {
+            k.push(zeros()?);
+            v.push(zeros()?);
+        }
+        self.arena = Some(Arena { k, v, block_tokens });
+        Ok(self)
+    }
+
+    /// An empty KV cache holding room for `capacity` tokens, in the KV blocks `blocks`.
+    pub fn new_kv(&self, blocks: &[u32], capacity: usize) -> Result<SeqKv> {
+        if let Some(a) = &self.arena {
+            return Ok(SeqKv {
+                layers: Vec::new(),
+                table: blocks.to_vec(),
+                len: 0,
+                capacity: capacity.min(blocks.len() * a.block_tokens),
+            });
+        }
         let row = self.cfg.kv_heads * self.cfg.head_dim;
         let layers = (0..self.cfg.layers)
             .map(|_| {
@@ -276,14 +315,24 @@ impl Llama {
             .collect();
         Ok(SeqKv {
             layers,
+            table: Vec::new(),
             len: 0,
             capacity,
         })
     }
 
-    /// Grow a cache to `capacity` tokens (the caller holds the KV blocks for them).
-    pub fn grow_kv(&self, kv: &mut SeqKv, capacity: usize) -> Result<()> {
+    /// Grow a cache to `capacity` tokens in the KV blocks `blocks` (the caller holds them; the
+    /// blocks it had stay first).
+    pub fn grow_kv(&self, kv: &mut SeqKv, blocks: &[u32], capacity: usize) -> Result<()> {
         if capacity <= kv.capacity {
+            return Ok(());
+        }
+        if let Some(a) = &self.arena {
+            if blocks.get(..kv.table.len()) != Some(kv.table.as_slice()) {
+                bail!("a growing KV cache lost its blocks");
+            }
+            kv.table = blocks.to_vec();
+            kv.capacity = capacity.min(blocks.len() * a.block_tokens);
             return Ok(());
         }
         let row = self.cfg.kv_heads * self.cfg.head_dim;
@@ -292,6 +341,31 @@ impl Llama {
             v.reserve_exact(capacity * row - v.len());
         }
         kv.capacity = capacity;
+        Ok(())
+    }
+
+    /// Arena slots of positions `from..from + n` of a paged cache.
+    fn slots(a: &Arena, kv: &SeqKv, from: usize, n: usize) -> Result<Vec<u32>> {
+        (from..from + n)
+            .map(|p| {
+                let block = kv
+                    .table
+                    .get(p / a.block_tokens)
+                    .with_context(|| format!("position {p} past the cache's blocks"))?;
+                Ok(*block * a.block_tokens as u32 + (p % a.block_tokens) as u32)
+            })
+            .collect()
+    }
+
+    /// Write `rows` (`[n, kv_heads * head_dim]`) into the arena tensor at `slots`, in place.
+    fn write_rows(store: &Tensor, slots: &[u32], rows: &Tensor) -> Result<()> {
+        let width = rows.dim(1)?;
+        let idx: Vec<u32> = slots
+            .iter()
+            .flat_map(|&s| std::iter::repeat_n(s, width))
+            .collect();
+        let idx = Tensor::from_vec(idx, (slots.len(), width), rows.device())?;
+        store.scatter_set(&idx, &rows.contiguous()?, 0)?;
         Ok(())
     }
 
@@ -315,11 +389,21 @@ impl Llama {
             bail!("past the context: {} > {}", p + t, self.cfg.context);
         }
         let c = &self.cfg;
+        let row = c.kv_heads * c.head_dim;
         let ids = Tensor::new(tokens, &self.device)?;
         let mut x = self.embed.index_select(&ids, 0)?; // [t, hidden]
         let cos = self.cos.narrow(0, p, t)?;
         let sin = self.sin.narrow(0, p, t)?;
-        for (layer, (kc, vc)) in self.layers.iter().zip(kv.layers.iter_mut()) {
+        // Paged: where this chunk goes in the arena, and every position it attends to.
+        let paged = match &self.arena {
+            Some(a) => {
+                let all = Self::slots(a, kv, 0, p + t)?;
+                let new = all.get(p..).unwrap_or(&[]).to_vec();
+                Some((a, new, Tensor::new(all.as_slice(), &self.device)?))
+            }
+            None => None,
+        };
+        for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
             let q = h
                 .matmul(&layer.wq)?
@@ -331,13 +415,37 @@ impl Llama {
                 .reshape((1, t, c.kv_heads, c.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let v = h.matmul(&layer.wv)?.flatten_all()?.to_vec1::<f32>()?;
+            let v = h.matmul(&layer.wv)?; // [t, kv * hd]
             let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?.squeeze(0)?; // [heads, t, hd]
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?.squeeze(0)?; // [kv, t, hd]
-                                                                                // The cache is [position][kv][hd]: K transposed back, V as projected.
-            kc.extend(k.transpose(0, 1)?.flatten_all()?.to_vec1::<f32>()?);
-            vc.extend(v);
-            let y = self.attend_chunk(&q, kc, vc, p, t)?;
+                                                                                // Cached rows are [position][kv][hd]: K transposed back, V as projected.
+            let k = k.transpose(0, 1)?.reshape((t, row))?;
+            let (k_all, v_all) = match &paged {
+                Some((a, new, all)) => {
+                    let (Some(ks), Some(vs)) = (a.k.get(li), a.v.get(li)) else {
+                        bail!("layer {li} missing in the KV arena")
+                    };
+                    Self::write_rows(ks, new, &k)?;
+                    Self::write_rows(vs, new, &v)?;
+                    (ks.index_select(all, 0)?, vs.index_select(all, 0)?)
+                }
+                None => {
+                    let Some((kc, vc)) = kv.layers.get_mut(li) else {
+                        bail!("layer {li} missing in cache")
+                    };
+                    kc.extend(k.flatten_all()?.to_vec1::<f32>()?);
+                    vc.extend(v.flatten_all()?.to_vec1::<f32>()?);
+                    let (Some(kc), Some(vc)) = (kc.get(..(p + t) * row), vc.get(..(p + t) * row))
+                    else {
+                        bail!("KV cache shorter than {} positions", p + t);
+                    };
+                    (
+                        Tensor::from_slice(kc, (p + t, row), &self.device)?,
+                        Tensor::from_slice(vc, (p + t, row), &self.device)?,
+                    )
+                }
+            };
+            let y = self.attend_chunk(&q, &k_all, &v_all, p, t)?;
             x = (x + y.matmul(&layer.wo)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
@@ -348,31 +456,26 @@ impl Llama {
     }
 
     /// Causal attention of a chunk's queries `[heads, t, hd]` (positions `p..p + t`) over the
-    /// cached positions `0..p + t`; returns `[t, heads * hd]`. Grouped-query: head `h` reads KV
-    /// head `h / groups`. Per KV head, query rows go in tiles whose scores `[rows, p + t]` stay
-    /// under `attention_tile_bytes`.
+    /// cached rows `[p + t, kv_heads * hd]` of positions `0..p + t`; returns `[t, heads * hd]`.
+    /// Grouped-query: head `h` reads KV head `h / groups`. Per KV head, query rows go in tiles
+    /// whose scores `[rows, p + t]` stay under `attention_tile_bytes`.
     fn attend_chunk(
         &self,
         q: &Tensor,
-        kc: &[f32],
-        vc: &[f32],
+        k_rows: &Tensor,
+        v_rows: &Tensor,
         p: usize,
         t: usize,
     ) -> Result<Tensor> {
         let c = &self.cfg;
         let (len, groups, hd) = (p + t, c.heads / c.kv_heads, c.head_dim);
-        let row = c.kv_heads * hd;
-        let (Some(kc), Some(vc)) = (kc.get(..len * row), vc.get(..len * row)) else {
-            bail!("KV cache shorter than {len} positions");
+        let per_head = |rows: &Tensor| -> Result<Tensor> {
+            Ok(rows
+                .reshape((len, c.kv_heads, hd))?
+                .transpose(0, 1)?
+                .contiguous()?) // [kv, len, hd]
         };
-        let cached = |data: &[f32]| -> Result<Tensor> {
-            Ok(
-                Tensor::from_slice(data, (len, c.kv_heads, hd), &self.device)?
-                    .transpose(0, 1)?
-                    .contiguous()?,
-            ) // [kv, len, hd]
-        };
-        let (k_all, v_all) = (cached(kc)?, cached(vc)?);
+        let (k_all, v_all) = (per_head(k_rows)?, per_head(v_rows)?);
         let q = (q.reshape((c.kv_heads, groups, t, hd))? / (hd as f64).sqrt())?;
         let rows = (self.attention_tile_bytes / (4 * groups * len).max(1)).clamp(1, t);
         let mut per_kv_head = Vec::with_capacity(c.kv_heads);
@@ -399,6 +502,22 @@ impl Llama {
         Ok(Tensor::cat(&per_kv_head, 0)? // [heads, t, hd]
             .transpose(0, 1)?
             .reshape((t, c.heads * hd))?)
+    }
+
+    /// Bytes a decode step of `batch` sequences may use beyond the weights and the KV cache at a
+    /// context of `context` tokens: with the paged arena, each layer gathers every sequence's K
+    /// and V (and lays them out per head) before attention; the host path needs one row of
+    /// scores per sequence.
+    pub fn decode_scratch_bytes(&self, batch: usize, context: usize) -> u64 {
+        let c = &self.cfg;
+        let f32s = |n: usize| 4 * n as u64;
+        let attention = if self.arena.is_some() {
+            f32s(batch * context * (4 * c.kv_heads * c.head_dim + 2 * c.heads))
+        } else {
+            f32s(context)
+        };
+        let per_row = 6 * c.hidden + 6 * c.heads * c.head_dim + 4 * c.ffn + 2 * c.vocab;
+        attention + f32s(batch * per_row)
     }
 
     /// Bytes a prefill chunk of `chunk` tokens may use beyond the weights and the KV cache, at
@@ -440,6 +559,14 @@ impl Llama {
         let cos = self.cos.index_select(&pos, 0)?.unsqueeze(1)?.contiguous()?; // [b, 1, hd/2]
         let sin = self.sin.index_select(&pos, 0)?.unsqueeze(1)?.contiguous()?;
         let mut x = self.embed.index_select(&ids, 0)?; // [b, hidden]
+        if let Some(a) = &self.arena {
+            x = self.decode_paged(a, x, &cos, &sin, kvs)?;
+            for kv in kvs.iter_mut() {
+                kv.len += 1;
+            }
+            let x = candle_nn::ops::rms_norm(&x, &self.norm, c.rms_eps as f32)?;
+            return Ok(x.matmul(&self.lm_head)?);
+        }
         let (q_row, kv_row) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let mut out = vec![0f32; b * q_row];
         let mut scores = Vec::new();
@@ -481,6 +608,78 @@ impl Llama {
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, c.rms_eps as f32)?;
         Ok(x.matmul(&self.lm_head)?)
+    }
+
+    /// The layers of a decode step over the paged arena, all on the model's device: each
+    /// sequence's new K/V row is written at its slot, then attention runs batched over every
+    /// sequence's positions gathered from the arena (padded to the longest, masked), with no
+    /// copy to the host. Returns the hidden states `[b, hidden]`.
+    fn decode_paged(
+        &self,
+        a: &Arena,
+        mut x: Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        kvs: &[&mut SeqKv],
+    ) -> Result<Tensor> {
+        let c = &self.cfg;
+        let (b, groups, hd) = (kvs.len(), c.heads / c.kv_heads, c.head_dim);
+        let row = c.kv_heads * hd;
+        let longest = kvs.iter().map(|kv| kv.len + 1).max().unwrap_or(1);
+        // Slots to write (each sequence's next position) and to read (its positions 0..=len,
+        // padded with its first slot and masked out).
+        let mut new = Vec::with_capacity(b);
+        let mut read = Vec::with_capacity(b * longest);
+        let mut mask = Vec::with_capacity(b * longest);
+        for kv in kvs {
+            let own = Self::slots(a, kv, 0, kv.len + 1)?;
+            new.push(own.last().copied().unwrap_or(0));
+            let pad = own.first().copied().unwrap_or(0);
+            mask.extend((0..longest).map(|i| {
+                if i < own.len() {
+                    0f32
+                } else {
+                    f32::NEG_INFINITY
+                }
+            }));
+            read.extend(
+                own.iter()
+                    .copied()
+                    .chain(std::iter::repeat(pad))
+                    .take(longest),
+            );
+        }
+        let read = Tensor::new(read.as_slice(), &self.device)?;
+        let mask = Tensor::from_vec(mask, (b, 1, 1, longest), &self.device)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let (Some(ks), Some(vs)) = (a.k.get(li), a.v.get(li)) else {
+                bail!("layer {li} missing in the KV arena")
+            };
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
+            let q = h.matmul(&layer.wq)?.reshape((b, c.heads, 1, hd))?;
+            let k = h.matmul(&layer.wk)?.reshape((b, c.kv_heads, 1, hd))?;
+            let q = (candle_nn::rotary_emb::rope_i(&q, cos, sin)? * scale)?
+                .reshape((b, c.kv_heads, groups, hd))?;
+            let k = candle_nn::rotary_emb::rope_i(&k, cos, sin)?.reshape((b, row))?;
+            let v = h.matmul(&layer.wv)?; // [b, kv * hd]
+            Self::write_rows(ks, &new, &k)?;
+            Self::write_rows(vs, &new, &v)?;
+            let gather = |store: &Tensor| -> Result<Tensor> {
+                Ok(store
+                    .index_select(&read, 0)?
+                    .reshape((b, longest, c.kv_heads, hd))?
+                    .transpose(1, 2)?
+                    .contiguous()?) // [b, kv, longest, hd]
+            };
+            let (k_all, v_all) = (gather(ks)?, gather(vs)?);
+            let scores = q.matmul(&k_all.transpose(2, 3)?)?.broadcast_add(&mask)?; // [b, kv, groups, longest]
+            let weights = candle_nn::ops::softmax_last_dim(&scores)?;
+            let y = weights.matmul(&v_all)?.reshape((b, c.heads * hd))?;
+            x = (x + y.matmul(&layer.wo)?)?;
+            x = (&x + self.mlp(layer, &x)?)?;
+        }
+        Ok(x)
     }
 
     fn mlp(&self, layer: &Layer, x: &Tensor) -> Result<Tensor> {

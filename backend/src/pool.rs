@@ -160,6 +160,11 @@ impl Allocation {
     }
 
     /// Tokens these blocks can hold.
+    /// Its block ids, in the order it took them (a sequence's block table).
+    pub fn ids(&self) -> &[u32] {
+        &self.blocks
+    }
+
     pub fn tokens(&self) -> u64 {
         u64::from(self.blocks()) * u64::from(self.pool.block_tokens)
     }

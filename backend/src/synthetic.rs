@@ -260,13 +260,13 @@ mod tests {
         let m2 = Llama::synthetic(cfg, 1, &dev).unwrap();
         let prompt = [5u32, 9, 77, 300, 4];
         // Prefill of n+1 tokens == prefill of n then one decode step.
-        let mut kv = m.new_kv(16).unwrap();
+        let mut kv = m.new_kv(&[], 16).unwrap();
         let full = m
             .prefill(&prompt, &mut kv)
             .unwrap()
             .to_vec1::<f32>()
             .unwrap();
-        let mut kv2 = m2.new_kv(16).unwrap();
+        let mut kv2 = m2.new_kv(&[], 16).unwrap();
         m2.prefill(&prompt[..4], &mut kv2).unwrap();
         let step = m2
             .decode(&prompt[4..], &mut [&mut kv2])
@@ -296,7 +296,7 @@ mod tests {
         let dev = Device::Cpu;
         let prompt: Vec<u32> = (0..61u32).map(|i| (i * 37 + 11) % 512).collect();
         let whole = Llama::synthetic(cfg.clone(), 3, &dev).unwrap();
-        let mut kv = whole.new_kv(64).unwrap();
+        let mut kv = whole.new_kv(&[], 64).unwrap();
         let one = whole
             .prefill(&prompt, &mut kv)
             .unwrap()
@@ -311,7 +311,7 @@ mod tests {
         let tiled = Llama::synthetic(cfg, 3, &dev)
             .unwrap()
             .with_attention_tile_bytes(64);
-        let mut kv2 = tiled.new_kv(64).unwrap();
+        let mut kv2 = tiled.new_kv(&[], 64).unwrap();
         let mut last = Vec::new();
         let mut at = 0;
         for n in [7, 13, 1, 40] {
@@ -335,5 +335,73 @@ mod tests {
         assert!(tiled.prefill(&[1, 2, 3, 4], &mut kv2).is_err());
         assert_eq!(kv2.len(), 62);
         assert!(tiled.prefill(&[], &mut kv2).is_err());
+    }
+
+    #[test]
+    fn the_paged_arena_decodes_what_the_host_caches_decode() {
+        let cfg = config("tiny", 256).unwrap();
+        let dev = Device::Cpu;
+        let host = Llama::synthetic(cfg.clone(), 5, &dev).unwrap();
+        // 12 blocks of 4 tokens; the sequences hold scattered, interleaved blocks.
+        let paged = Llama::synthetic(cfg, 5, &dev)
+            .unwrap()
+            .with_paged_kv(12, 4)
+            .unwrap();
+        let tables: [&[u32]; 3] = [&[7, 2, 9, 6], &[0, 11, 4, 5], &[10, 3, 1]];
+        let prompts: [Vec<u32>; 3] = [
+            (0..9).map(|i| i * 31 % 512).collect(),
+            (0..5).map(|i| i * 7 + 100).collect(),
+            (0..3).map(|i| i + 400).collect(),
+        ];
+        let mut hk: Vec<_> = (0..3).map(|_| host.new_kv(&[], 16).unwrap()).collect();
+        let mut pk: Vec<_> = tables
+            .iter()
+            .zip(&prompts)
+            .map(|(t, p)| paged.new_kv(&t[..p.len().div_ceil(4)], 64).unwrap())
+            .collect();
+        assert_eq!(pk[2].capacity(), 4, "one block of 4");
+        for i in 0..3 {
+            // The paged one in two chunks.
+            let a = host
+                .prefill(&prompts[i], &mut hk[i])
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let cut = prompts[i].len() / 2 + 1;
+            paged.prefill(&prompts[i][..cut], &mut pk[i]).unwrap();
+            let b = paged
+                .prefill(&prompts[i][cut..], &mut pk[i])
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert!(max_diff(&a, &b) < 1e-4, "prefill {i}: {}", max_diff(&a, &b));
+        }
+        // Decode steps across block boundaries; the caches grow into their next blocks.
+        let mut next = [1u32, 2, 3];
+        for step in 0..6 {
+            for (kv, t) in pk.iter_mut().zip(tables) {
+                if kv.len() == kv.capacity() {
+                    let blocks = kv.capacity() / 4 + 1;
+                    paged.grow_kv(kv, &t[..blocks], 4 * blocks).unwrap();
+                }
+            }
+            let a = host
+                .decode(&next, &mut hk.iter_mut().collect::<Vec<_>>())
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let b = paged
+                .decode(&next, &mut pk.iter_mut().collect::<Vec<_>>())
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            for i in 0..3 {
+                assert!(max_diff(&a[i], &b[i]) < 1e-4, "step {step} seq {i}");
+                next[i] = crate::sampling::argmax(&a[i]);
+            }
+        }
+        assert_eq!(pk.iter().map(|k| k.len()).collect::<Vec<_>>(), [15, 11, 9]);
+        // A cache whose blocks changed under it is refused.
+        assert!(paged.grow_kv(&mut pk[2], &[1, 3, 10, 8], 16).is_err());
     }
 }

@@ -83,7 +83,7 @@ fn ours() -> (Llama, Tokenizer) {
 fn ours_batched(m: &Llama, prompts: &[Vec<u32>], steps: usize, stop: &[u32]) -> Vec<Vec<u32>> {
     let mut kvs: Vec<_> = prompts
         .iter()
-        .map(|p| m.new_kv(p.len() + steps + 1).unwrap())
+        .map(|p| m.new_kv(&[], p.len() + steps + 1).unwrap())
         .collect();
     let mut outs: Vec<Vec<u32>> = vec![vec![]; prompts.len()];
     let mut next: Vec<u32> = prompts

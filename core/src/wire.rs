@@ -84,6 +84,9 @@ pub struct ModelReport {
     /// needs weights + pool + this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_scratch_bytes: Option<u64>,
+    /// The same for one decode step of a full batch at the full context.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_scratch_bytes: Option<u64>,
 }
 
 /// The served tokenizer. `ranks` (tiktoken format, one `base64 rank` a line) is only sent when
@@ -283,6 +286,7 @@ mod tests {
                 },
                 scratch_margin_bytes: Some(16),
                 prefill_scratch_bytes: Some(1 << 20),
+                decode_scratch_bytes: Some(1 << 16),
             }),
             leases: vec![LeaseEntry {
                 id: "7".into(),

@@ -47,13 +47,13 @@ impl Fake {
 }
 impl Forward for Fake {
     type Kv = FakeKv;
-    fn new_kv(&self, capacity: usize) -> anyhow::Result<FakeKv> {
+    fn new_kv(&self, _blocks: &[u32], capacity: usize) -> anyhow::Result<FakeKv> {
         Ok(FakeKv {
             context: Vec::new(),
             cap: capacity,
         })
     }
-    fn grow_kv(&self, kv: &mut FakeKv, capacity: usize) -> anyhow::Result<()> {
+    fn grow_kv(&self, kv: &mut FakeKv, _blocks: &[u32], capacity: usize) -> anyhow::Result<()> {
         kv.cap = kv.cap.max(capacity);
         Ok(())
     }
