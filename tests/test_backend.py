@@ -268,6 +268,21 @@ def test_the_paged_kv_arena_answers_as_the_host_caches_do(backend):
     assert answers["paged"] == answers["host"]
 
 
+def test_bf16_weights_and_kv_answer_and_price_half_the_bytes(backend):
+    """`--dtype bf16` (the CUDA default) on CPU: the arena holds bf16 KV, so the descriptor says
+    2 bytes per element and the same budget holds twice the tokens; the answer is still right."""
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES, "--dtype", "bf16", "--kv-layout", "paged")
+    assert "paged KV in BF16, weights BF16" in b.logs()
+    r = chat(b, "What is the capital of France?", max_tokens=30)
+    assert r.status_code == 200, r.text
+    assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    state = b.leases()
+    assert state["model"]["spec"]["kv_dtype_bytes"] == 2
+    assert state["model"]["kv_bytes_per_token"] == 46_080 // 2
+    assert state["pool"]["blocks_total"] == 128, "the same bytes, twice the blocks"
+    b.wait_pool_empty()
+
+
 def test_leases_are_acknowledged_at_arrival_single_use_and_refusals_are_reported(backend):
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES, "--step-delay-ms", "100")
     cursor = b.leases()["cursor"]

@@ -72,7 +72,7 @@ fn main() {
     let ct3 = gguf_file::Content::read(&mut f3).unwrap();
     let paged = Llama::from_gguf(&ct3, &mut f3, ours.cfg.clone(), &dev)
         .unwrap()
-        .with_paged_kv(16 * per_seq, block_tokens)
+        .with_paged_kv(16 * per_seq, block_tokens, candle_core::DType::F32)
         .unwrap();
     let mut rows = Vec::new();
     let mut ttft = None;

@@ -15,7 +15,7 @@
 //!    forward per step).
 //!
 //! `gpu_check [--device cuda:0] [--check-only | --bench-only] [--shapes smollm2,llama8b]
-//!            [--steps 64] [--prompt 128] [--json FILE]`
+//!            [--steps 64] [--prompt 128] [--dtype bf16] [--json FILE]`
 #![allow(
     clippy::expect_used,
     clippy::unwrap_used,
@@ -26,7 +26,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context as _, Result};
-use candle_core::Device;
+use candle_core::{DType, Device};
 use kvgate_backend::model::{Config, Llama};
 use kvgate_backend::sampling::argmax;
 use kvgate_backend::synthetic;
@@ -41,6 +41,8 @@ struct Opts {
     steps: usize,
     prompt: usize,
     json: Option<String>,
+    /// Weights and paged KV in the throughput part (the server's default on CUDA: bf16).
+    dtype: DType,
 }
 
 fn parse() -> Result<Opts> {
@@ -52,6 +54,7 @@ fn parse() -> Result<Opts> {
         steps: 64,
         prompt: 128,
         json: None,
+        dtype: DType::BF16,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -64,6 +67,14 @@ fn parse() -> Result<Opts> {
             "--steps" => o.steps = val()?.parse()?,
             "--prompt" => o.prompt = val()?.parse()?,
             "--json" => o.json = Some(val()?),
+            "--dtype" => {
+                o.dtype = match val()?.as_str() {
+                    "f32" => DType::F32,
+                    "f16" => DType::F16,
+                    "bf16" => DType::BF16,
+                    other => bail!("--dtype {other}: f32, f16 or bf16"),
+                }
+            }
             "-h" | "--help" => {
                 println!(
                     "{}",
@@ -172,7 +183,8 @@ fn check(shape: &str, layers: Option<usize>, dev: &Device, steps: usize) -> Resu
     }
     let cpu = Llama::synthetic(cfg.clone(), SEED, &Device::Cpu)?;
     let per = (64 + steps + 1).div_ceil(BLOCK);
-    let gpu = Llama::synthetic(cfg.clone(), SEED, dev)?.with_paged_kv(3 * per, BLOCK)?;
+    let gpu =
+        Llama::synthetic(cfg.clone(), SEED, dev)?.with_paged_kv(3 * per, BLOCK, DType::F32)?;
     let prompts: Vec<Vec<u32>> = [7usize, 33, 64]
         .iter()
         .zip(1u32..)
@@ -223,12 +235,20 @@ struct Bench {
     rows: Vec<(usize, f64, f64)>,
 }
 
-fn bench(shape: &str, dev: &Device, steps: usize, prompt_len: usize) -> Result<Bench> {
+fn bench(
+    shape: &str,
+    dev: &Device,
+    steps: usize,
+    prompt_len: usize,
+    dtype: DType,
+) -> Result<Bench> {
     let cfg = synthetic::config(shape, 8192)?;
     let params = synthetic::parameters(&cfg);
     let t0 = Instant::now();
     let per = (prompt_len + steps + 4).div_ceil(BLOCK);
-    let m = Llama::synthetic(cfg.clone(), SEED, dev)?.with_paged_kv(17 * per, BLOCK)?;
+    let m = Llama::synthetic(cfg.clone(), SEED, dev)?
+        .with_dtype(dtype)?
+        .with_paged_kv(17 * per, BLOCK, dtype)?;
     dev.synchronize()?;
     let load_s = t0.elapsed().as_secs_f64();
     // Warm-up: kernels load lazily, cuBLAS picks algorithms on first use.
@@ -335,11 +355,11 @@ fn main() -> Result<()> {
         let mut results = Vec::new();
         for s in &o.shapes {
             eprintln!("bench {s} on {} ...", o.device);
-            results.push(bench(s, &dev, o.steps, o.prompt)?);
+            results.push(bench(s, &dev, o.steps, o.prompt, o.dtype)?);
         }
         println!(
-            "## Decode throughput on {} (synthetic weights, f32, {} steps per run)",
-            o.device, o.steps
+            "## Decode throughput on {} (synthetic weights, {:?} weights and paged KV, {} steps per run)",
+            o.device, o.dtype, o.steps
         );
         println!();
         println!("| shape | params | weights GiB | load s | TTFT ms | 1 stream tok/s | 8 streams tok/s | 16 streams tok/s | 8 vs 1 | 16 vs 1 | step ms @1/8/16 |");
@@ -352,7 +372,7 @@ fn main() -> Result<()> {
                 "| {} | {:.2} B | {:.1} | {:.1} | {:.1} ({} tok) | {:.1} | {:.1} | {:.1} | {:.2}x | {:.2}x | {:.1} / {:.1} / {:.1} |",
                 b.shape,
                 b.params as f64 / 1e9,
-                b.params as f64 * 4.0 / (1u64 << 30) as f64,
+                b.params as f64 * o.dtype.size_in_bytes() as f64 / (1u64 << 30) as f64,
                 b.load_s,
                 b.ttft_ms,
                 b.prompt,

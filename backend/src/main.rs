@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
 use candle_core::quantized::gguf_file;
-use candle_core::Device;
+use candle_core::{DType, Device};
 use clap::Parser;
 
 use crate::engine::{Admission, EngineConfig, OnKvExhaustion};
@@ -47,6 +47,12 @@ struct Args {
     /// `auto`: `paged` on CUDA, `host` on CPU.
     #[arg(long, value_enum, default_value_t = KvLayout::Auto)]
     kv_layout: KvLayout,
+    /// Type of the projection weights and of the paged KV arena. `auto`: bf16 on CUDA, f32 on
+    /// CPU (Q4_1 and half-precision weights drift on CPU; see shared/FACTS.md). The host KV
+    /// layout is always f32. The KV type sets `kv_dtype_bytes` in the descriptor, so the gateway
+    /// prices what the arena really holds.
+    #[arg(long, value_enum, default_value_t = WeightType::Auto)]
+    dtype: WeightType,
     /// Hard budget of the KV cache in bytes (rounded down to whole blocks).
     #[arg(long, default_value_t = 512 * 1024 * 1024)]
     kv_cache_bytes: u64,
@@ -85,6 +91,14 @@ struct Args {
     /// demand, for sustained-load tests of the gateway).
     #[arg(long, default_value_t = 0, hide = true)]
     step_delay_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum WeightType {
+    Auto,
+    F32,
+    Bf16,
+    F16,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -141,7 +155,21 @@ async fn main() -> Result<()> {
     };
     let model_name = args.model_name.clone().unwrap_or(model_name);
     let tok = Arc::new(tok);
-    let spec = cfg.kv_spec();
+    let paged = match args.kv_layout {
+        KvLayout::Paged => true,
+        KvLayout::Host => false,
+        KvLayout::Auto => !dev.is_cpu(),
+    };
+    let dtype = match args.dtype {
+        WeightType::Auto if dev.is_cpu() => DType::F32,
+        WeightType::Auto | WeightType::Bf16 => DType::BF16,
+        WeightType::F16 => DType::F16,
+        WeightType::F32 => DType::F32,
+    };
+    let kv_dtype = if paged { dtype } else { DType::F32 };
+    let llama = llama.with_dtype(dtype)?;
+    let mut spec = cfg.kv_spec();
+    spec.kv_dtype_bytes = kv_dtype.size_in_bytes() as u64;
     spec.validate()?;
     let per_token = spec
         .kv_bytes_per_token()
@@ -158,19 +186,17 @@ async fn main() -> Result<()> {
     // Serve no more context than the pool can hold for one sequence (vLLM refuses to start in
     // that case; we clamp and say so): a request without max_tokens is then priced at what can
     // really run, not refused as larger than the whole pool.
-    let paged = match args.kv_layout {
-        KvLayout::Paged => true,
-        KvLayout::Host => false,
-        KvLayout::Auto => !dev.is_cpu(),
-    };
     let llama = if paged {
         llama
-            .with_paged_kv(stats.blocks_total as usize, stats.block_tokens as usize)
+            .with_paged_kv(
+                stats.blocks_total as usize,
+                stats.block_tokens as usize,
+                kv_dtype,
+            )
             .context("allocating the KV arena (lower --kv-cache-bytes)")?
     } else {
         llama
     };
-    let mut spec = spec;
     let pool_tokens = u64::from(stats.blocks_total) * u64::from(stats.block_tokens);
     if pool_tokens < spec.context_tokens {
         eprintln!(
@@ -233,7 +259,7 @@ async fn main() -> Result<()> {
         .await
         .with_context(|| format!("binding {addr}"))?;
     eprintln!(
-        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; {} KV; prefill {} tokens a step, scratch at most {} bytes beside the pool (a decode step's: {} bytes); admission {:?}; on KV exhaustion {:?}; loaded in {:.1}s)",
+        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; {} KV in {:?}, weights {:?}; prefill {} tokens a step, scratch at most {} bytes beside the pool (a decode step's: {} bytes); admission {:?}; on KV exhaustion {:?}; loaded in {:.1}s)",
         env!("CARGO_PKG_VERSION"),
         model_name,
         listener.local_addr()?,
@@ -247,6 +273,8 @@ async fn main() -> Result<()> {
         stats.capacity_bytes,
         per_token,
         if paged { "paged" } else { "host" },
+        kv_dtype,
+        dtype,
         prefill_token_budget,
         prefill_scratch,
         decode_scratch,

@@ -279,12 +279,41 @@ impl Llama {
         self
     }
 
+    /// The projection and output weights in `dtype` (f16/bf16 on CUDA: half the memory, tensor
+    /// cores); embeddings and norms stay f32, and so does the residual stream.
+    pub fn with_dtype(mut self, dtype: DType) -> Result<Llama> {
+        if dtype == DType::F32 {
+            return Ok(self);
+        }
+        for l in self.layers.iter_mut() {
+            for w in [
+                &mut l.wq,
+                &mut l.wk,
+                &mut l.wv,
+                &mut l.wo,
+                &mut l.w_gate,
+                &mut l.w_up,
+                &mut l.w_down,
+            ] {
+                *w = w.to_dtype(dtype)?;
+            }
+        }
+        self.lm_head = self.lm_head.to_dtype(dtype)?;
+        Ok(self)
+    }
+
     /// Keep every sequence's KV in one preallocated arena of `blocks` blocks of `block_tokens`
-    /// tokens on the model's device (the pool's blocks; `new_kv` gets each sequence's ids).
-    pub fn with_paged_kv(mut self, blocks: usize, block_tokens: usize) -> Result<Llama> {
+    /// tokens on the model's device, in `dtype` (the pool's blocks; `new_kv` gets each
+    /// sequence's ids). Attention reads it back as f32.
+    pub fn with_paged_kv(
+        mut self,
+        blocks: usize,
+        block_tokens: usize,
+        dtype: DType,
+    ) -> Result<Llama> {
         let slots = blocks * block_tokens;
         let row = self.cfg.kv_heads * self.cfg.head_dim;
-        let zeros = || Tensor::zeros((slots, row), DType::F32, &self.device);
+        let zeros = || Tensor::zeros((slots, row), dtype, &self.device);
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for _ in 0..self.cfg.layers {
             k.push(zeros()?);
@@ -365,7 +394,7 @@ impl Llama {
             .flat_map(|&s| std::iter::repeat_n(s, width))
             .collect();
         let idx = Tensor::from_vec(idx, (slots.len(), width), rows.device())?;
-        store.scatter_set(&idx, &rows.contiguous()?, 0)?;
+        store.scatter_set(&idx, &rows.to_dtype(store.dtype())?.contiguous()?, 0)?;
         Ok(())
     }
 
@@ -405,17 +434,15 @@ impl Llama {
         };
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
-            let q = h
-                .matmul(&layer.wq)?
+            let q = mm(&h, &layer.wq)?
                 .reshape((1, t, c.heads, c.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let k = h
-                .matmul(&layer.wk)?
+            let k = mm(&h, &layer.wk)?
                 .reshape((1, t, c.kv_heads, c.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let v = h.matmul(&layer.wv)?; // [t, kv * hd]
+            let v = mm(&h, &layer.wv)?; // [t, kv * hd]
             let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?.squeeze(0)?; // [heads, t, hd]
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?.squeeze(0)?; // [kv, t, hd]
                                                                                 // Cached rows are [position][kv][hd]: K transposed back, V as projected.
@@ -427,7 +454,10 @@ impl Llama {
                     };
                     Self::write_rows(ks, new, &k)?;
                     Self::write_rows(vs, new, &v)?;
-                    (ks.index_select(all, 0)?, vs.index_select(all, 0)?)
+                    (
+                        ks.index_select(all, 0)?.to_dtype(DType::F32)?,
+                        vs.index_select(all, 0)?.to_dtype(DType::F32)?,
+                    )
                 }
                 None => {
                     let Some((kc, vc)) = kv.layers.get_mut(li) else {
@@ -446,13 +476,13 @@ impl Llama {
                 }
             };
             let y = self.attend_chunk(&q, &k_all, &v_all, p, t)?;
-            x = (x + y.matmul(&layer.wo)?)?;
+            x = (x + mm(&y, &layer.wo)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
         kv.len = p + t;
         let last = x.i(t - 1)?.unsqueeze(0)?;
         let last = candle_nn::ops::rms_norm(&last, &self.norm, c.rms_eps as f32)?;
-        Ok(last.matmul(&self.lm_head)?.squeeze(0)?)
+        Ok(mm(&last, &self.lm_head)?.squeeze(0)?)
     }
 
     /// Causal attention of a chunk's queries `[heads, t, hd]` (positions `p..p + t`) over the
@@ -565,24 +595,22 @@ impl Llama {
                 kv.len += 1;
             }
             let x = candle_nn::ops::rms_norm(&x, &self.norm, c.rms_eps as f32)?;
-            return Ok(x.matmul(&self.lm_head)?);
+            return mm(&x, &self.lm_head);
         }
         let (q_row, kv_row) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let mut out = vec![0f32; b * q_row];
         let mut scores = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
-            let q = h.matmul(&layer.wq)?.reshape((b, c.heads, 1, c.head_dim))?;
-            let k = h
-                .matmul(&layer.wk)?
-                .reshape((b, c.kv_heads, 1, c.head_dim))?;
+            let q = mm(&h, &layer.wq)?.reshape((b, c.heads, 1, c.head_dim))?;
+            let k = mm(&h, &layer.wk)?.reshape((b, c.kv_heads, 1, c.head_dim))?;
             let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
-            let v = h.matmul(&layer.wv)?.flatten_all()?.to_vec1::<f32>()?;
+            let v = mm(&h, &layer.wv)?.flatten_all()?.to_vec1::<f32>()?;
             for (bi, kv) in kvs.iter_mut().enumerate() {
                 let len = kv.len + 1;
                 let Some((kc, vc)) = kv.layers.get_mut(li) else {
@@ -600,14 +628,14 @@ impl Llama {
                 attend_host(c, qb, kc, vc, len, ob, &mut scores);
             }
             let y = Tensor::from_slice(&out, (b, q_row), &self.device)?;
-            x = (x + y.matmul(&layer.wo)?)?;
+            x = (x + mm(&y, &layer.wo)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
         for kv in kvs.iter_mut() {
             kv.len += 1;
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, c.rms_eps as f32)?;
-        Ok(x.matmul(&self.lm_head)?)
+        mm(&x, &self.lm_head)
     }
 
     /// The layers of a decode step over the paged arena, all on the model's device: each
@@ -657,17 +685,18 @@ impl Llama {
                 bail!("layer {li} missing in the KV arena")
             };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
-            let q = h.matmul(&layer.wq)?.reshape((b, c.heads, 1, hd))?;
-            let k = h.matmul(&layer.wk)?.reshape((b, c.kv_heads, 1, hd))?;
+            let q = mm(&h, &layer.wq)?.reshape((b, c.heads, 1, hd))?;
+            let k = mm(&h, &layer.wk)?.reshape((b, c.kv_heads, 1, hd))?;
             let q = (candle_nn::rotary_emb::rope_i(&q, cos, sin)? * scale)?
                 .reshape((b, c.kv_heads, groups, hd))?;
             let k = candle_nn::rotary_emb::rope_i(&k, cos, sin)?.reshape((b, row))?;
-            let v = h.matmul(&layer.wv)?; // [b, kv * hd]
+            let v = mm(&h, &layer.wv)?; // [b, kv * hd]
             Self::write_rows(ks, &new, &k)?;
             Self::write_rows(vs, &new, &v)?;
             let gather = |store: &Tensor| -> Result<Tensor> {
                 Ok(store
                     .index_select(&read, 0)?
+                    .to_dtype(DType::F32)?
                     .reshape((b, longest, c.kv_heads, hd))?
                     .transpose(1, 2)?
                     .contiguous()?) // [b, kv, longest, hd]
@@ -676,7 +705,7 @@ impl Llama {
             let scores = q.matmul(&k_all.transpose(2, 3)?)?.broadcast_add(&mask)?; // [b, kv, groups, longest]
             let weights = candle_nn::ops::softmax_last_dim(&scores)?;
             let y = weights.matmul(&v_all)?.reshape((b, c.heads * hd))?;
-            x = (x + y.matmul(&layer.wo)?)?;
+            x = (x + mm(&y, &layer.wo)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
         Ok(x)
@@ -684,10 +713,20 @@ impl Llama {
 
     fn mlp(&self, layer: &Layer, x: &Tensor) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(x, &layer.ffn_norm, self.cfg.rms_eps as f32)?;
-        let gate = candle_nn::ops::silu(&h.matmul(&layer.w_gate)?)?;
-        let up = h.matmul(&layer.w_up)?;
-        Ok((gate * up)?.matmul(&layer.w_down)?)
+        let gate = candle_nn::ops::silu(&mm(&h, &layer.w_gate)?)?;
+        let up = mm(&h, &layer.w_up)?;
+        mm(&(gate * up)?, &layer.w_down)
     }
+}
+
+/// `x · w` for f32 activations and weights of any float type: with f16/bf16 weights (CUDA) the
+/// product runs in the weights' type and comes back as f32 (norms, RoPE, softmax and the
+/// residual stream stay f32).
+fn mm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if x.dtype() == w.dtype() {
+        return Ok(x.matmul(w)?);
+    }
+    Ok(x.to_dtype(w.dtype())?.matmul(w)?.to_dtype(x.dtype())?)
 }
 
 /// `[rows, len]` additive causal mask for queries at positions `first..first + rows`: each

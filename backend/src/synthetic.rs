@@ -345,7 +345,7 @@ mod tests {
         // 12 blocks of 4 tokens; the sequences hold scattered, interleaved blocks.
         let paged = Llama::synthetic(cfg, 5, &dev)
             .unwrap()
-            .with_paged_kv(12, 4)
+            .with_paged_kv(12, 4, candle_core::DType::F32)
             .unwrap();
         let tables: [&[u32]; 3] = [&[7, 2, 9, 6], &[0, 11, 4, 5], &[10, 3, 1]];
         let prompts: [Vec<u32>; 3] = [
@@ -403,5 +403,54 @@ mod tests {
         assert_eq!(pk.iter().map(|k| k.len()).collect::<Vec<_>>(), [15, 11, 9]);
         // A cache whose blocks changed under it is refused.
         assert!(paged.grow_kv(&mut pk[2], &[1, 3, 10, 8], 16).is_err());
+    }
+
+    #[test]
+    fn bf16_weights_and_a_bf16_arena_stay_close_to_f32() {
+        let cfg = config("tiny", 256).unwrap();
+        let dev = Device::Cpu;
+        let f32m = Llama::synthetic(cfg.clone(), 9, &dev).unwrap();
+        let half = Llama::synthetic(cfg, 9, &dev)
+            .unwrap()
+            .with_dtype(candle_core::DType::BF16)
+            .unwrap()
+            .with_paged_kv(8, 4, candle_core::DType::BF16)
+            .unwrap();
+        let prompt: Vec<u32> = (0..11u32).map(|i| i * 45 % 512).collect();
+        let mut a = f32m.new_kv(&[], 32).unwrap();
+        let mut b = half.new_kv(&[0, 1, 2, 3, 4, 5, 6, 7], 32).unwrap();
+        let mut la = f32m
+            .prefill(&prompt, &mut a)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let mut lb = half
+            .prefill(&prompt, &mut b)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        for _ in 0..8 {
+            let scale = la.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // bf16 keeps 8 bits of mantissa: a few percent of the largest logit at most.
+            assert!(
+                max_diff(&la, &lb) < 0.05 * scale,
+                "{} vs {scale}",
+                max_diff(&la, &lb)
+            );
+            let next = [crate::sampling::argmax(&la)];
+            la = f32m
+                .decode(&next, &mut [&mut a])
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+                .remove(0);
+            lb = half
+                .decode(&next, &mut [&mut b])
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap()
+                .remove(0);
+        }
+        assert_ne!(max_diff(&la, &lb), 0.0, "it really ran in bf16");
     }
 }
