@@ -229,6 +229,7 @@ def test_a_long_prompt_fed_in_chunks_answers_as_it_does_fed_whole(backend):
     answers = []
     for budget in ("16", "4096"):
         b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES, "--prefill-token-budget", budget)
+        assert f"prefill {budget} tokens a step" in b.logs()
         r = requests.post(b.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         answers.append(r.json())

@@ -303,13 +303,16 @@ def test_live_policy_reload_changes_behaviour_and_keeps_leases(stack):
 
 def test_model_descriptor_from_the_backend_makes_counts_exact(stack):
     spec = {"layers": 30, "kv_heads": 3, "head_dim": 64, "kv_dtype_bytes": 4, "context_tokens": 8192}
-    # 600 blocks = 9,600 tokens: room for a whole-context reservation.
+    # 600 blocks = 9,600 tokens: room for a whole-context reservation. The backend allocates in
+    # blocks of 32 tokens, and the gateway is configured with no margin: the descriptor's margin
+    # (one such block) applies.
     gw, b = stack(600, {"model": "from_backend", "fallback_model": spec, "kv_budget_bytes": 10 * BLOCK_BYTES,
-                        "fallback_token_multiplier": 1.5})
+                        "fallback_token_multiplier": 1.5, "scratch_margin_bytes": 0}, "--block-size", "32")
     s = gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
     assert s["capacity_bytes"] == int(600 * BLOCK_BYTES * 0.9), "the budget came from the backend's pool"
     assert s["model"]["fingerprint"] == b.leases()["model"]["fingerprint"]
-    assert "model descriptor from the backend" in gw.logs()
+    assert b.leases()["model"]["scratch_margin_bytes"] == 2 * BLOCK_BYTES
+    assert f"scratch margin {2 * BLOCK_BYTES} B per reservation" in gw.logs()
     # No cap: the filter grants context − prompt, counting with the model's own tokenizer, so the
     # grant plus the backend's prompt count is exactly the context.
     r = requests.post(gw.url + "/v1/chat/completions", timeout=60, json={

@@ -473,7 +473,8 @@ impl<M: Forward> Engine<M> {
             let Some(mut seq) = self.waiting.remove(passed) else {
                 break;
             };
-            if seq.generated.is_empty() {
+            // Its first start (not a restart after a preemption, mid-prefill or later).
+            if seq.prompt_fed == 0 && seq.generated.is_empty() {
                 let queued = seq.arrived.elapsed().as_secs_f64();
                 self.metrics.queue_seconds.inc_by(queued);
                 self.metrics.queue_wait.observe(queued);
@@ -799,7 +800,16 @@ impl<M: Forward> Engine<M> {
             .waiting
             .iter()
             .map(|s| view(s, LeaseState::Waiting))
-            .chain(self.running.iter().map(|s| view(s, LeaseState::Running)))
+            // Part-way through its prefill it holds KV but is not decoding yet: the gateway
+            // reads decode progress from running entries only.
+            .chain(self.running.iter().map(|s| {
+                let state = if s.prefilling {
+                    LeaseState::Waiting
+                } else {
+                    LeaseState::Running
+                };
+                view(s, state)
+            }))
             .collect();
         self.metrics.running.set(self.running.len() as i64);
         self.metrics.waiting.set(self.waiting.len() as i64);

@@ -183,9 +183,6 @@ async fn main() -> Result<()> {
             stats.block_bytes
         );
     }
-    // Serve no more context than the pool can hold for one sequence (vLLM refuses to start in
-    // that case; we clamp and say so): a request without max_tokens is then priced at what can
-    // really run, not refused as larger than the whole pool.
     let llama = if paged {
         llama
             .with_paged_kv(
@@ -197,6 +194,9 @@ async fn main() -> Result<()> {
     } else {
         llama
     };
+    // Serve no more context than the pool can hold for one sequence (vLLM refuses to start in
+    // that case; we clamp and say so): a request without max_tokens is then priced at what can
+    // really run, not refused as larger than the whole pool.
     let pool_tokens = u64::from(stats.blocks_total) * u64::from(stats.block_tokens);
     if pool_tokens < spec.context_tokens {
         eprintln!(

@@ -134,6 +134,21 @@ struct Arena {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
     block_tokens: usize,
+    blocks: usize,
+}
+
+impl Arena {
+    /// Block ids a cache may use: each one inside the arena (an id past it would write into
+    /// memory that is not the arena's on a GPU).
+    fn check(&self, ids: &[u32]) -> Result<()> {
+        match ids.iter().find(|&&b| b as usize >= self.blocks) {
+            Some(b) => bail!(
+                "KV block {b} is outside the arena of {} blocks",
+                self.blocks
+            ),
+            None => Ok(()),
+        }
+    }
 }
 
 /// The most bytes of attention scores a prefill computes at once (per KV head, a tile of query
@@ -311,7 +326,12 @@ impl Llama {
         block_tokens: usize,
         dtype: DType,
     ) -> Result<Llama> {
-        let slots = blocks * block_tokens;
+        let slots = blocks.saturating_mul(block_tokens);
+        if block_tokens == 0 || u32::try_from(slots).is_err() {
+            bail!(
+                "a KV arena of {blocks} blocks x {block_tokens} tokens: slots are numbered in u32"
+            );
+        }
         let row = self.cfg.kv_heads * self.cfg.head_dim;
         let zeros = || Tensor::zeros((slots, row), dtype, &self.device);
         let (mut k, mut v) = (Vec::new(), Vec::new());
@@ -319,13 +339,19 @@ impl Llama {
             k.push(zeros()?);
             v.push(zeros()?);
         }
-        self.arena = Some(Arena { k, v, block_tokens });
+        self.arena = Some(Arena {
+            k,
+            v,
+            block_tokens,
+            blocks,
+        });
         Ok(self)
     }
 
     /// An empty KV cache holding room for `capacity` tokens, in the KV blocks `blocks`.
     pub fn new_kv(&self, blocks: &[u32], capacity: usize) -> Result<SeqKv> {
         if let Some(a) = &self.arena {
+            a.check(blocks)?;
             return Ok(SeqKv {
                 layers: Vec::new(),
                 table: blocks.to_vec(),
@@ -360,6 +386,7 @@ impl Llama {
             if blocks.get(..kv.table.len()) != Some(kv.table.as_slice()) {
                 bail!("a growing KV cache lost its blocks");
             }
+            a.check(blocks)?;
             kv.table = blocks.to_vec();
             kv.capacity = capacity.min(blocks.len() * a.block_tokens);
             return Ok(());

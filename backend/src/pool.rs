@@ -159,12 +159,12 @@ impl Allocation {
         self.blocks.len() as u32
     }
 
-    /// Tokens these blocks can hold.
     /// Its block ids, in the order it took them (a sequence's block table).
     pub fn ids(&self) -> &[u32] {
         &self.blocks
     }
 
+    /// Tokens these blocks can hold.
     pub fn tokens(&self) -> u64 {
         u64::from(self.blocks()) * u64::from(self.pool.block_tokens)
     }

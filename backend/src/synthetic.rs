@@ -331,10 +331,15 @@ mod tests {
             .to_vec2::<f32>()
             .unwrap();
         assert!(max_diff(&next[0], &next2[0]) < 1e-4);
-        // A chunk past the cache's capacity or the context is refused, the cache untouched.
+        // A chunk past the cache's capacity, or past the context, is refused before anything
+        // is written; so is an empty one.
         assert!(tiled.prefill(&[1, 2, 3, 4], &mut kv2).is_err());
         assert_eq!(kv2.len(), 62);
         assert!(tiled.prefill(&[], &mut kv2).is_err());
+        let mut roomy = tiled.new_kv(&[], 300).unwrap();
+        let err = tiled.prefill(&[1; 257], &mut roomy).unwrap_err();
+        assert!(err.to_string().contains("past the context"), "{err}");
+        assert_eq!(roomy.len(), 0);
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub struct BackendReport {
     pub class_outputs: Vec<(String, u64)>,
     /// The backend's admission mode (`reserve`, `none`; empty from an older backend).
     pub admission: String,
+    /// The margin its block rounding needs on every reservation (`None` from an older backend).
+    pub scratch_margin_bytes: Option<u64>,
 }
 
 /// One request the backend holds now.
@@ -298,6 +300,7 @@ impl From<&LeaseReport> for BackendReport {
             fingerprint: r.model.as_ref().and_then(|m| m.fingerprint.clone()),
             spec: r.model.as_ref().and_then(|m| m.spec),
             model: r.model.as_ref().and_then(|m| m.name.clone()),
+            scratch_margin_bytes: r.model.as_ref().and_then(|m| m.scratch_margin_bytes),
             entries: r
                 .leases
                 .iter()

@@ -8,7 +8,7 @@ use kvgate_core::config::Config;
 use kvgate_core::reconcile::{drift, reconcile, BackendReport, Descriptor, ProgressTracker};
 use kvgate_core::spec::usable_capacity;
 use kvgate_core::store::{self, StoreError};
-use kvgate_core::{ApiError, ErrorKind, Ledger, TokenCounter};
+use kvgate_core::{ApiError, ErrorKind, Ledger, Pricing, TokenCounter};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
@@ -151,6 +151,34 @@ impl Root {
         Ok(())
     }
 
+    /// The runtime with a larger scratch margin on every reservation (`None`, and a warning, if
+    /// the pricing refuses it).
+    fn raise_margin(&self, rt: &Rc<Runtime>, margin: u64) -> Option<Rc<Runtime>> {
+        let p = &rt.cfg.pricing;
+        match Pricing::new(p.spec, p.total_kv_bytes, p.safety_fraction, margin) {
+            Ok(pricing) => {
+                host::info(&format!(
+                    "kvgate: a backend allocates in blocks of {margin} B: the scratch margin per reservation is {margin} B (was {} B)",
+                    p.scratch_margin_bytes
+                ));
+                let cfg = Config {
+                    pricing,
+                    ..rt.cfg.clone()
+                };
+                let new = Rc::new(Runtime {
+                    cfg,
+                    counter: Rc::clone(&rt.counter),
+                });
+                *self.worker.runtime.borrow_mut() = Some(Rc::clone(&new));
+                Some(new)
+            }
+            Err(err) => {
+                host::warn(&format!("kvgate: scratch margin {margin} B refused: {err}"));
+                None
+            }
+        }
+    }
+
     /// Price with the served model's own spec, budget and tokenizer from now on. The endpoint
     /// that sent it takes its capacity now; the others at their next poll.
     fn apply_descriptor(&mut self, d: Descriptor, endpoint: &Endpoint) -> Result<(), String> {
@@ -158,6 +186,13 @@ impl Root {
             return Ok(());
         };
         let started = host::now_ms();
+        let mut d = d;
+        // The margin only grows (see `raise_margin`).
+        if let Some(rt) = self.worker.runtime() {
+            d.scratch_margin_bytes = d
+                .scratch_margin_bytes
+                .max(rt.cfg.pricing.scratch_margin_bytes);
+        }
         let (spec, budget, fingerprint) = (d.spec, d.kv_capacity_bytes, d.fingerprint.clone());
         let cfg = base.with_descriptor(d).map_err(|e| e.to_string())?;
         let counter = Rc::new(TokenCounter::new(&cfg.tokenizer).map_err(|e| e.to_string())?);
@@ -372,6 +407,15 @@ impl Root {
         // The runtime may have changed (a descriptor applied).
         let Some(rt) = self.worker.runtime() else {
             return;
+        };
+        // A backend that allocates larger KV blocks than the margin covers (restarted with
+        // another --block-size) needs that margin on every reservation: take it now. The margin
+        // only grows here, so a fleet ends priced at its largest.
+        let rt = match report.scratch_margin_bytes {
+            Some(m) if rt.cfg.from_backend && m > rt.cfg.pricing.scratch_margin_bytes => {
+                self.raise_margin(&rt, m).unwrap_or(rt)
+            }
+            _ => rt,
         };
         // Each endpoint's capacity follows its own pool once the model is known.
         let capacity = (rt.cfg.from_backend && self.descriptor_fingerprint.is_some())

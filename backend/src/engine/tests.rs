@@ -161,6 +161,29 @@ fn submit_with(
     rx
 }
 
+/// A prompt whose tokens differ by position (a chunk fed at the wrong offset changes it).
+fn mixed(n: usize) -> Vec<u32> {
+    (0..n).map(|i| 1 + (i * 7 % 3) as u32).collect()
+}
+
+fn submit_tokens(
+    e: &mut Engine<Fake>,
+    id: &str,
+    prompt: Vec<u32>,
+    max_tokens: u64,
+) -> UnboundedReceiver<Event> {
+    let (tx, rx) = unbounded_channel();
+    e.admit(Submit {
+        lease: Some(id.into()),
+        class: None,
+        reserve_output: None,
+        prompt,
+        params: greedy(max_tokens),
+        events: tx,
+    });
+    rx
+}
+
 fn events(rx: &mut UnboundedReceiver<Event>) -> Vec<Event> {
     std::iter::from_fn(|| rx.try_recv().ok()).collect()
 }
@@ -309,11 +332,11 @@ fn batching_respects_max_batch_and_decodes_all_running_together() {
 
 #[test]
 fn a_long_prompt_is_prefilled_in_chunks_between_decode_steps() {
-    // Budget 64 tokens of prefill per step; B's prompt is 150.
+    // `engine_on` gives a prefill budget of 64 tokens per step; B's prompt is 150.
     let mut e = engine(64, Admission::Reserve, usize::MAX, 8);
     let mut a = submit(&mut e, "a", 4, 100);
     e.step();
-    let mut b = submit(&mut e, "b", 150, 5);
+    let mut b = submit_tokens(&mut e, "b", mixed(150), 5);
     let generated = |e: &Engine<Fake>, id: &str| {
         e.running
             .iter()
@@ -326,9 +349,10 @@ fn a_long_prompt_is_prefilled_in_chunks_between_decode_steps() {
         // A decoded one token in each step while B was part-way through its prompt.
         assert_eq!(generated(&e, "a").unwrap().0, a0 + step);
         assert_eq!(generated(&e, "b"), Some((0, fed, true)));
+        // The report shows its KV, and that it is not decoding yet.
         let lease = e.published.lock().unwrap().leases.clone();
         let lb = lease.iter().find(|l| l.id == "b").unwrap();
-        assert_eq!((lb.state, lb.used_tokens), (LeaseState::Running, fed));
+        assert_eq!((lb.state, lb.used_tokens), (LeaseState::Waiting, fed));
         assert!(events(&mut b)
             .iter()
             .all(|ev| !matches!(ev, Event::Text(_))));
@@ -342,28 +366,97 @@ fn a_long_prompt_is_prefilled_in_chunks_between_decode_steps() {
     let evs = events(&mut b);
     assert_eq!(finished(&evs), Some((FinishReason::Length, 5, false)));
     // Fed in chunks, it says exactly what it says fed at once (the model reads its whole
-    // context), and its prompt is counted once.
+    // context, and the prompt's tokens differ by position), and its prompt is counted once.
     let mut whole = engine(64, Admission::Reserve, usize::MAX, 8);
     whole.cfg.prefill_token_budget = 1000;
-    let mut w = submit(&mut whole, "b", 150, 5);
+    let mut w = submit_tokens(&mut whole, "b", mixed(150), 5);
     for _ in 0..10 {
         whole.step();
     }
     assert_eq!(text(&evs), text(&events(&mut w)));
+    let mut shifted = engine(64, Admission::Reserve, usize::MAX, 8);
+    let mut x = submit_tokens(&mut shifted, "x", mixed(151)[1..].to_vec(), 5);
+    for _ in 0..10 {
+        shifted.step();
+    }
+    assert_ne!(
+        text(&evs),
+        text(&events(&mut x)),
+        "the prompt's order matters"
+    );
     assert_eq!(e.metrics.prompt_tokens.get(), 154);
     assert_eq!(e.metrics.recomputed_tokens.get(), 0);
 
     // A client gone, or a cancel, part-way through a prefill frees its blocks at once.
     let free = e.pool.stats().blocks_free;
-    let c = submit(&mut e, "c", 200, 5);
-    let _d = submit(&mut e, "d", 200, 5);
+    let d = submit(&mut e, "d", 200, 5);
     e.step();
-    assert_eq!(generated(&e, "c").map(|g| g.2), Some(true));
-    drop(c);
-    assert!(e.preempt("d"));
+    assert_eq!(generated(&e, "d"), Some((0, 64, true)));
+    drop(d);
     e.step();
+    assert!(generated(&e, "d").is_none());
+    assert_eq!(e.pool.stats().blocks_free, free);
+    let _f = submit(&mut e, "f", 200, 5);
+    e.step();
+    assert_eq!(generated(&e, "f"), Some((0, 64, true)));
+    assert!(e.preempt("f"));
     assert_eq!(e.pool.stats().blocks_free, free);
     assert!(finished(&events(&mut a)).is_none(), "A still running");
+    e.pool.check().unwrap();
+}
+
+#[test]
+fn a_sequence_preempted_mid_prefill_starts_over_and_counts_its_wait_once() {
+    // `none` + recompute: A decodes, B (younger) is part-way through a 150-token prompt at 8
+    // tokens a step when A needs a block and none is free.
+    let mut e = engine_on(
+        11,
+        Admission::None,
+        OnKvExhaustion::Recompute,
+        usize::MAX,
+        8,
+    );
+    e.cfg.prefill_token_budget = 8;
+    let mut a = submit(&mut e, "a", 10, 20);
+    e.step();
+    let mut b = submit_tokens(&mut e, "b", mixed(150), 5);
+    let mut evicted_at = None;
+    for step in 0..200 {
+        e.step();
+        if evicted_at.is_none() && e.metrics.recompute_preemptions.get() == 1 {
+            evicted_at = Some(step);
+            assert!(e
+                .waiting
+                .iter()
+                .any(|s| s.id == "b" && s.kv.is_none() && !s.prefilling));
+        }
+    }
+    assert!(
+        evicted_at.is_some_and(|s| s < 10),
+        "evicted mid-prefill: {evicted_at:?}"
+    );
+    assert_eq!(
+        finished(&events(&mut a)),
+        Some((FinishReason::Length, 20, false))
+    );
+    let evs = events(&mut b);
+    assert_eq!(finished(&evs), Some((FinishReason::Length, 5, false)));
+    let mut alone = engine(64, Admission::None, usize::MAX, 8);
+    let mut w = submit_tokens(&mut alone, "b", mixed(150), 5);
+    for _ in 0..10 {
+        alone.step();
+    }
+    assert_eq!(text(&evs), text(&events(&mut w)));
+    // Its prompt counts once; what it was fed before the preemption was recomputed; each
+    // request's queue wait is observed once.
+    assert_eq!(e.metrics.prompt_tokens.get(), 160);
+    assert!(e.metrics.recomputed_tokens.get() > 0);
+    let m = e.metrics.render(&e.pool.stats());
+    assert!(
+        m.contains("kvgate_backend_queue_wait_seconds_count 2\n"),
+        "{m}"
+    );
+    assert_eq!(e.pool.stats().blocks_free, 11);
     e.pool.check().unwrap();
 }
 
