@@ -578,6 +578,14 @@ impl<M: Forward> Engine<M> {
                     }
                     self.requeue_for_recompute(seq);
                 }
+                Room::NoBlock if self.running.get(i).is_some_and(|s| s.elastic) => {
+                    // At the end of its reservation with no block free and none borrowed to
+                    // take back (every block is someone's reservation): it waits, keeping its
+                    // reservation, until blocks free up. Delayed, never failed, and it takes
+                    // nobody's reservation.
+                    let seq = self.running.remove(i);
+                    self.requeue_for_recompute(seq);
+                }
                 Room::NoBlock
                     if self.cfg.on_kv_exhaustion == OnKvExhaustion::Recompute
                         && self.running.len() > 1 =>

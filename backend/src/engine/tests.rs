@@ -661,6 +661,44 @@ fn an_elastic_sequence_reserves_its_allowance_and_grows_past_it_from_free_blocks
 }
 
 #[test]
+fn an_elastic_sequence_at_its_reservations_end_in_a_fully_reserved_pool_waits_and_takes_nothing() {
+    for on in [OnKvExhaustion::Error, OnKvExhaustion::Recompute] {
+        // 8 blocks: A elastic reserves 1 (prompt 10 + 6), B worst case reserves the other 7
+        // (prompt 10 + cap 100). Nothing is free and nothing is borrowed when A needs its
+        // second block.
+        let mut e = engine_on(8, Admission::Reserve, on, usize::MAX, 8);
+        let mut a = submit_elastic(&mut e, "a", 10, 40, 6);
+        let mut b = submit(&mut e, "b", 10, 100);
+        assert_eq!(e.pool.stats().blocks_free, 0);
+        let (mut ea, mut eb) = (Vec::new(), Vec::new());
+        for _ in 0..300 {
+            e.step();
+            ea.extend(events(&mut a));
+            eb.extend(events(&mut b));
+            // B's reservation is never touched while it runs.
+            if let Some(s) = e.running.iter().find(|s| s.id == "b") {
+                assert_eq!(s.alloc.blocks(), 7, "{on:?}");
+            }
+        }
+        assert_eq!(
+            finished(&eb),
+            Some((FinishReason::Length, 100, false)),
+            "{on:?}"
+        );
+        assert_eq!(
+            finished(&ea),
+            Some((FinishReason::Length, 40, false)),
+            "{on:?}"
+        );
+        assert_eq!(text(&ea), solo(10, greedy(40)).0, "delayed, not changed");
+        assert_eq!(e.metrics.kv_oom.get(), 0, "{on:?}");
+        assert!(e.metrics.recompute_preemptions.get() >= 1);
+        assert_eq!(e.pool.stats().blocks_free, 8);
+        e.pool.check().unwrap();
+    }
+}
+
+#[test]
 fn a_reservation_takes_borrowed_blocks_back_and_the_elastic_sequence_is_only_delayed() {
     // In error mode too: borrowed blocks always come back by recompute, never by an error.
     let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
