@@ -92,8 +92,15 @@ def test_reserve_answers_429_when_full_and_cancel_preempts(backend):
     assert r.status_code == 200
     events = sse_events(r)
     next(events)  # decoding
-    state = b.leases()
-    (lease,) = state["leases"]
+    # The report is published once per engine step, after the step's first tokens went out: a
+    # client can hold its first token a moment before the report says `running`.
+    deadline = time.time() + 5
+    while True:
+        state = b.leases()
+        (lease,) = state["leases"]
+        if lease["state"] == "running" or time.time() > deadline:
+            break
+        time.sleep(0.05)
     assert lease["id"] == "lease-a" and lease["state"] == "running"
     assert lease["reserved_tokens"] >= 900 + 5 and lease["reserved_tokens"] % 16 == 0
     assert lease["reserved_bytes"] == lease["reserved_tokens"] * 46_080
