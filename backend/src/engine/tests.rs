@@ -149,12 +149,21 @@ fn submit_with(
     prompt: usize,
     params: GenParams,
 ) -> UnboundedReceiver<Event> {
+    submit_prompt(e, id, vec![1; prompt], params)
+}
+
+fn submit_prompt(
+    e: &mut Engine<Fake>,
+    id: &str,
+    prompt: Vec<u32>,
+    params: GenParams,
+) -> UnboundedReceiver<Event> {
     let (tx, rx) = unbounded_channel();
     e.admit(Submit {
         lease: Some(id.into()),
         class: None,
         reserve_output: None,
-        prompt: vec![1; prompt],
+        prompt,
         params,
         events: tx,
     });
@@ -172,16 +181,7 @@ fn submit_tokens(
     prompt: Vec<u32>,
     max_tokens: u64,
 ) -> UnboundedReceiver<Event> {
-    let (tx, rx) = unbounded_channel();
-    e.admit(Submit {
-        lease: Some(id.into()),
-        class: None,
-        reserve_output: None,
-        prompt,
-        params: greedy(max_tokens),
-        events: tx,
-    });
-    rx
+    submit_prompt(e, id, prompt, greedy(max_tokens))
 }
 
 fn events(rx: &mut UnboundedReceiver<Event>) -> Vec<Event> {
