@@ -358,13 +358,15 @@ impl<M: Forward> Engine<M> {
     }
 
     /// The running sequence to give borrowed blocks back first: the youngest grown past its
-    /// reservation.
+    /// reservation that is decoding, else the youngest part-way through its prefill (a chunked
+    /// recompute given back loses every chunk it was fed; one preempted while decoding loses
+    /// no more than it already holds).
     fn youngest_overgrown(&self) -> Option<usize> {
         self.running
             .iter()
             .enumerate()
             .filter(|(_, s)| s.overgrown())
-            .max_by_key(|(_, s)| s.order)
+            .max_by_key(|(_, s)| (!s.prefilling, s.order))
             .map(|(i, _)| i)
     }
 

@@ -699,6 +699,42 @@ fn an_elastic_sequence_at_its_reservations_end_in_a_fully_reserved_pool_waits_an
 }
 
 #[test]
+fn borrowed_blocks_come_back_from_a_decoding_sequence_before_one_part_way_through_its_prefill() {
+    // Two elastic sequences grown past their reservations; the younger one is part-way through
+    // a (chunked) recompute. Giving that one back would throw away the chunks it was fed.
+    let mut e = engine(16, Admission::Reserve, usize::MAX, 8);
+    let _a = submit_elastic(&mut e, "a", 10, 100, 6);
+    let _b = submit_elastic(&mut e, "b", 10, 100, 6);
+    e.step();
+    for s in e.running.iter_mut() {
+        assert!(s.alloc.grow(2));
+        assert!(s.overgrown());
+    }
+    let pick = |e: &Engine<Fake>| e.youngest_overgrown().map(|i| e.running[i].id.clone());
+    assert_eq!(
+        pick(&e).as_deref(),
+        Some("b"),
+        "the youngest, both decoding"
+    );
+    e.running
+        .iter_mut()
+        .find(|s| s.id == "b")
+        .unwrap()
+        .prefilling = true;
+    assert_eq!(pick(&e).as_deref(), Some("a"), "the decoding one first");
+    e.running
+        .iter_mut()
+        .find(|s| s.id == "a")
+        .unwrap()
+        .prefilling = true;
+    assert_eq!(
+        pick(&e).as_deref(),
+        Some("b"),
+        "both prefilling: the youngest"
+    );
+}
+
+#[test]
 fn a_reservation_takes_borrowed_blocks_back_and_the_elastic_sequence_is_only_delayed() {
     // In error mode too: borrowed blocks always come back by recompute, never by an error.
     let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
