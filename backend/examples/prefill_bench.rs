@@ -246,20 +246,15 @@ fn main() {
     println!("prefill of a {}-token prompt, {}", o.prompt, o.model);
     println!("\n| chunk (tokens) | peak extra memory (MB) | stated bound (MB) | prefill (s) | prefill tok/s |");
     println!("|---|---|---|---|---|");
-    for &c in &o.chunks {
-        let cols: Vec<String> = run_arm(&o, "memory", c)
-            .split('\t')
-            .map(String::from)
-            .collect();
-        println!("| {} |", cols.join(" | "));
-    }
+    print_rows(&o, "memory");
     println!("\n| --prefill-token-budget | decoders' median gap before (ms) | longest gap while it prefills (ms) | its time to first token (s) |");
     println!("|---|---|---|---|");
+    print_rows(&o, "stall");
+}
+
+/// One table row per chunk size: the arm's tab-separated line as markdown.
+fn print_rows(o: &Opts, kind: &str) {
     for &c in &o.chunks {
-        let cols: Vec<String> = run_arm(&o, "stall", c)
-            .split('\t')
-            .map(String::from)
-            .collect();
-        println!("| {} |", cols.join(" | "));
+        println!("| {} |", run_arm(o, kind, c).replace('\t', " | "));
     }
 }
