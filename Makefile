@@ -6,7 +6,7 @@ VENV      := .venv
 PY        := $(VENV)/bin/python
 ENVOY     := $(VENV)/bin/envoy
 ENVOY_VER := 1.40.0
-WASM      := target/wasm32-wasip1/release/kvgate_plugin.wasm
+WASM      := target/wasm32-wasip1/wasm/kvgate_plugin.wasm
 # --no-incremental-marking: Node 20's V8 can crash in incremental GC while a wasm memory grows
 # (a Fatal error in MarkCompactCollector during Memory.grow, seen about every other run of core's
 # suite once the counter kept a second rank map); 6/6 runs passed with it, and it changes nothing
@@ -66,7 +66,7 @@ test-core-wasm: setup-rust
 # The filter, built for Envoy. KVGATE_GIT_HASH is logged by the filter at start.
 wasm: setup-rust
 	KVGATE_GIT_HASH=$$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
-	  cargo build -p kvgate-plugin --target wasm32-wasip1 --release
+	  cargo build -p kvgate-plugin --target wasm32-wasip1 --profile wasm
 	@ls -l $(WASM)
 
 # Every Envoy bootstrap that ships passes `envoy --mode validate` (the filter configs and the

@@ -18,7 +18,7 @@ import requests
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-WASM = ROOT / "target" / "wasm32-wasip1" / "release" / "kvgate_plugin.wasm"
+WASM = ROOT / "target" / "wasm32-wasip1" / "wasm" / "kvgate_plugin.wasm"
 ENVOY = ROOT / ".venv" / "bin" / "envoy"
 BACKEND = ROOT / "target" / "release" / "kvgate-backend"
 MODEL = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -3,6 +3,7 @@
 //! directly.
 
 pub mod api;
+pub mod cpu;
 pub mod engine;
 pub mod forward;
 pub mod handle;

@@ -14,6 +14,7 @@ use anyhow::{bail, Context as _, Result};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device, IndexOp, Tensor};
 use kvgate_core::ModelSpec;
+use rayon::prelude::*;
 
 /// Hyper-parameters as read from the checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -194,15 +195,14 @@ impl Llama {
         };
         let embed = get("token_embd.weight")?;
         let lm_head = match get("output.weight") {
-            Ok(w) => w.t()?.contiguous()?,
-            Err(_) => embed.t()?.contiguous()?,
+            Ok(w) => stored(w.t()?)?,
+            Err(_) => stored(embed.t()?)?,
         };
         let norm = get("output_norm.weight")?;
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
-            let mut w = |n: &str| -> Result<Tensor> {
-                Ok(get(&format!("blk.{i}.{n}.weight"))?.t()?.contiguous()?)
-            };
+            let mut w =
+                |n: &str| -> Result<Tensor> { stored(get(&format!("blk.{i}.{n}.weight"))?.t()?) };
             let wq = w("attn_q")?;
             let wk = w("attn_k")?;
             let wv = w("attn_v")?;
@@ -236,20 +236,22 @@ impl Llama {
         let ones = |n: usize| Tensor::ones(n, DType::F32, device);
         // Every tensor has its own id, so its values do not depend on the others' shapes.
         let embed = random_tensor(seed, 0, (cfg.vocab, h), h, device)?;
-        let lm_head = embed.t()?.contiguous()?;
+        let lm_head = stored(embed.t()?)?;
+        // The same values on every device, in the layout `stored` keeps on this one.
+        let w = |t: Tensor| stored(t.t()?.contiguous()?.t()?);
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers as u64 {
             let id = 1 + 8 * i;
             layers.push(Layer {
                 attn_norm: ones(h)?,
                 ffn_norm: ones(h)?,
-                wq: random_tensor(seed, id, (h, q_out), h, device)?,
-                wk: random_tensor(seed, id + 1, (h, kv_out), h, device)?,
-                wv: random_tensor(seed, id + 2, (h, kv_out), h, device)?,
-                wo: random_tensor(seed, id + 3, (q_out, h), q_out, device)?,
-                w_gate: random_tensor(seed, id + 4, (h, f), h, device)?,
-                w_up: random_tensor(seed, id + 5, (h, f), h, device)?,
-                w_down: random_tensor(seed, id + 6, (f, h), f, device)?,
+                wq: w(random_tensor(seed, id, (h, q_out), h, device)?)?,
+                wk: w(random_tensor(seed, id + 1, (h, kv_out), h, device)?)?,
+                wv: w(random_tensor(seed, id + 2, (h, kv_out), h, device)?)?,
+                wo: w(random_tensor(seed, id + 3, (q_out, h), q_out, device)?)?,
+                w_gate: w(random_tensor(seed, id + 4, (h, f), h, device)?)?,
+                w_up: w(random_tensor(seed, id + 5, (h, f), h, device)?)?,
+                w_down: w(random_tensor(seed, id + 6, (f, h), f, device)?)?,
             });
         }
         let norm = ones(h)?;
@@ -625,8 +627,12 @@ impl Llama {
             return mm(&x, &self.lm_head);
         }
         let (q_row, kv_row) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let shape = crate::cpu::Heads {
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+        };
         let mut out = vec![0f32; b * q_row];
-        let mut scores = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
             let q = mm(&h, &layer.wq)?.reshape((b, c.heads, 1, c.head_dim))?;
@@ -639,21 +645,23 @@ impl Llama {
                 .to_vec1::<f32>()?;
             let v = mm(&h, &layer.wv)?.flatten_all()?.to_vec1::<f32>()?;
             for (bi, kv) in kvs.iter_mut().enumerate() {
-                let len = kv.len + 1;
                 let Some((kc, vc)) = kv.layers.get_mut(li) else {
                     bail!("layer {li} missing in cache")
                 };
                 let row = bi * kv_row..(bi + 1) * kv_row;
                 kc.extend_from_slice(k.get(row.clone()).unwrap_or(&[]));
                 vc.extend_from_slice(v.get(row).unwrap_or(&[]));
-                let (Some(qb), Some(ob)) = (
-                    q.get(bi * q_row..(bi + 1) * q_row),
-                    out.get_mut(bi * q_row..(bi + 1) * q_row),
-                ) else {
-                    bail!("decode buffers misaligned");
-                };
-                attend_host(c, qb, kc, vc, len, ob, &mut scores);
             }
+            // Each sequence attends over its own cache; the sequences run in parallel.
+            let seqs: &[&mut SeqKv] = kvs;
+            seqs.par_iter()
+                .zip(q.par_chunks(q_row))
+                .zip(out.par_chunks_mut(q_row))
+                .for_each(|((kv, qb), ob)| {
+                    if let Some((kc, vc)) = kv.layers.get(li) {
+                        crate::cpu::attend(shape, qb, kc, vc, kv.len + 1, ob);
+                    }
+                });
             let y = Tensor::from_slice(&out, (b, q_row), &self.device)?;
             x = (x + mm(&y, &layer.wo)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
@@ -750,10 +758,58 @@ impl Llama {
 /// product runs in the weights' type and comes back as f32 (norms, RoPE, softmax and the
 /// residual stream stay f32).
 fn mm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if let Some(y) = small_cpu_matmul(x, w)? {
+        return Ok(y);
+    }
     if x.dtype() == w.dtype() {
         return Ok(x.matmul(w)?);
     }
     Ok(x.to_dtype(w.dtype())?.matmul(w)?.to_dtype(x.dtype())?)
+}
+
+/// A projection `[in, out]` made from the transposed view of its `[out, in]` weight. On the CPU it
+/// stays a view (the decode path reads each output's weights as one contiguous row, and the GEMM
+/// takes the strides as they are); elsewhere it is made contiguous `[in, out]` (cuBLAS).
+fn stored(w_t: Tensor) -> Result<Tensor> {
+    if w_t.device().is_cpu() {
+        return Ok(w_t);
+    }
+    Ok(w_t.contiguous()?)
+}
+
+/// A decode step's `x · w` on the CPU (f32, at most `cpu::MAX_ROWS` rows of `x`, `w` the
+/// transposed view of a contiguous `[n, k]`, as `stored` keeps CPU weights) through
+/// `cpu::small_matmul`, which streams the weights once instead of repacking them for a GEMM.
+/// `None` where that path does not apply.
+fn small_cpu_matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    let (Ok((m, k)), Ok((wk, n))) = (x.dims2(), w.dims2()) else {
+        return Ok(None);
+    };
+    if !x.device().is_cpu()
+        || x.dtype() != DType::F32
+        || w.dtype() != DType::F32
+        || m > crate::cpu::MAX_ROWS
+        || wk != k
+    {
+        return Ok(None);
+    }
+    let wt = w.t()?;
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let (storage, layout) = wt.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Ok(None);
+    };
+    let Some(ws) = layout
+        .contiguous_offsets()
+        .and_then(|(a, b)| cpu.as_slice::<f32>().ok()?.get(a..b))
+    else {
+        return Ok(None);
+    };
+    let Some(y) = crate::cpu::small_matmul(&xs, m, ws, k, n) else {
+        return Ok(None);
+    };
+    drop(storage);
+    Ok(Some(Tensor::from_vec(y, (m, n), x.device())?))
 }
 
 /// `[rows, len]` additive causal mask for queries at positions `first..first + rows`: each
@@ -769,44 +825,4 @@ fn chunk_mask(first: usize, rows: usize, len: usize, device: &Device) -> Result<
         })
         .collect();
     Ok(Tensor::from_vec(m, (rows, len), device)?)
-}
-
-/// One query token's attention over `len` cached positions (layout `[pos][kv][hd]`), written to
-/// `out` (`[heads][hd]`). Grouped-query: head `h` reads KV head `h / (heads / kv_heads)`.
-fn attend_host(
-    c: &Config,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    len: usize,
-    out: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
-    let (hd, kvh) = (c.head_dim, c.kv_heads);
-    let groups = c.heads / kvh;
-    let scale = 1.0 / (hd as f32).sqrt();
-    scores.resize(len, 0.0);
-    for (h, (qh, oh)) in q.chunks_exact(hd).zip(out.chunks_exact_mut(hd)).enumerate() {
-        let g = h / groups;
-        let mut max = f32::NEG_INFINITY;
-        for (p, s) in scores.iter_mut().enumerate() {
-            let at = (p * kvh + g) * hd;
-            let kp = k.get(at..at + hd).unwrap_or(&[]);
-            *s = qh.iter().zip(kp).map(|(a, b)| a * b).sum::<f32>() * scale;
-            max = max.max(*s);
-        }
-        let mut sum = 0.0;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        oh.fill(0.0);
-        for (p, s) in scores.iter().enumerate() {
-            let w = s / sum;
-            let at = (p * kvh + g) * hd;
-            for (o, x) in oh.iter_mut().zip(v.get(at..at + hd).unwrap_or(&[])) {
-                *o += w * x;
-            }
-        }
-    }
 }
