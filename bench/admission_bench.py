@@ -18,6 +18,12 @@ from its first try.
 Arms (a fresh backend, and gateway where there is one, per arm and round; same pool, same
 `--step-delay-ms`):
   none     backend --admission none, clients straight to it (KV taken as sequences grow)
+  prompt   backend --admission prompt: admission on prompt length alone (the prompt's blocks
+           held from arrival, 429 when they are not free; output takes blocks as it grows), what
+           a server without kvgate does
+  cap      backend --admission none --max-batch N: a concurrency cap, the operator's usual
+           guard (N = the pool's tokens / the workload's mean worst case, prompt + max_tokens,
+           estimated at 4 characters a token; `--cap N` sets it); the rest wait in its queue
   reserve  backend --admission reserve alone (prompt + max_tokens held from arrival, 429 else)
   kvgate   Envoy + the filter with the shipped policy (envoy/kvgate-filter.yaml) in front of
            backend --admission reserve
@@ -274,6 +280,20 @@ def filter_config(blocks, secret, elastic_prior=None):
     return cfg
 
 
+def concurrency_cap(workload, context):
+    """The cap an operator would size from the mix: the pool's tokens over the mean worst case
+    (prompt + max_tokens, the context when unset, at most the context), prompts estimated at 4
+    characters a token."""
+    def worst(body):
+        if "messages" in body:
+            prompt = sum(len(m["content"]) for m in body["messages"]) // 4
+        else:
+            prompt = len(body["prompt"]) if isinstance(body["prompt"], list) else len(body["prompt"]) // 4
+        return min(context, prompt + body.get("max_tokens", context))
+    sizes = [worst(r["body"]) for job in workload for r in job]
+    return max(1, round(context / statistics.mean(sizes)))
+
+
 def learn_lengths(workload, a, work):
     """The oracle's first pass: every request once, greedy, against a backend with a large pool
     and no delay, serving the same context (--max-context) as the arms' pool. Returns id -> the
@@ -306,6 +326,8 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
     d.mkdir()
     flags = ["--kv-cache-bytes", a.blocks * BLOCK_BYTES, "--step-delay-ms", a.step_delay_ms]
     flags += {"none": ["--admission", "none"], "reserve": ["--admission", "reserve"],
+              "prompt": ["--admission", "prompt"],
+              "cap": ["--admission", "none", "--max-batch", a.cap],
               "kvgate": ["--admission", "reserve"], "oracle": ["--admission", "reserve"],
               "elastic": ["--admission", "reserve"],
               "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm]
@@ -461,7 +483,8 @@ def main():
     p.add_argument("--max-tries", type=int)
     p.add_argument("--give-up-s", type=float)
     p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--arms", default="none,reserve,kvgate,elastic,oracle,vllm")
+    p.add_argument("--arms", default="none,prompt,cap,reserve,kvgate,elastic,oracle,vllm")
+    p.add_argument("--cap", type=int, help="the cap arm's --max-batch (default: sized from the mix)")
     p.add_argument("--elastic-prior", type=int, default=64,
                    help="output tokens an elastic class reserves until it has learned its outputs")
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
@@ -471,6 +494,7 @@ def main():
     a.jobs = a.jobs or (40 if a.full else 12)
     a.give_up_s = a.give_up_s or (300.0 if a.full else 60.0)
     workload = make_workload(a.seed, a.jobs, a.blocks * 16)
+    a.cap = a.cap or concurrency_cap(workload, a.blocks * 16)
     n = sum(len(j) for j in workload)
     started = datetime.datetime.now(datetime.timezone.utc)
     commit = git_hash()
@@ -490,7 +514,7 @@ def main():
             print("the backend has no --on-kv-exhaustion: the vllm arm is left out", flush=True)
         print(f"{n} requests in {len(workload)} jobs (seed {a.seed}), {a.clients} clients, pool {a.blocks} blocks "
               f"({a.blocks * BLOCK_BYTES / 2**20:.1f} MiB, {a.blocks * 16} tokens), step delay {a.step_delay_ms} ms, "
-              f"arms {arms}, {a.rounds} round(s); git {commit}, {', '.join(built)}", flush=True)
+              f"arms {arms} (cap: --max-batch {a.cap}), {a.rounds} round(s); git {commit}, {', '.join(built)}", flush=True)
         caps = learn_lengths(workload, a, work) if "oracle" in arms else {}
         for rnd in range(a.rounds):
             order = arms if rnd % 2 == 0 else arms[::-1]  # interleaved, alternating order
@@ -512,6 +536,7 @@ def main():
              f"EPYC, shared; {n} requests in {len(workload)} jobs, seed {a.seed}, {a.clients} closed-loop clients, "
              f"pool {a.blocks} blocks ({a.blocks * 16} tokens) in every arm, --step-delay-ms {a.step_delay_ms}, "
              f"give up after {f'{a.max_tries} tries or ' if a.max_tries else ''}{a.give_up_s:.0f} s; "
+             f"the cap arm at --max-batch {a.cap}; "
              f"wall {wall:.0f} s.\n\n{out}\n")
     (ROOT / "BENCHMARKS.md").write_text(text)
 

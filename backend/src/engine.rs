@@ -60,6 +60,8 @@ pub use kvgate_core::wire::FinishReason;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Admission {
     Reserve,
+    /// Admission on prompt length alone: what a server without kvgate does (for comparison).
+    Prompt,
     None,
 }
 
@@ -68,6 +70,7 @@ impl Admission {
     pub fn as_str(self) -> &'static str {
         match self {
             Admission::Reserve => "reserve",
+            Admission::Prompt => "prompt",
             Admission::None => "none",
         }
     }
@@ -278,6 +281,7 @@ impl<M: Forward> Engine<M> {
         let elastic = output < s.params.max_tokens;
         let reserve_tokens = match self.cfg.admission {
             Admission::Reserve => prompt_len + output,
+            Admission::Prompt => prompt_len,
             Admission::None => 0,
         };
         let blocks = self.pool.blocks_for(reserve_tokens);
@@ -289,12 +293,18 @@ impl<M: Forward> Engine<M> {
             self.metrics.rejected_kv.inc();
             let need = u64::from(self.pool.blocks_for(reserve_tokens)) * self.pool.block_bytes;
             let free = self.pool.stats().free_bytes;
+            let priced = match self.cfg.admission {
+                Admission::Prompt => format!("its prompt of {prompt_len} tokens"),
+                _ => format!(
+                    "prompt {prompt_len} + max_tokens {} tokens",
+                    s.params.max_tokens
+                ),
+            };
             let err = ApiError::new(
                 ErrorKind::KvCapacityExceeded,
                 format!(
                     "The backend's KV cache cannot hold this request now: it needs {need} bytes \
-                     (prompt {prompt_len} + max_tokens {} tokens) and {free} bytes are free.",
-                    s.params.max_tokens
+                     ({priced}) and {free} bytes are free."
                 ),
             )
             .with_extra("need_bytes", need)

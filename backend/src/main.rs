@@ -60,7 +60,10 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     block_size: u32,
     /// `reserve`: hold prompt + max_tokens blocks from arrival, 429 when they are not free (never
-    /// OOM mid-decode). `none`: take blocks as sequences grow (can fail mid-decode).
+    /// OOM mid-decode). `prompt`: hold only the prompt's blocks from arrival (429 when they are
+    /// not free) and take the rest as the output grows: admission on prompt length alone, as
+    /// servers without kvgate do, kept for comparison (can fail mid-decode). `none`: take blocks
+    /// as sequences grow (can fail mid-decode).
     #[arg(long, value_enum, default_value_t = Admission::Reserve)]
     admission: Admission,
     /// What a running sequence that needs a KV block does when none is free (only happens with

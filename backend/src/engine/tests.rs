@@ -271,6 +271,48 @@ fn admission_none_grows_by_blocks_and_fails_mid_decode_when_none_are_left() {
 }
 
 #[test]
+fn prompt_admission_holds_the_prompt_admits_what_fits_by_prompt_and_fails_mid_decode() {
+    // Two 10-token prompts with max_tokens 40 each: 50 tokens (4 blocks) apiece at their worst,
+    // 8 in all, in a 4-block pool. Reserve admits one; prompt-only admits both (1 block each).
+    let mut e = engine(4, Admission::Prompt, usize::MAX, 8);
+    let mut a = submit(&mut e, "a", 10, 40);
+    let mut b = submit(&mut e, "b", 10, 40);
+    assert!(matches!(
+        events(&mut a).first(),
+        Some(Event::Admitted { .. })
+    ));
+    assert!(matches!(
+        events(&mut b).first(),
+        Some(Event::Admitted { .. })
+    ));
+    assert_eq!(
+        e.pool.stats().blocks_free,
+        2,
+        "each holds its prompt's block"
+    );
+    let mut c = submit(&mut e, "c", 40, 1); // 3 blocks of prompt: not free
+    assert!(matches!(events(&mut c).first(), Some(Event::Rejected(err)) if err.status == 429));
+    for _ in 0..60 {
+        e.step();
+    }
+    let (ea, eb) = (events(&mut a), events(&mut b));
+    let ends = [finished(&ea), finished(&eb)];
+    // Both grow; the pool runs dry part-way and one of them fails mid-decode. The other gets
+    // the freed blocks and finishes.
+    assert!(
+        ends.contains(&Some((FinishReason::Length, 40, false))),
+        "{ends:?}"
+    );
+    assert!(
+        ends.iter()
+            .any(|x| matches!(x, Some((FinishReason::Error, n, true)) if *n > 1 && *n < 40)),
+        "{ends:?}"
+    );
+    assert_eq!(e.metrics.kv_oom.get(), 1);
+    assert_eq!(e.pool.stats().blocks_free, 4);
+}
+
+#[test]
 fn eos_stops_and_cancel_preempts_and_a_gone_client_frees_at_once() {
     let mut e = engine(24, Admission::Reserve, 5, 8); // 7 blocks each
     let mut a = submit(&mut e, "a", 4, 100);
