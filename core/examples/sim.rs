@@ -412,6 +412,10 @@ fn preset(name: &str) -> Res<Preset> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Arm {
     None,
+    /// Admission on prompt length alone (backend `--admission prompt`).
+    Prompt,
+    /// A concurrency cap: `--admission none --max-batch N`.
+    Cap(usize),
     Reserve,
     Kvgate,
     Elastic,
@@ -423,6 +427,9 @@ impl Arm {
     fn parse(s: &str) -> Res<Arm> {
         Ok(match s {
             "none" => Arm::None,
+            "prompt" => Arm::Prompt,
+            // N is sized from the workload in `main` (or `--cap`).
+            "cap" => Arm::Cap(0),
             "reserve" => Arm::Reserve,
             "kvgate" => Arm::Kvgate,
             "elastic" => Arm::Elastic,
@@ -434,6 +441,8 @@ impl Arm {
     fn name(self) -> &'static str {
         match self {
             Arm::None => "none",
+            Arm::Prompt => "prompt",
+            Arm::Cap(_) => "cap",
             Arm::Reserve => "reserve",
             Arm::Kvgate => "kvgate",
             Arm::Elastic => "elastic",
@@ -445,7 +454,23 @@ impl Arm {
         matches!(self, Arm::Kvgate | Arm::Elastic | Arm::Oracle)
     }
     fn reserve(self) -> bool {
-        !matches!(self, Arm::None | Arm::Vllm)
+        !matches!(self, Arm::None | Arm::Prompt | Arm::Cap(_) | Arm::Vllm)
+    }
+    /// Tokens a request holds from its arrival: prompt + output under `--admission reserve`,
+    /// the prompt under `--admission prompt`, nothing under `none`.
+    fn reserve_tokens(self, prompt: u64, output: u64) -> u64 {
+        match self {
+            Arm::Prompt => prompt,
+            _ if self.reserve() => prompt + output,
+            _ => 0,
+        }
+    }
+    /// Most sequences running at once.
+    fn max_batch(self, p: &Preset) -> usize {
+        match self {
+            Arm::Cap(n) => n.min(p.max_batch),
+            _ => p.max_batch,
+        }
     }
 }
 
@@ -662,7 +687,7 @@ impl Backend {
                         Some(r) if arm.reserve() => r.min(max_tokens),
                         _ => max_tokens,
                     };
-                    let reserve_tokens = if arm.reserve() { prompt + output } else { 0 };
+                    let reserve_tokens = arm.reserve_tokens(prompt, output);
                     let blocks = blocks_for(reserve_tokens);
                     if self.free < blocks {
                         self.reclaim_borrowed(blocks);
@@ -773,7 +798,7 @@ impl Backend {
         let mut budget = p.prefill_budget;
         let mut prefilled = 0;
         let mut passed = 0;
-        while self.running.len() < p.max_batch {
+        while self.running.len() < arm.max_batch(p) {
             let others_can_free = !self.running.is_empty() || self.waiting.len() > passed + 1;
             let Some(front) = self.waiting.get_mut(passed) else {
                 break;
@@ -1798,7 +1823,8 @@ fn main() -> Res<()> {
     let mut clients = None;
     let mut rate = None;
     let mut give_up_s = 60.0;
-    let mut arms = "none,reserve,kvgate,elastic,oracle,vllm".to_string();
+    let mut arms = "none,prompt,cap,reserve,kvgate,elastic,oracle,vllm".to_string();
+    let mut cap = None;
     let mut blocks = None;
     let mut elastic_prior = 64u64;
     let mut max_tries = None;
@@ -1819,6 +1845,7 @@ fn main() -> Res<()> {
             "--rate" => rate = Some(parse(&a, args.next())?),
             "--give-up-s" => give_up_s = parse(&a, args.next())?,
             "--arms" => arms = parse(&a, args.next())?,
+            "--cap" => cap = Some(parse(&a, args.next())?),
             "--blocks" => blocks = Some(parse(&a, args.next())?),
             "--elastic-prior" => elastic_prior = parse(&a, args.next())?,
             "--filter-config" => filter_path = parse(&a, args.next())?,
@@ -1866,7 +1893,29 @@ fn main() -> Res<()> {
         "live" => live_workload(),
         other => return Err(format!("--workload {other:?}: must be mix or live")),
     };
-    let arms: Vec<Arm> = arms.split(',').map(Arm::parse).collect::<Res<_>>()?;
+    // The cap arm's N as the live bench sizes it: the pool's tokens over the mean worst case
+    // (prompt + max_tokens, the context when unset, at most the context).
+    let cap = cap.unwrap_or_else(|| {
+        let ctx = p.context();
+        let sizes: Vec<u64> = workload
+            .iter()
+            .flatten()
+            .map(|r| (r.prompt + r.cap.unwrap_or(ctx)).min(ctx))
+            .collect();
+        let mean = sizes.iter().sum::<u64>() as f64 / sizes.len().max(1) as f64;
+        ((p.blocks * BLOCK_TOKENS) as f64 / mean.max(1.0))
+            .round()
+            .max(1.0) as usize
+    });
+    let arms: Vec<Arm> = arms
+        .split(',')
+        .map(|a| {
+            Arm::parse(a).map(|arm| match arm {
+                Arm::Cap(_) => Arm::Cap(cap),
+                other => other,
+            })
+        })
+        .collect::<Res<_>>()?;
     let o = Opts {
         preset: p.clone(),
         backends,
@@ -1897,6 +1946,9 @@ fn main() -> Res<()> {
         workload.len(),
         max_tries.map_or(String::new(), |m| format!(" or {m} tries")),
     );
+    if let Some(Arm::Cap(n)) = arms.iter().find(|a| matches!(a, Arm::Cap(_))) {
+        println!("the cap arm runs at most {n} sequences at once per backend\n");
+    }
     let mut rows = Vec::new();
     let mut dumped = Vec::new();
     for arm in arms {
