@@ -18,7 +18,7 @@
 use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
 
-/// Output columns per parallel task.
+/// The most output columns per parallel task (fewer where that gives every thread several).
 const BLOCK_COLS: usize = 64;
 /// The most rows of `x` this path takes; more go to the GEMM.
 pub const MAX_ROWS: usize = 16;
@@ -30,8 +30,11 @@ pub fn small_matmul(x: &[f32], m: usize, wt: &[f32], k: usize, n: usize) -> Opti
         return None;
     }
     let arch = Arch::new();
+    let cols = n
+        .div_ceil(4 * rayon::current_num_threads())
+        .clamp(1, BLOCK_COLS);
     let blocks: Vec<Vec<f32>> = wt
-        .par_chunks(BLOCK_COLS * k)
+        .par_chunks(cols * k)
         .map(|w| {
             let width = w.len() / k;
             let mut out = vec![0f32; m * width];
@@ -47,7 +50,7 @@ pub fn small_matmul(x: &[f32], m: usize, wt: &[f32], k: usize, n: usize) -> Opti
         .collect();
     let mut y = vec![0f32; m * n];
     for (c, block) in blocks.iter().enumerate() {
-        let j0 = c * BLOCK_COLS;
+        let j0 = c * cols;
         let width = block.len() / m;
         for (r, src) in block.chunks_exact(width).enumerate() {
             let dst = y.get_mut(r * n + j0..r * n + j0 + width)?;
@@ -132,7 +135,7 @@ fn pass<'a, S: Simd, const R: usize, const P: usize>(
             for (a, xrow) in acc.iter_mut().zip(&xv) {
                 let xi = xrow.get(i).copied().unwrap_or(zero);
                 for (a, &wi) in a.iter_mut().zip(&wi) {
-                    *a = simd.mul_add_f32s(xi, wi, *a);
+                    *a = simd.mul_add_e_f32s(xi, wi, *a);
                 }
             }
         }
@@ -212,7 +215,7 @@ impl WithSimd for Attend<'_> {
                 let (kv, kt) = S::as_simd_f32s(k.get(at..at + hd).unwrap_or(&[]));
                 let mut acc = zero;
                 for (&a, &b) in qv.iter().zip(kv) {
-                    acc = simd.mul_add_f32s(a, b, acc);
+                    acc = simd.mul_add_e_f32s(a, b, acc);
                 }
                 let tail: f32 = qt.iter().zip(kt).map(|(a, b)| a * b).sum();
                 *s = (simd.reduce_sum_f32s(acc) + tail) * scale;
@@ -231,7 +234,7 @@ impl WithSimd for Attend<'_> {
                 let at = (p * kvh + g) * hd;
                 let (vv, vt) = S::as_simd_f32s(v.get(at..at + hd).unwrap_or(&[]));
                 for (o, &x) in ov.iter_mut().zip(vv) {
-                    *o = simd.mul_add_f32s(wv, x, *o);
+                    *o = simd.mul_add_e_f32s(wv, x, *o);
                 }
                 for (o, x) in ot.iter_mut().zip(vt) {
                     *o += weight * x;

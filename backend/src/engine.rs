@@ -8,9 +8,11 @@
 //! prefill is done. Forward passes never touch the async executor.
 //!
 //! Admission (`--admission`): `reserve` takes blocks for prompt + cap when a request arrives
-//! and answers 429 if they are not free, so a sequence can never run out mid-decode; `none`
-//! takes blocks as a sequence grows, and a sequence that finds none fails mid-decode (a KV OOM)
-//! — what happens to a server that admits on prompt length alone.
+//! and answers 429 if they are not free, so a sequence can never run out mid-decode; `prompt`
+//! takes the prompt's blocks at arrival (429 if they are not free) and the rest as the output
+//! grows — a server that admits on prompt length alone, kept for comparison; `none` takes
+//! every block as a sequence grows. Under both, a sequence that finds no block fails mid-decode
+//! (a KV OOM) unless `--on-kv-exhaustion recompute`.
 //!
 //! When a running sequence needs a block and none is free (`--on-kv-exhaustion`): `error` ends
 //! it there (the KV OOM above); `recompute` does what vLLM does instead. Running sequences grow
@@ -698,6 +700,8 @@ impl<M: Forward> Engine<M> {
             // It keeps its reservation (the gateway counts it) and gives back what it borrowed.
             seq.alloc.shrink_to_tokens(seq.promised);
         } else {
+            // Everything goes back (vLLM's way): blocks held while waiting could be the ones a
+            // running sequence needs to finish.
             seq.alloc.release();
         }
         self.waiting.push_front(seq);

@@ -237,8 +237,15 @@ impl Llama {
         // Every tensor has its own id, so its values do not depend on the others' shapes.
         let embed = random_tensor(seed, 0, (cfg.vocab, h), h, device)?;
         let lm_head = stored(embed.t()?)?;
-        // The same values on every device, in the layout `stored` keeps on this one.
-        let w = |t: Tensor| stored(t.t()?.contiguous()?.t()?);
+        // The same values on every device, in the layout `stored` keeps on this one (on the CPU
+        // a view of `[out, in]` storage; elsewhere the `[in, out]` tensor as drawn).
+        let w = |t: Tensor| -> Result<Tensor> {
+            if device.is_cpu() {
+                Ok(t.t()?.contiguous()?.t()?)
+            } else {
+                Ok(t)
+            }
+        };
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers as u64 {
             let id = 1 + 8 * i;
@@ -566,14 +573,14 @@ impl Llama {
     /// Bytes a decode step of `batch` sequences may use beyond the weights and the KV cache at a
     /// context of `context` tokens: with the paged arena, each layer gathers every sequence's K
     /// and V (and lays them out per head) before attention; the host path needs one row of
-    /// scores per sequence.
+    /// scores per sequence (the sequences attend in parallel, each with its own row).
     pub fn decode_scratch_bytes(&self, batch: usize, context: usize) -> u64 {
         let c = &self.cfg;
         let f32s = |n: usize| 4 * n as u64;
         let attention = if self.arena.is_some() {
             f32s(batch * context * (4 * c.kv_heads * c.head_dim + 2 * c.heads))
         } else {
-            f32s(context)
+            f32s(batch * context)
         };
         let per_row = 6 * c.hidden + 6 * c.heads * c.head_dim + 4 * c.ffn + 2 * c.vocab;
         attention + f32s(batch * per_row)
@@ -671,6 +678,34 @@ impl Llama {
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, c.rms_eps as f32)?;
         mm(&x, &self.lm_head)
+    }
+
+    /// Whether every decode matmul takes the streamed CPU kernel (`cpu::small_matmul`): f32
+    /// weights on the CPU, kept as views of their `[out, in]` storage. False on other devices,
+    /// with f16/bf16 weights, or if a layout change sent them back to the GEMM.
+    pub fn decode_matmuls_stream(&self) -> Result<bool> {
+        let x = Tensor::zeros((1, self.cfg.hidden), DType::F32, &self.device)?;
+        let f = Tensor::zeros((1, self.cfg.ffn), DType::F32, &self.device)?;
+        let q = Tensor::zeros(
+            (1, self.cfg.heads * self.cfg.head_dim),
+            DType::F32,
+            &self.device,
+        )?;
+        let mut all = small_cpu_matmul(&x, &self.lm_head)?.is_some();
+        for l in &self.layers {
+            for (input, w) in [
+                (&x, &l.wq),
+                (&x, &l.wk),
+                (&x, &l.wv),
+                (&q, &l.wo),
+                (&x, &l.w_gate),
+                (&x, &l.w_up),
+                (&f, &l.w_down),
+            ] {
+                all &= small_cpu_matmul(input, w)?.is_some();
+            }
+        }
+        Ok(all)
     }
 
     /// The layers of a decode step over the paged arena, all on the model's device: each
@@ -825,4 +860,58 @@ fn chunk_mask(first: usize, rows: usize, len: usize, device: &Device) -> Result<
         })
         .collect();
     Ok(Tensor::from_vec(m, (rows, len), device)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_streamed_matmul_reads_views_with_an_offset_and_refuses_other_layouts() {
+        let dev = Device::Cpu;
+        let (m, k, n) = (3usize, 40usize, 24usize);
+        let vals = |len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i * 7919) % 97) as f32 / 97.0 - 0.5)
+                .collect()
+        };
+        let x = Tensor::from_vec(vals(m * k), (m, k), &dev).unwrap();
+        // Rows 5..5+n of a larger [out, in] matrix: contiguous storage starting at an offset.
+        let big = Tensor::from_vec(vals((n + 9) * k), (n + 9, k), &dev).unwrap();
+        let w = big.narrow(0, 5, n).unwrap().t().unwrap();
+        let want = x.matmul(&w).unwrap().to_vec2::<f32>().unwrap();
+        let got = small_cpu_matmul(&x, &w)
+            .unwrap()
+            .expect("a view of [out, in] rows streams");
+        for (g, e) in got
+            .to_vec2::<f32>()
+            .unwrap()
+            .iter()
+            .flatten()
+            .zip(want.iter().flatten())
+        {
+            assert!((g - e).abs() < 1e-4, "{g} vs {e}");
+        }
+        // A contiguous [in, out] weight, a column slice, too many rows, f16: the GEMM's.
+        let contiguous = w.contiguous().unwrap();
+        assert!(small_cpu_matmul(&x, &contiguous).unwrap().is_none());
+        let cols = big.narrow(1, 0, k / 2).unwrap().t().unwrap();
+        let x_half = x.narrow(1, 0, k / 2).unwrap().contiguous().unwrap();
+        assert!(small_cpu_matmul(&x_half, &cols).unwrap().is_none());
+        let rows = Tensor::zeros((crate::cpu::MAX_ROWS + 1, k), DType::F32, &dev).unwrap();
+        assert!(small_cpu_matmul(&rows, &w).unwrap().is_none());
+        let half = w.to_dtype(DType::F16).unwrap();
+        assert!(small_cpu_matmul(&x, &half).unwrap().is_none());
+    }
+
+    #[test]
+    fn cpu_models_decode_through_the_streamed_matmul() {
+        let cfg = crate::synthetic::config("tiny", 64).unwrap();
+        let dev = Device::Cpu;
+        let m = Llama::synthetic(cfg, 1, &dev).unwrap();
+        assert!(m.decode_matmuls_stream().unwrap());
+        // bf16 weights go to candle's matmul.
+        let m = m.with_dtype(DType::BF16).unwrap();
+        assert!(!m.decode_matmuls_stream().unwrap());
+    }
 }

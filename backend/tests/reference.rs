@@ -73,10 +73,10 @@ fn ours() -> (Llama, Tokenizer) {
     let ct = gguf_file::Content::read(&mut f).unwrap();
     let cfg = Config::from_gguf(&ct, 4096).unwrap();
     let tok = Tokenizer::from_gguf(&ct).unwrap();
-    (
-        Llama::from_gguf(&ct, &mut f, cfg, &Device::Cpu).unwrap(),
-        tok,
-    )
+    let m = Llama::from_gguf(&ct, &mut f, cfg, &Device::Cpu).unwrap();
+    // The batched decodes compared below run through the streamed CPU matmul.
+    assert!(m.decode_matmuls_stream().unwrap());
+    (m, tok)
 }
 
 /// Greedy decode of several prompts together: one prefill each, then batched decode steps.

@@ -38,7 +38,7 @@ pub struct BackendReport {
     pub finished_outputs: Vec<u64>,
     /// The same outputs with the class the gateway named for them (those that had one).
     pub class_outputs: Vec<(String, u64)>,
-    /// The backend's admission mode (`reserve`, `none`; empty from an older backend).
+    /// The backend's admission mode (`reserve`, `prompt`, `none`; empty from an older backend).
     pub admission: String,
     /// The margin its block rounding needs on every reservation (`None` from an older backend).
     pub scratch_margin_bytes: Option<u64>,

@@ -22,7 +22,7 @@ use crate::spec::ModelSpec;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LeaseReport {
     pub pool: PoolReport,
-    /// The backend's admission mode (`reserve`, `none`).
+    /// The backend's admission mode (`reserve`, `prompt`, `none`).
     #[serde(default)]
     pub admission: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
