@@ -13,7 +13,7 @@ WASM      := target/wasm32-wasip1/wasm/kvgate_plugin.wasm
 # the tests check.
 WASI_RUN  := node --no-warnings --no-incremental-marking $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: backend-test-build bench-prefill bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: bench-llama-cpp backend-test-build bench-prefill bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -162,6 +162,18 @@ bench: bench-core bench-gateway bench-backend bench-fleet
 # Decode tok/s vs candle-transformers, batching at 1/4/8/16 streams, time to first token.
 bench-backend: model
 	cargo run --release -p kvgate-backend --example decode_bench
+
+# Single-stream decode vs llama.cpp on the same GGUF (llama-cpp-python, built from its PyPI sdist
+# into its own venv: about 10 minutes on 2 cores the first time). Not part of `make test`.
+LLAMA_VENV := .venv-llama-cpp
+$(LLAMA_VENV)/.ok:
+	python3 -m venv $(LLAMA_VENV)
+	CMAKE_ARGS="-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+	  $(LLAMA_VENV)/bin/pip install llama-cpp-python==0.3.36
+	touch $@
+bench-llama-cpp: model $(LLAMA_VENV)/.ok
+	cargo build --release -p kvgate-backend --example decode_bench
+	$(LLAMA_VENV)/bin/python bench/llama_cpp_bench.py
 
 # A 4k-token prompt prefilled whole vs in chunks: peak extra memory against the stated bound,
 # and how long running streams pause while it is prefilled (issue 12).
