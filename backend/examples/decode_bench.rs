@@ -91,6 +91,18 @@ fn main() {
         );
         rows.push((batch, host_tps, paged_tps));
     }
+    // bf16 weights (`--dtype bf16`): half the bytes per decode step, widened to f32 in the
+    // streamed kernel; host caches.
+    let mut f4 = std::fs::File::open(&path).unwrap();
+    let ct4 = gguf_file::Content::read(&mut f4).unwrap();
+    let bf16 = Llama::from_gguf(&ct4, &mut f4, ours.cfg.clone(), &dev)
+        .unwrap()
+        .with_dtype(candle_core::DType::BF16)
+        .unwrap();
+    let bf16_rows: Vec<(usize, f64)> = [1usize, 8]
+        .into_iter()
+        .map(|b| (b, decode_tps(&bf16, &prompt, b, |_| vec![], &mut None)))
+        .collect();
     let single = rows[0].1;
     println!(
         "prompt {} tokens, {STEPS} decode steps, f32 weights, CPU",
@@ -113,12 +125,19 @@ fn main() {
     println!();
     println!("| concurrent streams | aggregate decode tok/s | vs 1 stream | paged KV arena tok/s | paged / host |");
     println!("|---|---|---|---|---|");
-    for (b, tps, paged) in rows {
+    for (b, tps, paged) in &rows {
         println!(
             "| {b} | {tps:.1} | {:.2}x | {paged:.1} | {:.2} |",
             tps / single,
             paged / tps
         );
+    }
+    println!();
+    println!("| concurrent streams | f32 weights tok/s | bf16 weights tok/s | bf16 / f32 |");
+    println!("|---|---|---|---|");
+    for (b, tps) in bf16_rows {
+        let f32_tps = rows.iter().find(|r| r.0 == b).map_or(f64::NAN, |r| r.1);
+        println!("| {b} | {f32_tps:.1} | {tps:.1} | {:.2} |", tps / f32_tps);
     }
 }
 

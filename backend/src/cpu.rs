@@ -23,9 +23,42 @@ const BLOCK_COLS: usize = 64;
 /// The most rows of `x` this path takes; more go to the GEMM.
 pub const MAX_ROWS: usize = 16;
 
+/// A weight element the streamed matmul reads: f32 as it is, bf16 widened to f32 a row at a
+/// time (half the bytes read per step; the arithmetic stays f32).
+pub trait Weight: Copy + Send + Sync {
+    /// `row` as f32: itself, or widened into `buf`.
+    fn as_f32<'a>(row: &'a [Self], buf: &'a mut Vec<f32>) -> &'a [f32];
+}
+
+impl Weight for f32 {
+    #[inline(always)]
+    fn as_f32<'a>(row: &'a [f32], _buf: &'a mut Vec<f32>) -> &'a [f32] {
+        row
+    }
+}
+
+impl Weight for half::bf16 {
+    #[inline(always)]
+    fn as_f32<'a>(row: &'a [half::bf16], buf: &'a mut Vec<f32>) -> &'a [f32] {
+        buf.clear();
+        // bf16 is the top half of an f32: widening is a shift.
+        buf.extend(
+            row.iter()
+                .map(|v| f32::from_bits(u32::from(v.to_bits()) << 16)),
+        );
+        buf
+    }
+}
+
 /// `x` (`[m, k]`, row-major) times `wᵀ` where `wt` is `[n, k]` row-major (the weight as GGUF
 /// stores it), as `[m, n]` row-major. `None` when the lengths do not match the shapes.
-pub fn small_matmul(x: &[f32], m: usize, wt: &[f32], k: usize, n: usize) -> Option<Vec<f32>> {
+pub fn small_matmul<W: Weight>(
+    x: &[f32],
+    m: usize,
+    wt: &[W],
+    k: usize,
+    n: usize,
+) -> Option<Vec<f32>> {
     if m == 0 || k == 0 || n == 0 || x.len() != m * k || wt.len() != k * n {
         return None;
     }
@@ -62,15 +95,15 @@ pub fn small_matmul(x: &[f32], m: usize, wt: &[f32], k: usize, n: usize) -> Opti
 
 /// `width` output columns (the weight rows `w`, `[width, k]`) for every row of `x`; `out` is
 /// `[rows of x, width]`.
-struct Block<'a> {
+struct Block<'a, W> {
     x: &'a [f32],
-    w: &'a [f32],
+    w: &'a [W],
     k: usize,
     width: usize,
     out: &'a mut [f32],
 }
 
-impl WithSimd for Block<'_> {
+impl<W: Weight> WithSimd for Block<'_, W> {
     type Output = ();
 
     #[inline(always)]
@@ -89,13 +122,13 @@ impl WithSimd for Block<'_> {
         loop {
             let left = x.len();
             if left >= 4 {
-                pass::<S, 4, 2>(simd, &mut x, &mut out, w, k);
+                pass::<S, W, 4, 2>(simd, &mut x, &mut out, w, k);
             } else if left == 3 {
-                pass::<S, 3, 2>(simd, &mut x, &mut out, w, k);
+                pass::<S, W, 3, 2>(simd, &mut x, &mut out, w, k);
             } else if left == 2 {
-                pass::<S, 2, 3>(simd, &mut x, &mut out, w, k);
+                pass::<S, W, 2, 3>(simd, &mut x, &mut out, w, k);
             } else if left == 1 {
-                pass::<S, 1, 4>(simd, &mut x, &mut out, w, k);
+                pass::<S, W, 1, 4>(simd, &mut x, &mut out, w, k);
             } else {
                 break;
             }
@@ -106,11 +139,11 @@ impl WithSimd for Block<'_> {
 /// The next `R` rows of `x` times every weight row of the block, `P` weight rows at a time
 /// (`R × P` SIMD accumulators), into the next `R` rows of `out`.
 #[inline(always)]
-fn pass<'a, S: Simd, const R: usize, const P: usize>(
+fn pass<'a, S: Simd, W: Weight, const R: usize, const P: usize>(
     simd: S,
     x: &mut std::slice::ChunksExact<'_, f32>,
     out: &mut std::slice::ChunksExactMut<'a, f32>,
-    w: &[f32],
+    w: &[W],
     k: usize,
 ) {
     let lanes = S::F32_LANES;
@@ -119,14 +152,16 @@ fn pass<'a, S: Simd, const R: usize, const P: usize>(
     let xv: [&[S::f32s]; R] = xr.map(|row| S::as_simd_f32s(row).0);
     let mut dst: [&mut [f32]; R] = std::array::from_fn(|_| out.next().unwrap_or(&mut []));
     let width = w.len() / k;
+    let mut bufs: [Vec<f32>; P] = std::array::from_fn(|_| Vec::with_capacity(k));
     let mut j = 0;
     while j < width {
-        // P weight rows (the last one repeated where fewer are left).
+        // P weight rows (the last one repeated where fewer are left), as f32.
         let here = (width - j).min(P);
-        let wr: [&[f32]; P] = std::array::from_fn(|p| {
+        let mut wr: [&[f32]; P] = [&[]; P];
+        for (p, (slot, buf)) in wr.iter_mut().zip(bufs.iter_mut()).enumerate() {
             let jp = j + p.min(here - 1);
-            w.get(jp * k..(jp + 1) * k).unwrap_or(&[])
-        });
+            *slot = W::as_f32(w.get(jp * k..(jp + 1) * k).unwrap_or(&[]), buf);
+        }
         let wv: [&[S::f32s]; P] = wr.map(|row| S::as_simd_f32s(row).0);
         let zero = simd.splat_f32s(0.0);
         let mut acc = [[zero; P]; R];
@@ -285,11 +320,29 @@ mod tests {
     }
 
     #[test]
+    fn bf16_weights_give_the_product_of_their_f32_values() {
+        let (k, n) = (131, 70);
+        let w: Vec<half::bf16> = values(k * n, 5)
+            .into_iter()
+            .map(half::bf16::from_f32)
+            .collect();
+        let wf: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+        for m in [1, 3, 8] {
+            let x = values(m * k, 9);
+            let got = small_matmul(&x, m, &w, k, n).unwrap();
+            let want = naive(&x, m, &wf, k, n);
+            for (g, e) in got.iter().zip(&want) {
+                assert!((g - e).abs() <= 1e-3 * (1.0 + e.abs()), "m {m}: {g} vs {e}");
+            }
+        }
+    }
+
+    #[test]
     fn refuses_shapes_that_do_not_match_the_data() {
         assert!(small_matmul(&[1.0; 6], 2, &[1.0; 6], 3, 2).is_some());
         assert!(small_matmul(&[1.0; 5], 2, &[1.0; 6], 3, 2).is_none());
         assert!(small_matmul(&[1.0; 6], 2, &[1.0; 7], 3, 2).is_none());
-        assert!(small_matmul(&[], 0, &[1.0; 6], 3, 2).is_none());
+        assert!(small_matmul(&[], 0, &[1.0f32; 6], 3, 2).is_none());
     }
 
     /// The plain loop the kernel replaced: scores, softmax, weighted sum, one value at a time.

@@ -319,10 +319,10 @@ impl Llama {
                 &mut l.w_up,
                 &mut l.w_down,
             ] {
-                *w = w.to_dtype(dtype)?;
+                *w = convert(w, dtype)?;
             }
         }
-        self.lm_head = self.lm_head.to_dtype(dtype)?;
+        self.lm_head = convert(&self.lm_head, dtype)?;
         Ok(self)
     }
 
@@ -680,9 +680,9 @@ impl Llama {
         mm(&x, &self.lm_head)
     }
 
-    /// Whether every decode matmul takes the streamed CPU kernel (`cpu::small_matmul`): f32
-    /// weights on the CPU, kept as views of their `[out, in]` storage. False on other devices,
-    /// with f16/bf16 weights, or if a layout change sent them back to the GEMM.
+    /// Whether every decode matmul takes the streamed CPU kernel (`cpu::small_matmul`): f32 or
+    /// bf16 weights on the CPU, kept as views of their `[out, in]` storage. False on other
+    /// devices, with f16 weights, or if a layout change sent them back to the GEMM.
     pub fn decode_matmuls_stream(&self) -> Result<bool> {
         let x = Tensor::zeros((1, self.cfg.hidden), DType::F32, &self.device)?;
         let f = Tensor::zeros((1, self.cfg.ffn), DType::F32, &self.device)?;
@@ -802,6 +802,15 @@ fn mm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.to_dtype(w.dtype())?.matmul(w)?.to_dtype(x.dtype())?)
 }
 
+/// A projection in another dtype, in the layout `stored` keeps on its device (on the CPU a view
+/// of `[out, in]` storage, so the streamed decode matmul still reads it).
+fn convert(w: &Tensor, dtype: DType) -> Result<Tensor> {
+    if w.device().is_cpu() {
+        return Ok(w.t()?.to_dtype(dtype)?.t()?);
+    }
+    Ok(w.to_dtype(dtype)?)
+}
+
 /// A projection `[in, out]` made from the transposed view of its `[out, in]` weight. On the CPU it
 /// stays a view (the decode path reads each output's weights as one contiguous row, and the GEMM
 /// takes the strides as they are); elsewhere it is made contiguous `[in, out]` (cuBLAS).
@@ -822,7 +831,7 @@ fn small_cpu_matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     };
     if !x.device().is_cpu()
         || x.dtype() != DType::F32
-        || w.dtype() != DType::F32
+        || !matches!(w.dtype(), DType::F32 | DType::BF16)
         || m > crate::cpu::MAX_ROWS
         || wk != k
     {
@@ -834,13 +843,22 @@ fn small_cpu_matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     let candle_core::Storage::Cpu(cpu) = &*storage else {
         return Ok(None);
     };
-    let Some(ws) = layout
-        .contiguous_offsets()
-        .and_then(|(a, b)| cpu.as_slice::<f32>().ok()?.get(a..b))
-    else {
+    let Some((a, b)) = layout.contiguous_offsets() else {
         return Ok(None);
     };
-    let Some(y) = crate::cpu::small_matmul(&xs, m, ws, k, n) else {
+    let y = match w.dtype() {
+        DType::BF16 => cpu
+            .as_slice::<half::bf16>()
+            .ok()
+            .and_then(|ws| ws.get(a..b))
+            .and_then(|ws| crate::cpu::small_matmul(&xs, m, ws, k, n)),
+        _ => cpu
+            .as_slice::<f32>()
+            .ok()
+            .and_then(|ws| ws.get(a..b))
+            .and_then(|ws| crate::cpu::small_matmul(&xs, m, ws, k, n)),
+    };
+    let Some(y) = y else {
         return Ok(None);
     };
     drop(storage);
@@ -902,6 +920,25 @@ mod tests {
         assert!(small_cpu_matmul(&rows, &w).unwrap().is_none());
         let half = w.to_dtype(DType::F16).unwrap();
         assert!(small_cpu_matmul(&x, &half).unwrap().is_none());
+        // bf16 storage in the same layout streams, with the bf16 values' product.
+        let bf = big.narrow(0, 5, n).unwrap().to_dtype(DType::BF16).unwrap();
+        let want = x
+            .matmul(&bf.to_dtype(DType::F32).unwrap().t().unwrap())
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let got = small_cpu_matmul(&x, &bf.t().unwrap())
+            .unwrap()
+            .expect("bf16 view streams");
+        for (g, e) in got
+            .to_vec2::<f32>()
+            .unwrap()
+            .iter()
+            .flatten()
+            .zip(want.iter().flatten())
+        {
+            assert!((g - e).abs() < 1e-4, "{g} vs {e}");
+        }
     }
 
     #[test]
@@ -910,8 +947,13 @@ mod tests {
         let dev = Device::Cpu;
         let m = Llama::synthetic(cfg, 1, &dev).unwrap();
         assert!(m.decode_matmuls_stream().unwrap());
-        // bf16 weights go to candle's matmul.
+        // bf16 weights stay views and stream too (widened to f32 in the kernel); f16 does not.
+        let half = Llama::synthetic(m.cfg.clone(), 1, &dev)
+            .unwrap()
+            .with_dtype(DType::F16)
+            .unwrap();
+        assert!(!half.decode_matmuls_stream().unwrap());
         let m = m.with_dtype(DType::BF16).unwrap();
-        assert!(!m.decode_matmuls_stream().unwrap());
+        assert!(m.decode_matmuls_stream().unwrap());
     }
 }
