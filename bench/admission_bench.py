@@ -31,6 +31,9 @@ Arms (a fresh backend, and gateway where there is one, per arm and round; same p
            quantile of the class's learned outputs, a prior of --elastic-prior tokens until 5
            have finished); the backend lends free blocks past a reservation and takes them back
            (recompute) when a reservation needs them
+  queued   as elastic, with every class queued at the gateway (`action: queue`, up to
+           --queue-wait-ms, in arrival order per worker, claims across workers) instead of
+           refused or degraded: clients wait in Envoy rather than retry
   oracle   as kvgate, but every request's max_tokens is its true output length, learned by a
            first greedy pass (temperature 0) against a backend with a large pool
   vllm     backend --admission none --on-kv-exhaustion recompute (only when the built backend
@@ -265,9 +268,10 @@ def drive(url, workload, a, run, caps=None, progress=None):
 
 # ----- the arms ---------------------------------------------------------------------------------
 
-def filter_config(blocks, secret, elastic_prior=None):
+def filter_config(blocks, secret, elastic_prior=None, queue_ms=None):
     """The shipped filter config (envoy/kvgate-filter.yaml: from_backend, the demo classes and
-    keys) priced against this pool; with `elastic_prior`, every class reserves elastically."""
+    keys) priced against this pool; with `elastic_prior`, every class reserves elastically; with
+    `queue_ms`, every class waits in the gateway's queue up to that long instead of a 429."""
     doc = yaml.safe_load((ROOT / "envoy" / "kvgate-filter.yaml").read_text())
     cfg = json.loads(doc["resources"][0]["typed_config"]["config"]["configuration"]["value"])
     cfg["kv_budget_bytes"] = blocks * BLOCK_BYTES
@@ -277,6 +281,10 @@ def filter_config(blocks, secret, elastic_prior=None):
         for c in cfg["policy"]["classes"].values():
             c.update({"reservation": "elastic", "elastic_quantile": 0.9, "elastic_min_samples": 5,
                       "elastic_prior_tokens": elastic_prior})
+    if queue_ms is not None:
+        for c in cfg["policy"]["classes"].values():
+            c.pop("min_output_tokens", None)
+            c.update({"action": "queue", "max_wait_ms": queue_ms, "max_depth": 64})
     return cfg
 
 
@@ -329,14 +337,15 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
               "prompt": ["--admission", "prompt"],
               "cap": ["--admission", "none", "--max-batch", a.cap],
               "kvgate": ["--admission", "reserve"], "oracle": ["--admission", "reserve"],
-              "elastic": ["--admission", "reserve"],
+              "elastic": ["--admission", "reserve"], "queued": ["--admission", "reserve"],
               "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm]
     b = Backend(d, *flags).start(timeout=120)
     gw = None
     try:
-        if arm in ("kvgate", "oracle", "elastic"):
-            prior = a.elastic_prior if arm == "elastic" else None
-            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior)).start()
+        if arm in ("kvgate", "oracle", "elastic", "queued"):
+            prior = a.elastic_prior if arm in ("elastic", "queued") else None
+            queue_ms = a.queue_wait_ms if arm == "queued" else None
+            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms)).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
         url = gw.url if gw else b.url
@@ -483,10 +492,12 @@ def main():
     p.add_argument("--max-tries", type=int)
     p.add_argument("--give-up-s", type=float)
     p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--arms", default="none,prompt,cap,reserve,kvgate,elastic,oracle,vllm")
+    p.add_argument("--arms", default="none,prompt,cap,reserve,kvgate,elastic,queued,oracle,vllm")
     p.add_argument("--cap", type=int, help="the cap arm's --max-batch (default: sized from the mix)")
     p.add_argument("--elastic-prior", type=int, default=64,
                    help="output tokens an elastic class reserves until it has learned its outputs")
+    p.add_argument("--queue-wait-ms", type=int, default=20000,
+                   help="the queued arm: how long a request may wait in the gateway's queue")
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
     p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     a = p.parse_args()

@@ -207,6 +207,9 @@ def test_queue_waits_for_budget_then_times_out(stack):
     assert r.status_code == 429
     assert r.json()["error"]["code"] == "kv_queue_timeout"
     assert "retry-after" in r.headers
+    # Told how long the 400-token stream ahead of it will likely take, not the shortest wait
+    # (the shipped min_ms, 500), which would bring it straight back to the same queue.
+    assert int(r.headers["retry-after-ms"]) > 500, r.headers
     t.join()
     drained(gw2, b2)
 

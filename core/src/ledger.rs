@@ -434,10 +434,17 @@ impl Ledger {
             self.counters.rejected = self.counters.rejected.saturating_add(1);
             // What its claim already holds for it is not waited for: a request near the head of
             // the line is told to come back as soon as the rest is likely free (bytes set aside
-            // for it sit idle until it does).
+            // for it sit idle until it does). What the claims ahead of it still lack is waited
+            // for: freed bytes go to them first (a request not in line yet joins at the end).
+            let ahead = self
+                .claims
+                .iter()
+                .take(own.unwrap_or(self.claims.len()))
+                .map(|c| c.bytes.saturating_sub(c.held))
+                .fold(0, u64::saturating_add);
             let retry_after = estimate_retry_after(
                 self,
-                req.bytes.saturating_sub(own_held),
+                req.bytes.saturating_sub(own_held).saturating_add(ahead),
                 req.now_ms,
                 retry,
                 jitter_seed,
@@ -862,6 +869,51 @@ mod tests {
         };
         assert_eq!(l.held_for(7), 40);
         assert_eq!(retry_after.unwrap().ms, 38_000);
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_request_behind_others_in_line_is_told_to_wait_for_their_needs_too() {
+        let mut l = Ledger::new(100, 1);
+        let cfg = RetryAfterConfig {
+            min_ms: 100,
+            max_ms: 60_000,
+            jitter: 0.0,
+            default_lease_ms: 10_000,
+        };
+        let claimant = |key, bytes, now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key,
+                patience_ms: 1000,
+            }),
+            ..req(bytes, now)
+        };
+        // Three leases of 30 (10 free) ending at 2 s, 5 s and 9 s.
+        for eta in [2_000, 5_000, 9_000] {
+            let AdmitOutcome::Admitted { lease } = l.try_admit(&req(30, 0), &cfg, 1) else {
+                panic!("fits");
+            };
+            l.set_eta(lease.id, eta);
+        }
+        let wait = |l: &mut Ledger, key, bytes, now| match l.try_admit(
+            &claimant(key, bytes, now),
+            &cfg,
+            1,
+        ) {
+            AdmitOutcome::Rejected { retry_after, .. } => retry_after.unwrap().ms,
+            AdmitOutcome::Admitted { .. } => panic!("refused"),
+        };
+        // A needs 40: one lease's end covers its deficit of 30.
+        assert_eq!(wait(&mut l, 1, 40, 1_000), 1_000);
+        // B needs 30 too, behind A: the 10 free and the first end go to A, so B waits for the
+        // second (alone it would be told the first, 1 s, and find A's claim holding the bytes).
+        assert_eq!(wait(&mut l, 2, 30, 1_000), 4_000);
+        // A comes back (active, holds the 10 free); B's place is unchanged, its wait too.
+        assert_eq!(wait(&mut l, 1, 40, 1_100), 900);
+        assert_eq!(l.held_for(1), 10);
+        assert_eq!(wait(&mut l, 2, 30, 1_100), 3_900);
+        // A request not in line yet joins behind both.
+        assert_eq!(wait(&mut l, 3, 20, 1_100), 7_900);
         l.check().unwrap();
     }
 

@@ -271,6 +271,24 @@ impl Root {
             if hostcalls::set_effective_context(e.item.context_id).is_err() {
                 continue; // the stream is gone
             }
+            // One last try: it may fit now, and a refusal refreshes its place in the fair-retry
+            // line and says how long the line ahead of it and its own need will likely take
+            // (not the shortest wait, which would bring it back to find the same queue).
+            let retry_after_ms = match e.item.attempt(&self.worker, rt) {
+                Attempt::Admitted { ready } => {
+                    if ready {
+                        let _ = hostcalls::resume_http_request();
+                    }
+                    continue;
+                }
+                Attempt::Rejected(r) if r.kind == ErrorKind::KvCapacityExceeded => {
+                    r.retry_after_ms.unwrap_or(rt.cfg.retry_after.min_ms)
+                }
+                Attempt::Rejected(r) => {
+                    reply_error(&self.worker, &r, self.worker.level(&rt.cfg));
+                    continue;
+                }
+            };
             let err = ApiError::new(
                 ErrorKind::QueueTimeout,
                 format!(
@@ -278,7 +296,7 @@ impl Root {
                     e.class
                 ),
             )
-            .with_retry_after_ms(rt.cfg.retry_after.min_ms);
+            .with_retry_after_ms(retry_after_ms);
             reply_error(&self.worker, &err, self.worker.level(&rt.cfg));
         }
         loop {
