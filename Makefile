@@ -13,7 +13,7 @@ WASM      := target/wasm32-wasip1/wasm/kvgate_plugin.wasm
 # the tests check.
 WASI_RUN  := node --no-warnings --no-incremental-marking $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: bench-llama-cpp backend-test-build bench-prefill bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: bench-llama-cpp backend-test-build bench-prefill bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv setup-bench test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -45,6 +45,13 @@ $(VENV)/.ok: tests/requirements.txt
 	touch $@
 
 setup-venv: $(VENV)/.ok
+
+# The benchmarks' plots (matplotlib), into the same venv; the tests do not need it.
+$(VENV)/.bench-ok: $(VENV)/.ok bench/requirements.txt
+	$(VENV)/bin/pip install --quiet -r bench/requirements.txt
+	touch $@
+
+setup-bench: $(VENV)/.bench-ok
 
 lint: setup-rust
 	cargo fmt --all --check
@@ -191,7 +198,7 @@ bench-fleet: wasm backend-build model setup-venv
 # --on-kv-exhaustion), on one seeded mix and one small pool; appends a table to BENCHMARKS.md.
 # Quick by default (about 10 minutes on 2 cores); ARGS=--full for 40 jobs x 3 rounds.
 .PHONY: bench-admission
-bench-admission: wasm backend-build model setup-venv
+bench-admission: wasm backend-build model setup-bench
 	$(PY) bench/admission_bench.py $(ARGS)
 
 # Retry-After accuracy (issue 11): one refused probe at a time against fillers with known ends,

@@ -43,11 +43,13 @@ Per arm: failures by reason (mid-decode KV OOM = a stream ending with finish_rea
 cut off; preempted by policy; 413/too large; gave up), goodput (output tokens of completed
 requests / makespan), p50/p99 latency and time to first token (both from the first try, so they
 include waiting for admission), 429s received, the longest admission wait (first try to the
-response headers of the try that was admitted), mean KV used / capacity and, behind kvgate, mean
-reserved − used (the ledger's committed bytes minus the backend's used bytes, sampled every
-0.5 s; the backend behind kvgate runs --admission reserve and allocates the reservation itself,
-so this is ledger/backend drift, not over-reservation — "used" under reserve is allocated, not
-written), and recomputed tokens (backend /metrics).
+response headers of the try that was admitted), mean KV written / capacity and, behind kvgate, mean
+reserved − used (the ledger's committed bytes minus the KV the backend's sequences have really
+written, prompt + output so far, `kvgate_backend_kv_written_bytes`, sampled every 0.5 s: what
+worst-case pricing over-reserves; negative when elastic sequences have grown past their
+reservations), and recomputed tokens (backend /metrics). With --plots (and whenever it writes
+BENCHMARKS.md), three PNGs: goodput and failures per arm; KV written and reserved over time;
+latency and TTFT CDFs.
 
 Usage: .venv/bin/python bench/admission_bench.py [--full] [--rounds N] [--jobs N] [--arms a,b]
        [--no-write]
@@ -350,19 +352,24 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
                         "the backend's descriptor in the filter")
         url = gw.url if gw else b.url
         run = Run()
-        samples = []  # (used/capacity, reserved - used, claimed, held back)
+        samples = []  # (used/capacity, reserved - used, claimed, held back, t s, committed/capacity)
         stop = threading.Event()
 
         def sample():
             while not stop.wait(0.5):
                 try:
                     m = b.metrics()
-                    used = m["kvgate_backend_kv_used_bytes"]
+                    # What the cache really holds (prompt + output so far), not the blocks taken:
+                    # under --admission reserve those are the whole reservation.
+                    used = m.get("kvgate_backend_kv_written_bytes", m["kvgate_backend_kv_used_bytes"])
+                    cap = m["kvgate_backend_kv_capacity_bytes"]
                     st = gw.status() if gw else None
-                    samples.append((used / m["kvgate_backend_kv_capacity_bytes"],
+                    samples.append((used / cap,
                                     None if st is None else st["committed_bytes"] - used,
                                     None if st is None else st.get("claimed_bytes", 0),
-                                    None if st is None else st.get("held_back_bytes", 0)))
+                                    None if st is None else st.get("held_back_bytes", 0),
+                                    time.monotonic() - t0,
+                                    None if st is None else st["committed_bytes"] / cap))
                 except (requests.RequestException, KeyError):
                     pass
 
@@ -396,7 +403,12 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
             for rid, x in sorted(run.results.items()):
                 fh.write(json.dumps({"arm": arm, "round": rnd, "id": rid, **{k: v for k, v in x.items()
                                      if k not in ("first_try", "end")}}) + "\n")
-    return summarise(arm, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None)
+    row = summarise(arm, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None)
+    # For the plots: the KV series and every completed request's latency and TTFT.
+    row["series"] = [(s[4], s[0], s[5]) for s in samples]
+    row["latencies"] = sorted(x["latency"] for x in run.results.values() if x["outcome"] == "ok")
+    row["ttfts"] = sorted(x["ttft"] for x in run.results.values() if x["outcome"] == "ok")
+    return row
 
 
 def pct(xs, p):
@@ -455,7 +467,7 @@ def table(rows, arms):
     f = lambda v, d=1: "–" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
     head = ("| arm | round | completed / sent | mid-decode KV OOM | preempted | 413 | gave up | other | "
             "output tokens | makespan s | goodput tok/s | vs oracle | latency p50 / p99 s | TTFT p50 / p99 s | "
-            "429s | degraded | longest admission wait s | mean KV used / capacity | mean reserved − used MiB | "
+            "429s | degraded | longest admission wait s | mean KV written / capacity | mean reserved − written MiB | "
             "claimed MiB mean / peak | recomputed tokens (preemptions) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     oracle = {r["round"]: r["goodput"] for r in rows if r["arm"] == "oracle"}
@@ -474,6 +486,89 @@ def table(rows, arms):
                 f"{f(r['claimed_mib'])} / {f(r['claimed_max_mib'])} | "
                 f"{r['recomputed_tokens']} ({r['recompute_preemptions']}) |")
     return "\n".join(lines)
+
+
+COLOURS = {"none": "#999999", "prompt": "#d62728", "cap": "#ff7f0e", "reserve": "#8c564b", "kvgate": "#1f77b4",
+           "elastic": "#2ca02c", "queued": "#17becf", "oracle": "#000000", "vllm": "#9467bd"}
+
+
+def plots(rows, arms, out_dir, stem):
+    """Three PNGs under out_dir: goodput and failures per arm and round; KV in use and reserved
+    over time (round 0 of each arm); latency and TTFT CDFs (completed requests, rounds pooled).
+    Returns their paths."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    rounds = sorted({r["round"] for r in rows})
+    # 1. goodput and failures
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / max(1, len(rounds))
+    for k, rnd in enumerate(rounds):
+        by = {r["arm"]: r for r in rows if r["round"] == rnd}
+        xs = [i + k * width for i in range(len(arms))]
+        ax1.bar(xs, [by[a_]["goodput"] if a_ in by else 0 for a_ in arms], width,
+                color=[COLOURS.get(a_, "#333") for a_ in arms], alpha=1 - 0.25 * k, edgecolor="black", linewidth=0.4)
+        bottom = [0.0] * len(arms)
+        for what, colour in (("kv_oom", "#d62728"), ("gave_up", "#ff7f0e"), ("preempted", "#9467bd"),
+                             ("other", "#7f7f7f")):
+            vals = [by[a_][what] if a_ in by else 0 for a_ in arms]
+            ax2.bar(xs, vals, width, bottom=bottom, color=colour, alpha=1 - 0.25 * k,
+                    label=what.replace("_", " ") if k == 0 else None, edgecolor="black", linewidth=0.4)
+            bottom = [b_ + v for b_, v in zip(bottom, vals)]
+    centre = [i + width * (len(rounds) - 1) / 2 for i in range(len(arms))]
+    for ax, title in ((ax1, "goodput, output tok/s (one bar per round)"),
+                      (ax2, "failed requests by reason (one bar per round; 413s left out)")):
+        ax.set_xticks(centre)
+        ax.set_xticklabels(arms)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / f"{stem}-goodput.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    # 2. KV over time, round 0
+    first = [r for r in rows if r["round"] == rounds[0]]
+    fig, axes = plt.subplots(len(first), 1, figsize=(10, 1.7 * len(first) + 0.6), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], first):
+        t = [p[0] for p in r["series"]]
+        ax.fill_between(t, [p[1] * 100 for p in r["series"]], step="post", color=COLOURS.get(r["arm"], "#333"),
+                        alpha=0.45, label="KV written (backend)")
+        if any(p[2] is not None for p in r["series"]):
+            ax.step(t, [(p[2] or 0) * 100 for p in r["series"]], where="post", color="black", linewidth=1,
+                    label="reserved (ledger)")
+        ax.set_ylim(0, 110)
+        ax.set_ylabel(r["arm"], fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    axes[0, 0].set_title("KV pool, % of capacity, over time (round 0): written by sequences vs reserved in the ledger", fontsize=10)
+    axes[-1, 0].set_xlabel("seconds since the arm's first request")
+    fig.tight_layout()
+    paths.append(out_dir / f"{stem}-kv.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    # 3. latency and TTFT CDFs
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for arm in arms:
+        for ax, key in ((ax1, "latencies"), (ax2, "ttfts")):
+            xs = sorted(v for r in rows if r["arm"] == arm for v in r[key])
+            if xs:
+                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                        color=COLOURS.get(arm, "#333"), label=arm)
+    for ax, title in ((ax1, "latency of completed requests, s (from the first try)"),
+                      (ax2, "time to first token, s (from the first try)")):
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("fraction of completed requests")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / f"{stem}-latency.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    return paths
 
 
 def git_hash():
@@ -500,6 +595,8 @@ def main():
                    help="the queued arm: how long a request may wait in the gateway's queue")
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
     p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
+    p.add_argument("--plots", help="write the PNG plots to this folder (default, when writing BENCHMARKS.md: "
+                                   "bench/results/)")
     a = p.parse_args()
     a.rounds = a.rounds or (3 if a.full else 1)
     a.jobs = a.jobs or (40 if a.full else 12)
@@ -537,6 +634,11 @@ def main():
     out = table(rows, arms)
     print("\n" + out)
     print(f"\nwall {wall:.0f} s")
+    stem = f"admission-{started:%Y%m%d-%H%M}"
+    pngs = []
+    if a.plots or not a.no_write:
+        pngs = plots(rows, arms, Path(a.plots) if a.plots else ROOT / "bench" / "results", stem)
+        print("plots: " + ", ".join(str(x) for x in pngs))
     if a.no_write:
         return
     text = (ROOT / "BENCHMARKS.md").read_text()
@@ -548,7 +650,8 @@ def main():
              f"pool {a.blocks} blocks ({a.blocks * 16} tokens) in every arm, --step-delay-ms {a.step_delay_ms}, "
              f"give up after {f'{a.max_tries} tries or ' if a.max_tries else ''}{a.give_up_s:.0f} s; "
              f"the cap arm at --max-batch {a.cap}; "
-             f"wall {wall:.0f} s.\n\n{out}\n")
+             f"wall {wall:.0f} s.\n\n{out}\n"
+             + "".join(f"\n![{x.stem}]({x.relative_to(ROOT)})\n" for x in pngs if x.is_relative_to(ROOT)))
     (ROOT / "BENCHMARKS.md").write_text(text)
 
 

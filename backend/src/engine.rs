@@ -820,7 +820,7 @@ impl<M: Forward> Engine<M> {
                     .then(|| s.promised.saturating_sub(s.prompt.len() as u64)),
             }
         };
-        let leases = self
+        let leases: Vec<LeaseEntry> = self
             .waiting
             .iter()
             .map(|s| view(s, LeaseState::Waiting))
@@ -837,6 +837,10 @@ impl<M: Forward> Engine<M> {
             .collect();
         self.metrics.running.set(self.running.len() as i64);
         self.metrics.waiting.set(self.waiting.len() as i64);
+        let written: u64 = leases.iter().map(|l| l.used_bytes).sum();
+        self.metrics
+            .kv_written_bytes
+            .set(i64::try_from(written).unwrap_or(i64::MAX));
         let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
         p.leases = leases;
     }

@@ -44,6 +44,10 @@ pub struct Metrics {
     kv_capacity_bytes: Gauge,
     kv_used_bytes: Gauge,
     kv_free_bytes: Gauge,
+    /// KV bytes of the tokens sequences have written so far (prompt + output): what the cache
+    /// really holds, where `kv_used_bytes` counts whole blocks taken (under `--admission reserve`,
+    /// the whole reservation from arrival).
+    pub kv_written_bytes: Gauge,
     /// Arrival at the engine to the first sampled token (queue wait + prefill).
     pub time_to_first_token: Histogram,
     /// Between two consecutive tokens of one sequence (one batched decode step, as it saw it).
@@ -82,6 +86,7 @@ impl Metrics {
             kv_capacity_bytes: Gauge::default(),
             kv_used_bytes: Gauge::default(),
             kv_free_bytes: Gauge::default(),
+            kv_written_bytes: Gauge::default(),
             time_to_first_token: waits(),
             inter_token_latency: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
             queue_wait: waits(),
@@ -160,6 +165,11 @@ impl Metrics {
                 &m.kv_used_bytes,
             ),
             ("kv_free_bytes", "KV bytes free", &m.kv_free_bytes),
+            (
+                "kv_written_bytes",
+                "KV bytes of the tokens written so far (prompt + output)",
+                &m.kv_written_bytes,
+            ),
         ];
         for (name, help, g) in gauges {
             r.register(format!("kvgate_backend_{name}"), help, g.clone());
@@ -237,6 +247,7 @@ mod tests {
         assert_eq!(value("kvgate_backend_prefill_seconds_total"), Some(0.25));
         assert_eq!(value("kvgate_backend_running"), Some(2.0));
         assert_eq!(value("kvgate_backend_kv_capacity_bytes"), Some(64.0));
+        assert_eq!(value("kvgate_backend_kv_written_bytes"), Some(0.0));
         assert_eq!(
             value("kvgate_backend_time_to_first_token_seconds_count"),
             Some(1.0)

@@ -232,7 +232,17 @@ fn reserve_holds_the_worst_case_and_rejects_what_does_not_fit() {
     );
     let mut b = submit(&mut e, "b", 1, 1);
     assert!(matches!(events(&mut b).first(), Some(Event::Rejected(err)) if err.status == 429));
-    for _ in 0..60 {
+    // What the cache really holds is the prompt and the tokens so far, not the reservation.
+    for _ in 0..3 {
+        e.step();
+    }
+    let written = e.metrics.kv_written_bytes.get();
+    assert!(
+        (10..=13).contains(&written),
+        "10 prompt tokens and up to 3 output: {written}"
+    );
+    assert_eq!(e.pool.stats().used_bytes, 64);
+    for _ in 0..57 {
         e.step();
     }
     let evs = events(&mut a);
@@ -246,6 +256,7 @@ fn reserve_holds_the_worst_case_and_rejects_what_does_not_fit() {
         4,
         "finished: every block is back"
     );
+    assert_eq!(e.metrics.kv_written_bytes.get(), 0);
     assert_eq!(e.metrics.kv_oom.get(), 0);
 }
 
