@@ -27,9 +27,9 @@ Arms (a fresh backend, and gateway where there is one, per arm and round; same p
   reserve  backend --admission reserve alone (prompt + max_tokens held from arrival, 429 else)
   kvgate   Envoy + the filter with the shipped policy (envoy/kvgate-filter.yaml) in front of
            backend --admission reserve
-  elastic  as kvgate, with every class reserving elastically (`reservation: elastic`, the 0.9
-           quantile of the class's learned outputs, a prior of --elastic-prior tokens until 5
-           have finished); the backend lends free blocks past a reservation and takes them back
+  elastic  as kvgate, with every class reserving elastically (`reservation: elastic`, the
+           --elastic-quantile (0.9) of the class's learned outputs, a prior of --elastic-prior
+           tokens until 5 have finished); the backend lends free blocks past a reservation and takes them back
            (recompute) when a reservation needs them
   queued   as elastic, with every class queued at the gateway (`action: queue`, up to
            --queue-wait-ms, in arrival order per worker, claims across workers) instead of
@@ -270,7 +270,7 @@ def drive(url, workload, a, run, caps=None, progress=None):
 
 # ----- the arms ---------------------------------------------------------------------------------
 
-def filter_config(blocks, secret, elastic_prior=None, queue_ms=None):
+def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.9):
     """The shipped filter config (envoy/kvgate-filter.yaml: from_backend, the demo classes and
     keys) priced against this pool; with `elastic_prior`, every class reserves elastically; with
     `queue_ms`, every class waits in the gateway's queue up to that long instead of a 429."""
@@ -281,7 +281,7 @@ def filter_config(blocks, secret, elastic_prior=None, queue_ms=None):
     cfg["backend"] = {**cfg["backend"], "secret": secret}
     if elastic_prior is not None:
         for c in cfg["policy"]["classes"].values():
-            c.update({"reservation": "elastic", "elastic_quantile": 0.9, "elastic_min_samples": 5,
+            c.update({"reservation": "elastic", "elastic_quantile": quantile, "elastic_min_samples": 5,
                       "elastic_prior_tokens": elastic_prior})
     if queue_ms is not None:
         for c in cfg["policy"]["classes"].values():
@@ -347,7 +347,7 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
         if arm in ("kvgate", "oracle", "elastic", "queued"):
             prior = a.elastic_prior if arm in ("elastic", "queued") else None
             queue_ms = a.queue_wait_ms if arm == "queued" else None
-            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms)).start()
+            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile)).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
         url = gw.url if gw else b.url
@@ -591,6 +591,8 @@ def main():
     p.add_argument("--cap", type=int, help="the cap arm's --max-batch (default: sized from the mix)")
     p.add_argument("--elastic-prior", type=int, default=64,
                    help="output tokens an elastic class reserves until it has learned its outputs")
+    p.add_argument("--elastic-quantile", type=float, default=0.9,
+                   help="the elastic and queued arms: the quantile of learned outputs each class reserves")
     p.add_argument("--queue-wait-ms", type=int, default=20000,
                    help="the queued arm: how long a request may wait in the gateway's queue")
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")

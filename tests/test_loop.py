@@ -38,6 +38,7 @@ def long_stream(gw, max_tokens, headers=None, result=None):
             result["events"] = sse(r) if r.status_code == 200 else r.json()
         except requests.RequestException as e:  # the stream was cut (a test kills the backend)
             result["cut"] = repr(e)
+        result["done_at"] = time.time()
     t = threading.Thread(target=run)
     t.start()
     return t, result
@@ -261,6 +262,52 @@ def test_queue_then_preempt_with_the_shipped_classes(stack):
     st = gw.stats()
     assert st["kvgate.preempted"] == 1 and st["kvgate.queued"] == 0
     assert b.metrics()["kvgate_backend_preempted_total"] == 1
+
+
+def test_a_queued_request_pushed_back_by_a_higher_class_is_admitted_when_its_claim_is_full(stack):
+    # One worker, one queue. R_low (interactive) waits at the front until its place in the
+    # fair-retry line is served; then a vip request R_high, too big to fit before L2 ends, is
+    # queued ahead of it. When L1 ends, its bytes go to R_low's claim (the older one), which
+    # nobody else may take: R_low must be admitted then, not left waiting behind R_high until
+    # L2 ends (the pool idle meanwhile).
+    policy = shipped_classes()
+    for c in ("interactive", "vip"):
+        policy["classes"][c]["max_wait_ms"] = 120_000
+    gw, b = stack(64, {"policy": policy}, concurrency=1)
+    usable = gw.status()["capacity_bytes"] // 46_080
+    inter, vip = {"authorization": "Bearer kvgate-demo-interactive"}, {"authorization": "Bearer kvgate-demo-vip"}
+    t1, r1 = long_stream(gw, 250, headers=inter)
+    t2, r2 = long_stream(gw, 450, headers=inter)
+    gw.wait_for(lambda s: s["leases"] == 2)
+    low = {}
+
+    def send_low():
+        r = requests.post(gw.url + "/v1/completions", stream=True, timeout=180, headers=inter, json={
+            "model": MODEL, "prompt": COUNTING, "max_tokens": 250, "temperature": 0, "stream": True})
+        low["admitted_at"], low["status"] = time.time(), r.status_code
+        low["events"] = sse(r) if r.status_code == 200 else r.json()
+    tl = threading.Thread(target=send_low)
+    tl.start()
+    gw.wait_for(lambda s: s["queued"] == 1, what="R_low to queue")
+    time.sleep(0.6)  # several ticks at the front: refused again there, its claim is served
+    high = {}
+
+    def send_high():
+        high["r"] = requests.post(gw.url + "/v1/completions", timeout=180, headers=vip, json={
+            "model": MODEL, "prompt": COUNTING, "max_tokens": 400, "temperature": 0})
+    th = threading.Thread(target=send_high)
+    th.start()
+    gw.wait_for(lambda s: s["queued"] == 2, what="R_high to queue ahead of R_low")
+    assert 2 * 276 + 476 > usable >= 276 + 426, "the sizes this scenario needs"
+    for t in (t1, t2, tl, th):
+        t.join()
+    assert (r1["status"], r2["status"], low["status"]) == (200, 200, 200), low
+    assert high["r"].status_code == 200, high["r"].text
+    assert r1["done_at"] < low["admitted_at"] < r2["done_at"], (
+        "R_low admitted when L1's end filled its claim, before L2 ended",
+        r1["done_at"], low["admitted_at"], r2["done_at"])
+    drained(gw, b)
+    assert gw.stats()["kvgate.queued"] == 0
 
 
 def test_degrade_lowers_the_cap_and_says_so(stack):

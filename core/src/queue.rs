@@ -89,6 +89,11 @@ impl<T> AdmissionQueue<T> {
         }
     }
 
+    /// The waiting items, front first.
+    pub fn items(&self) -> impl Iterator<Item = &T> {
+        self.entries.iter().map(|e| &e.item)
+    }
+
     /// Remove entries matching `f` (e.g. a client that went away).
     pub fn remove_where(&mut self, mut f: impl FnMut(&T) -> bool) -> Vec<Entry<T>> {
         let (gone, keep) = std::mem::take(&mut self.entries)

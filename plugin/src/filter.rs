@@ -231,6 +231,7 @@ impl Filter {
             pending_cancels: Cell::new(0),
             endpoint: RefCell::new(None),
             shadow_note: RefCell::new(None),
+            refusals: Cell::new(0),
         });
         self.ticket = Some(Rc::clone(&ticket));
         match ticket.attempt(&self.worker, &rt) {

@@ -15,7 +15,7 @@ use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 
 use crate::filter::{reply_error, Filter};
 use crate::host::{self, EnvoyStore};
-use crate::ticket::Attempt;
+use crate::ticket::{Attempt, Ticket};
 use crate::worker::{BackendHealth, Endpoint, Runtime, Worker};
 use crate::CAS_ATTEMPTS;
 
@@ -327,6 +327,48 @@ impl Root {
                 Attempt::Rejected(e) => {
                     self.worker.queue.borrow_mut().pop_front();
                     self.worker.metrics.queued.add_signed(-1);
+                    reply_error(&self.worker, &e, self.worker.level(&rt.cfg));
+                }
+            }
+        }
+        // A request that was at the front (refused there at least twice: its claim is active)
+        // and then found a higher-priority request queued ahead of it keeps its place in the
+        // fair-retry line across workers: the ledger sets freed bytes aside for it, which nobody
+        // else may take. Retry it too, or those bytes sit idle while the new front waits (seen as
+        // an empty pool with requests queued until their max_wait ran out).
+        let served: Vec<Rc<Ticket>> = self
+            .worker
+            .queue
+            .borrow()
+            .items()
+            .skip(1)
+            .filter(|t| t.refusals.get() >= 2)
+            .cloned()
+            .collect();
+        for ticket in served {
+            let id = ticket.context_id;
+            let remove = || {
+                let gone = self
+                    .worker
+                    .queue
+                    .borrow_mut()
+                    .remove_where(|t| t.context_id == id);
+                self.worker.metrics.queued.add_signed(-(gone.len() as i64));
+            };
+            if hostcalls::set_effective_context(id).is_err() {
+                remove();
+                continue;
+            }
+            match ticket.attempt(&self.worker, rt) {
+                Attempt::Admitted { ready } => {
+                    remove();
+                    if ready {
+                        let _ = hostcalls::resume_http_request();
+                    }
+                }
+                Attempt::Rejected(e) if e.kind == ErrorKind::KvCapacityExceeded => {}
+                Attempt::Rejected(e) => {
+                    remove();
                     reply_error(&self.worker, &e, self.worker.level(&rt.cfg));
                 }
             }

@@ -45,6 +45,9 @@ pub struct Ticket {
     pub endpoint: RefCell<Option<Rc<Endpoint>>>,
     /// Shadow mode: what enforce would have done (the `x-kvgate-shadow` response header).
     pub shadow_note: RefCell<Option<String>>,
+    /// Refusals for lack of budget so far. From the second on, its claim is active: the ledger
+    /// sets freed bytes aside for it, so it must keep being retried (see the worker's queue).
+    pub refusals: Cell<u32>,
 }
 
 pub enum Attempt {
@@ -168,6 +171,9 @@ impl Ticket {
                     endpoint.name(&rt.cfg),
                     err.retry_after_ms.unwrap_or(0),
                 ));
+                if err.kind == ErrorKind::KvCapacityExceeded {
+                    self.refusals.set(self.refusals.get().saturating_add(1));
+                }
                 Attempt::Rejected(err)
             }
             Decision::Admitted {
