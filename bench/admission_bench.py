@@ -405,7 +405,8 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
                                      if k not in ("first_try", "end")}}) + "\n")
     row = summarise(arm, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None)
     # For the plots: the KV series and every completed request's latency and TTFT.
-    row["series"] = [(s[4], s[0], s[5]) for s in samples]
+    row["series"] = [(s[4], s[0], s[5], None if s[2] is None else s[2] / m["kvgate_backend_kv_capacity_bytes"])
+                     for s in samples]
     row["latencies"] = sorted(x["latency"] for x in run.results.values() if x["outcome"] == "ok")
     row["ttfts"] = sorted(x["ttft"] for x in run.results.values() if x["outcome"] == "ok")
     return row
@@ -540,6 +541,8 @@ def plots(rows, arms, out_dir, stem):
         if any(p[2] is not None for p in r["series"]):
             ax.step(t, [(p[2] or 0) * 100 for p in r["series"]], where="post", color="black", linewidth=1,
                     label="reserved (ledger)")
+            ax.step(t, [((p[2] or 0) + (p[3] or 0)) * 100 for p in r["series"]], where="post", color="black",
+                    linewidth=0.8, linestyle=":", label="reserved + set aside for waiting requests")
         ax.set_ylim(0, 110)
         ax.set_ylabel(r["arm"], fontsize=9)
         ax.grid(alpha=0.3)
@@ -646,6 +649,10 @@ def main():
     text = (ROOT / "BENCHMARKS.md").read_text()
     if HEADING not in text:
         text = text.rstrip("\n") + f"\n\n{HEADING}\n"
+    # The run goes at the end of its section, before the next "## " heading.
+    nxt = text.find("\n## ", text.index(HEADING) + len(HEADING))
+    head, tail = (text, "") if nxt < 0 else (text[:nxt + 1], text[nxt + 1:])
+    text = head.rstrip("\n") + "\n"
     text += (f"\n### Run {started:%Y-%m-%d %H:%M} UTC, git {commit} ({', '.join(built)})\n\n"
              f"Command: `.venv/bin/python {argv}` (`{cmd}` runs it after its build steps); machine: 2 vCPU AMD "
              f"EPYC, shared; {n} requests in {len(workload)} jobs, seed {a.seed}, {a.clients} closed-loop clients, "
@@ -654,6 +661,8 @@ def main():
              f"the cap arm at --max-batch {a.cap}; "
              f"wall {wall:.0f} s.\n\n{out}\n"
              + "".join(f"\n![{x.stem}]({x.relative_to(ROOT)})\n" for x in pngs if x.is_relative_to(ROOT)))
+    if tail:
+        text += "\n" + tail
     (ROOT / "BENCHMARKS.md").write_text(text)
 
 

@@ -56,7 +56,7 @@ pub struct RawConfig {
     pub owner_timeout_ms: u64,
     /// Fair retries: a refused request keeps its place in line (freed bytes are set aside for it)
     /// while its client retries; the place is dropped when the client has not come back this
-    /// long after twice the advertised Retry-After. 0 turns fair retries off.
+    /// long after the advertised Retry-After. 0 turns fair retries off.
     #[serde(default = "d_patience")]
     pub fair_retry_patience_ms: u64,
     /// `enforce` (default): admit, queue, degrade, preempt and refuse. `shadow`: decide exactly
@@ -154,7 +154,7 @@ fn d_owner_timeout() -> u64 {
     30_000
 }
 fn d_patience() -> u64 {
-    5_000
+    2_000
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

@@ -450,11 +450,12 @@ impl Ledger {
                 jitter_seed,
             );
             if let Some(t) = req.claim {
-                // Keep (or take) this request's place in line until a little after it was told
-                // to come back.
+                // Keep (or take) this request's place in line until a little (the patience)
+                // after it was told to come back. Not longer: what is set aside for a client
+                // that gave up sits idle, nobody else may take it, until then.
                 let expires_ms = req
                     .now_ms
-                    .saturating_add(retry_after.ms.saturating_mul(2))
+                    .saturating_add(retry_after.ms)
                     .saturating_add(t.patience_ms);
                 let count = self.claims.len();
                 match own.and_then(|i| self.claims.get_mut(i)) {
@@ -995,10 +996,17 @@ mod tests {
         };
         assert_eq!(l.claimed(), 40);
         l.release(lease.id, 2);
-        // Past its expiry (2 x the advertised wait + patience) the claim is gone.
-        let later = 1 + 2 * r.ms + 500 + 1;
+        // Until its expiry (the advertised wait + patience) the claim holds what was freed:
+        // nobody else takes it.
+        let expires = 1 + r.ms + 500;
         assert!(matches!(
-            l.try_admit(&req(100, later), &retry(), 1),
+            l.try_admit(&req(100, expires - 1), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert_eq!(l.claimed(), 90);
+        // From then on the claim is gone and its bytes are free.
+        assert!(matches!(
+            l.try_admit(&req(100, expires), &retry(), 1),
             AdmitOutcome::Admitted { .. }
         ));
         assert!(l.claims().is_empty());
