@@ -642,6 +642,16 @@ mod tests {
         RetryAfterConfig::default()
     }
 
+    /// Retry-After without jitter, bounds wide enough that the estimate shows as it is.
+    fn exact_retry() -> RetryAfterConfig {
+        RetryAfterConfig {
+            min_ms: 100,
+            max_ms: 60_000,
+            jitter: 0.0,
+            default_lease_ms: 10_000,
+        }
+    }
+
     fn req(bytes: u64, now_ms: u64) -> AdmitRequest<'static> {
         AdmitRequest {
             id: None,
@@ -827,12 +837,7 @@ mod tests {
     #[test]
     fn a_claimant_is_told_to_wait_only_for_what_its_claim_does_not_hold_yet() {
         let mut l = Ledger::new(100, 1);
-        let cfg = RetryAfterConfig {
-            min_ms: 100,
-            max_ms: 60_000,
-            jitter: 0.0,
-            default_lease_ms: 10_000,
-        };
+        let cfg = exact_retry();
         let big = |now| AdmitRequest {
             claim: Some(ClaimTicket {
                 key: 7,
@@ -876,12 +881,7 @@ mod tests {
     #[test]
     fn a_request_behind_others_in_line_is_told_to_wait_for_their_needs_too() {
         let mut l = Ledger::new(100, 1);
-        let cfg = RetryAfterConfig {
-            min_ms: 100,
-            max_ms: 60_000,
-            jitter: 0.0,
-            default_lease_ms: 10_000,
-        };
+        let cfg = exact_retry();
         let claimant = |key, bytes, now| AdmitRequest {
             claim: Some(ClaimTicket {
                 key,

@@ -312,13 +312,7 @@ impl Filter {
     fn end_of_stream(&mut self) {
         if self.queued {
             self.queued = false;
-            let id = self.context_id;
-            let gone = self
-                .worker
-                .queue
-                .borrow_mut()
-                .remove_where(|t| t.context_id == id);
-            self.worker.metrics.queued.add_signed(-(gone.len() as i64));
+            self.worker.unqueue(self.context_id);
         }
         if let Some(t) = self.ticket.take() {
             // Cut short (client gone, reset) while the backend may still be decoding: tell it to

@@ -347,28 +347,20 @@ impl Root {
             .collect();
         for ticket in served {
             let id = ticket.context_id;
-            let remove = || {
-                let gone = self
-                    .worker
-                    .queue
-                    .borrow_mut()
-                    .remove_where(|t| t.context_id == id);
-                self.worker.metrics.queued.add_signed(-(gone.len() as i64));
-            };
             if hostcalls::set_effective_context(id).is_err() {
-                remove();
+                self.worker.unqueue(id);
                 continue;
             }
             match ticket.attempt(&self.worker, rt) {
                 Attempt::Admitted { ready } => {
-                    remove();
+                    self.worker.unqueue(id);
                     if ready {
                         let _ = hostcalls::resume_http_request();
                     }
                 }
                 Attempt::Rejected(e) if e.kind == ErrorKind::KvCapacityExceeded => {}
                 Attempt::Rejected(e) => {
-                    remove();
+                    self.worker.unqueue(id);
                     reply_error(&self.worker, &e, self.worker.level(&rt.cfg));
                 }
             }

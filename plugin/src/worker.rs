@@ -280,6 +280,15 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// Take the request of stream `context_id` out of the admission queue (if it is there).
+    pub fn unqueue(&self, context_id: u32) {
+        let gone = self
+            .queue
+            .borrow_mut()
+            .remove_where(|t| t.context_id == context_id);
+        self.metrics.queued.add_signed(-(gone.len() as i64));
+    }
+
     pub fn new() -> Worker {
         use std::hash::{BuildHasher, Hasher};
         // WASI random (through std's RandomState) mixed with the clock.
