@@ -604,6 +604,12 @@ def test_shadow_mode_lets_everything_through_and_counts_what_it_would_do(gateway
     gw = gateway(budget(5_000, mode="shadow"))
     t, res = stream_in_background(gw, {"prompt": tokens(100), "max_tokens": 3900}, chunks=30)
     gw.wait_for(lambda s: s["leases"] == 1)
+    # The lease is recorded before the request is forwarded: let it reach the upstream before
+    # forgetting it (a CI run once cleared first and then saw it beside the next one).
+    deadline = time.time() + 10
+    while not upstream.requests() and time.time() < deadline:
+        time.sleep(0.02)
+    assert upstream.requests(), "the first request reached the upstream"
     upstream.clear()
     # Enforce would refuse this one (429); shadow forwards it unchanged and says so.
     body = {"prompt": tokens(100), "max_tokens": 3900}
