@@ -438,7 +438,7 @@ def summarise(arm, rnd, run, makespan, samples, m, oracle_caps):
         "max_admit_wait": max((x["admitted_after"] for x in rs if "admitted_after" in x), default=0.0),
         # A request that gave up waited at least this long without being admitted.
         "max_gave_up_wait": max((x["end"] - x["first_try"] for x in rs if x["outcome"] == "gave up"), default=0.0),
-        "kv_used_mean": statistics.mean(s[0] for s in samples) if samples else float("nan"),
+        "kv_written_mean": statistics.mean(s[0] for s in samples) if samples else float("nan"),
         "reserved_minus_used_mib": statistics.mean(reserved) / 2**20 if reserved else None,
         # Behind kvgate: budget poured into claims of refused requests (fair retries) and held
         # back for the backend's unreported use, mean and peak over the samples.
@@ -483,7 +483,7 @@ def table(rows, arms):
                 f"{r['too_large']} | {r['gave_up']} | {r['other']} | {r['tokens']} | {f(r['makespan_s'])} | "
                 f"{f(r['goodput'])} | {vs} | {f(r['lat_p50'])} / {f(r['lat_p99'])} | "
                 f"{f(r['ttft_p50'], 2)} / {f(r['ttft_p99'], 2)} | {r['r429']} | {r['degraded']} | {wait} | "
-                f"{r['kv_used_mean']:.0%} | {f(r['reserved_minus_used_mib'])} | "
+                f"{r['kv_written_mean']:.0%} | {f(r['reserved_minus_used_mib'])} | "
                 f"{f(r['claimed_mib'])} / {f(r['claimed_max_mib'])} | "
                 f"{r['recomputed_tokens']} ({r['recompute_preemptions']}) |")
     return "\n".join(lines)

@@ -22,6 +22,12 @@ use crate::CAS_ATTEMPTS;
 /// The tick: fast enough for queued requests to move when budget frees.
 const TICK: Duration = Duration::from_millis(100);
 
+/// What retrying a queued request came to (see `Root::retry_queued`).
+enum Retried {
+    Waiting(ApiError),
+    Done,
+}
+
 pub struct Root {
     worker: Rc<Worker>,
     next_reap_ms: u64,
@@ -263,31 +269,39 @@ impl Root {
         Ok(())
     }
 
+    /// Try a queued request again, its stream made the effective context first. `Waiting(e)`:
+    /// refused for lack of budget (`e`), it stays where it is; `Done`: admitted (resumed, or
+    /// waiting for its preemption cancels), answered with another refusal, or its stream is gone
+    /// — it leaves the queue.
+    fn retry_queued(&self, ticket: &Rc<Ticket>, rt: &Runtime) -> Retried {
+        if hostcalls::set_effective_context(ticket.context_id).is_err() {
+            return Retried::Done;
+        }
+        match ticket.attempt(&self.worker, rt) {
+            Attempt::Admitted { ready } => {
+                if ready {
+                    let _ = hostcalls::resume_http_request();
+                }
+                Retried::Done
+            }
+            Attempt::Rejected(e) if e.kind == ErrorKind::KvCapacityExceeded => Retried::Waiting(e),
+            Attempt::Rejected(e) => {
+                reply_error(&self.worker, &e, self.worker.level(&rt.cfg));
+                Retried::Done
+            }
+        }
+    }
+
     /// Answer queued requests whose wait ran out, then admit from the front while budget allows.
     fn drain_queue(&self, rt: &Runtime, now: u64) {
         let expired = self.worker.queue.borrow_mut().expire(now);
         for e in expired {
             self.worker.metrics.queued.add_signed(-1);
-            if hostcalls::set_effective_context(e.item.context_id).is_err() {
-                continue; // the stream is gone
-            }
             // One last try: it may fit now, and a refusal refreshes its place in the fair-retry
             // line and says how long the line ahead of it and its own need will likely take
             // (not the shortest wait, which would bring it back to find the same queue).
-            let retry_after_ms = match e.item.attempt(&self.worker, rt) {
-                Attempt::Admitted { ready } => {
-                    if ready {
-                        let _ = hostcalls::resume_http_request();
-                    }
-                    continue;
-                }
-                Attempt::Rejected(r) if r.kind == ErrorKind::KvCapacityExceeded => {
-                    r.retry_after_ms.unwrap_or(rt.cfg.retry_after.min_ms)
-                }
-                Attempt::Rejected(r) => {
-                    reply_error(&self.worker, &r, self.worker.level(&rt.cfg));
-                    continue;
-                }
+            let Retried::Waiting(refused) = self.retry_queued(&e.item, rt) else {
+                continue;
             };
             let err = ApiError::new(
                 ErrorKind::QueueTimeout,
@@ -296,9 +310,14 @@ impl Root {
                     e.class
                 ),
             )
-            .with_retry_after_ms(retry_after_ms);
+            .with_retry_after_ms(
+                refused
+                    .retry_after_ms
+                    .unwrap_or(rt.cfg.retry_after.min_ms),
+            );
             reply_error(&self.worker, &err, self.worker.level(&rt.cfg));
         }
+        // Strict order: the front waits for budget; nothing jumps ahead of it.
         loop {
             let Some(ticket) = self
                 .worker
@@ -309,27 +328,11 @@ impl Root {
             else {
                 break;
             };
-            if hostcalls::set_effective_context(ticket.context_id).is_err() {
-                self.worker.queue.borrow_mut().pop_front();
-                self.worker.metrics.queued.add_signed(-1);
-                continue;
+            if let Retried::Waiting(_) = self.retry_queued(&ticket, rt) {
+                break;
             }
-            match ticket.attempt(&self.worker, rt) {
-                Attempt::Admitted { ready } => {
-                    self.worker.queue.borrow_mut().pop_front();
-                    self.worker.metrics.queued.add_signed(-1);
-                    if ready {
-                        let _ = hostcalls::resume_http_request();
-                    }
-                }
-                // Strict order: the front waits for budget; nothing jumps ahead of it.
-                Attempt::Rejected(e) if e.kind == ErrorKind::KvCapacityExceeded => break,
-                Attempt::Rejected(e) => {
-                    self.worker.queue.borrow_mut().pop_front();
-                    self.worker.metrics.queued.add_signed(-1);
-                    reply_error(&self.worker, &e, self.worker.level(&rt.cfg));
-                }
-            }
+            self.worker.queue.borrow_mut().pop_front();
+            self.worker.metrics.queued.add_signed(-1);
         }
         // A request that was at the front (refused there at least twice: its claim is active)
         // and then found a higher-priority request queued ahead of it keeps its place in the
@@ -346,23 +349,8 @@ impl Root {
             .cloned()
             .collect();
         for ticket in served {
-            let id = ticket.context_id;
-            if hostcalls::set_effective_context(id).is_err() {
-                self.worker.unqueue(id);
-                continue;
-            }
-            match ticket.attempt(&self.worker, rt) {
-                Attempt::Admitted { ready } => {
-                    self.worker.unqueue(id);
-                    if ready {
-                        let _ = hostcalls::resume_http_request();
-                    }
-                }
-                Attempt::Rejected(e) if e.kind == ErrorKind::KvCapacityExceeded => {}
-                Attempt::Rejected(e) => {
-                    self.worker.unqueue(id);
-                    reply_error(&self.worker, &e, self.worker.level(&rt.cfg));
-                }
+            if let Retried::Done = self.retry_queued(&ticket, rt) {
+                self.worker.unqueue(ticket.context_id);
             }
         }
     }
