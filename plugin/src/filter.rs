@@ -395,6 +395,10 @@ impl HttpContext for Filter {
             return self.reject(&rt, &e);
         }
         // Model servers known to be down or hung get nothing new: answer at once.
+        // (Health as any worker last recorded it: this one's copy may be a tick old.)
+        if rt.cfg.backend.is_some() {
+            self.worker.refresh_health();
+        }
         if rt.cfg.backend.is_some() && self.worker.all_down() {
             return self.reject(&rt, &crate::ticket::no_endpoint(&rt));
         }
@@ -589,8 +593,9 @@ impl HttpContext for Filter {
 }
 
 /// The level callers see (the fleet's), for a request that made no admission of its own: from
-/// every endpoint's ledger header as it is now (a peek each, no decode; health is the tick's).
+/// every endpoint's ledger header and health as they are now (a peek each, no decode): another
+/// worker may have seen the backend go down since this one's last tick.
 pub fn level_now(worker: &Worker, rt: &Runtime) -> Level {
-    worker.refresh_rooms();
+    worker.refresh_endpoints();
     worker.level(&rt.cfg)
 }

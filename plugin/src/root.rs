@@ -393,6 +393,7 @@ impl Root {
         }
         let Some(e) = self.endpoint_of(i) else { return };
         self.worker.metrics.backend_poll_failures.inc();
+        e.refresh_health();
         let mut h = e.health();
         h.polled = true;
         h.failures += 1;

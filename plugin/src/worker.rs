@@ -158,15 +158,22 @@ impl Endpoint {
 
     /// Re-read the health and the room (header only) other workers last recorded.
     pub fn refresh(&self) {
+        self.refresh_health();
+        self.refresh_room();
+    }
+
+    /// Re-read the health the last poll of any worker recorded. Every worker polls and writes
+    /// it, so a worker that changes it (a failed poll counted) reads it first: a count made
+    /// from its own copy, a tick old, would write "up" over another worker's "down".
+    pub fn refresh_health(&self) {
         if let Ok((Some(bytes), _)) = proxy_wasm::hostcalls::get_shared_data(&self.health_key) {
             if let Some(h) = BackendHealth::decode(&bytes) {
                 self.health.set(h);
             }
         }
-        self.refresh_room();
     }
 
-    /// Re-read the room only (the ledger's header); health moves on the tick.
+    /// Re-read the room only (the ledger's header).
     pub fn refresh_room(&self) {
         if let Ok((Some(bytes), _)) = proxy_wasm::hostcalls::get_shared_data(&self.ledger_key) {
             if let Some(p) = fleet::peek(&bytes) {
@@ -459,10 +466,10 @@ impl Worker {
         }
     }
 
-    /// Re-read every endpoint's room (a request's level, between ticks).
-    pub fn refresh_rooms(&self) {
+    /// Re-read every endpoint's health only (a request's "is anything up?", between ticks).
+    pub fn refresh_health(&self) {
         for e in self.endpoints.borrow().iter() {
-            e.refresh_room();
+            e.refresh_health();
         }
     }
 

@@ -310,3 +310,62 @@ fn failed_polls_mark_the_backend_down_and_an_answer_brings_it_back() {
     assert!(logs().iter().any(|m| m.contains("is up again")));
     assert_eq!(Vm::metric("kvgate.level"), 0);
 }
+
+/// Every worker polls the backend and writes its health to shared data; this one's copy is a
+/// tick old when another worker has just counted the backend down. A request between ticks
+/// still sees "down" (red, a fast 503), and this worker's own failed poll counts on from what
+/// is recorded instead of writing its stale "up" over it.
+#[test]
+fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() {
+    let mut vm = start(
+        20_000,
+        json!({"backend": {"cluster": "kvgate_backend", "poll_ms": 200,
+                           "down_after_failures": 2}}),
+    );
+    let health_key = "kvgate.backend.v3";
+    fn poll(vm: &Vm, status: u32, body: &[u8]) {
+        vm.advance_ms(300);
+        vm.tick();
+        let call = Vm::calls().last().cloned().unwrap();
+        vm.answer_call(call.token, status, body);
+    }
+    poll(&vm, 503, b"");
+    poll(&vm, 503, b"");
+    assert_eq!(Vm::metric("kvgate.backend_up"), 0);
+    // What "another worker" records later: down, after two failures.
+    let down = testhost::with(|h| h.shared.get(health_key).cloned()).unwrap();
+    poll(&vm, 200, &report(0, &[], &[], 1));
+    assert_eq!(Vm::metric("kvgate.backend_up"), 1);
+    testhost::with(|h| {
+        let cas = h.shared.get(health_key).map_or(0, |(_, c)| *c);
+        h.shared.insert(health_key.to_string(), (down.0, cas + 1));
+    });
+
+    // No tick in between: this worker's copy still says up.
+    let s = vm.open("GET", "/v1/models", &[], b"");
+    assert_eq!(vm.request_headers(s, true), Action::Continue);
+    vm.respond(s);
+    assert_eq!(
+        Vm::response_header(s, "x-kvgate-level").as_deref(),
+        Some("red")
+    );
+    // A request is answered from its headers, before its body is read.
+    let body = completion(10, Some(10));
+    let p = vm.open("POST", "/v1/completions", &[], body.as_bytes());
+    assert_eq!(vm.request_headers(p, false), Action::Pause);
+    let replies = Vm::replies(p);
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_eq!(replies[0].status, 503);
+    assert_eq!(ledger().committed(), 0);
+
+    // This worker's next poll fails too: still down, counted from the recorded failures.
+    poll(&vm, 503, b"");
+    assert_eq!(Vm::metric("kvgate.backend_up"), 0);
+    let s = vm.open("GET", "/v1/models", &[], b"");
+    assert_eq!(vm.request_headers(s, true), Action::Continue);
+    vm.respond(s);
+    assert_eq!(
+        Vm::response_header(s, "x-kvgate-level").as_deref(),
+        Some("red")
+    );
+}
