@@ -91,7 +91,7 @@ use kvgate_core::fleet::{self, View};
 use kvgate_core::gate::{self, Decision, Holder, Priced};
 use kvgate_core::ledger::{ClaimTicket, Ledger};
 use kvgate_core::policy::{Action, ClassPolicy, Reservation};
-use kvgate_core::queue::AdmissionQueue;
+use kvgate_core::queue::{AdmissionQueue, Waiting};
 use kvgate_core::reconcile::{self, BackendReport, LiveEntry};
 use kvgate_core::retry::splitmix64;
 use kvgate_core::{price_request, ErrorKind};
@@ -1144,9 +1144,17 @@ impl Gateway {
                 ) = (from_queue, err.kind, &class.action)
                 {
                     let deadline_ms = now_ms + max_wait_ms;
-                    let pushed =
-                        self.queue
-                            .push(idx, &class.name, class.priority, deadline_ms, *max_depth);
+                    self.queue.set_aging_ms(cfg.policy.queue_aging_ms);
+                    let pushed = self.queue.push(
+                        idx,
+                        Waiting {
+                            class: &class.name,
+                            priority: class.priority,
+                            arrived_ms: now_ms,
+                            deadline_ms,
+                            max_depth: *max_depth,
+                        },
+                    );
                     if pushed.is_ok() {
                         return Attempt::Queued { deadline_ms };
                     }

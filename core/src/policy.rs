@@ -59,6 +59,8 @@ pub struct PolicyTable {
     pub claim_path: Option<Vec<String>>,
     /// Read the class from the route's metadata (`filter_metadata.kvgate.class`).
     pub class_from_route: bool,
+    /// How long a wait in the admission queue is worth one priority level (`queue::AdmissionQueue`).
+    pub queue_aging_ms: u64,
 }
 
 /// What the class of a request may come from, as the filter found them. Each is read only when
@@ -143,8 +145,16 @@ pub struct RawPolicy {
     /// The class from the route's metadata: `metadata: {filter_metadata: {kvgate: {class: NAME}}}`.
     #[serde(default)]
     pub class_from_route: bool,
+    /// In a worker's admission queue, waiting this long is worth one priority level (0: strict
+    /// priority, which can keep a low class waiting as long as higher ones keep coming).
+    #[serde(default = "default_queue_aging_ms")]
+    pub queue_aging_ms: u64,
     #[serde(default)]
     pub classes: BTreeMap<String, RawClass>,
+}
+
+fn default_queue_aging_ms() -> u64 {
+    1000
 }
 
 fn default_class_name() -> String {
@@ -160,6 +170,7 @@ impl Default for RawPolicy {
             api_keys: BTreeMap::new(),
             class_claim: None,
             class_from_route: false,
+            queue_aging_ms: default_queue_aging_ms(),
             classes: BTreeMap::new(),
         }
     }
@@ -368,6 +379,13 @@ impl TryFrom<RawPolicy> for PolicyTable {
                 ])
             }
         };
+        if raw.queue_aging_ms > 600_000 {
+            return Err(ConfigError::new(
+                "policy.queue_aging_ms",
+                raw.queue_aging_ms,
+                "must be in 0..=600000 (0: strict priority)",
+            ));
+        }
         Ok(PolicyTable {
             classes,
             default_class,
@@ -375,6 +393,7 @@ impl TryFrom<RawPolicy> for PolicyTable {
             api_keys,
             claim_path,
             class_from_route: raw.class_from_route,
+            queue_aging_ms: raw.queue_aging_ms,
         })
     }
 }
@@ -659,5 +678,10 @@ mod tests {
         assert_eq!(e.field, "policy.class_header");
         assert!(e.to_string().contains("class_header_trusted"), "{e}");
         assert!(serde_json::from_str::<RawPolicy>(r#"{"clases":{}}"#).is_err());
+        let e = parse(r#"{"queue_aging_ms":600001}"#).unwrap_err();
+        assert_eq!(e.field, "policy.queue_aging_ms");
+        assert_eq!(e.value, "600001");
+        assert_eq!(parse(r#"{"queue_aging_ms":0}"#).unwrap().queue_aging_ms, 0);
+        assert_eq!(parse("{}").unwrap().queue_aging_ms, 1000);
     }
 }

@@ -12,6 +12,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
 use kvgate_core::gate;
+use kvgate_core::queue::Waiting;
 use kvgate_core::report::status_json;
 use kvgate_core::store;
 use kvgate_core::{parse_request, Action as PolicyAction, ApiError, Endpoint, ErrorKind, Level};
@@ -246,14 +247,21 @@ impl Filter {
                     },
                 ) = (err.kind, &ticket.class.action)
                 {
-                    let deadline = host::now_ms().saturating_add(*max_wait_ms);
-                    let pushed = self.worker.queue.borrow_mut().push(
-                        Rc::clone(&ticket),
-                        &ticket.class.name,
-                        ticket.class.priority,
-                        deadline,
-                        *max_depth,
-                    );
+                    let now = host::now_ms();
+                    let pushed = {
+                        let mut queue = self.worker.queue.borrow_mut();
+                        queue.set_aging_ms(rt.cfg.policy.queue_aging_ms);
+                        queue.push(
+                            Rc::clone(&ticket),
+                            Waiting {
+                                class: &ticket.class.name,
+                                priority: ticket.class.priority,
+                                arrived_ms: now,
+                                deadline_ms: now.saturating_add(*max_wait_ms),
+                                max_depth: *max_depth,
+                            },
+                        )
+                    };
                     if pushed.is_ok() {
                         self.queued = true;
                         self.worker.metrics.queued.add(1);

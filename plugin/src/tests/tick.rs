@@ -193,6 +193,63 @@ fn a_full_queue_answers_429_queue_full() {
     vm.finish(b);
 }
 
+/// Strict priority lets a low class wait as long as higher ones keep coming: with
+/// `queue_aging_ms`, waiting that long is worth one priority level, so a batch request is passed
+/// only by higher classes that arrived within their priority gap's worth of aging after it.
+#[test]
+fn a_long_wait_in_the_queue_outranks_a_later_higher_class() {
+    let queued = |priority: u8| json!({"action": "queue", "max_wait_ms": 60_000, "max_depth": 8, "priority": priority});
+    let mut vm = start(
+        9_000,
+        json!({"policy": {"default_class": "vip", "class_header": "x-class",
+                          "class_header_trusted": true, "queue_aging_ms": 1_000,
+                          "classes": {"vip": queued(9), "batch": queued(0)}}}),
+    );
+    for id in 71..77 {
+        put_lease(id, 1_500, "vip", 9, owner_id());
+    }
+    // Each needs 1,500 tokens; bodies differ, so each keeps its own place in the fair-retry line.
+    fn post(vm: &mut Vm, class: &str, prompt: usize) -> Stream {
+        let body = completion(prompt, Some(1_500 - prompt as u64));
+        let (s, action) = vm.post("/v1/completions", &[("x-class", class)], &body);
+        assert_eq!(action, Action::Pause, "queued");
+        s
+    }
+    let first_vip = post(&mut vm, "vip", 500);
+    vm.advance_ms(10);
+    let batch = post(&mut vm, "batch", 499);
+    vm.advance_ms(9_990); // the batch request has waited 9.99 s: more than 9 levels' worth
+    let late_vip = post(&mut vm, "vip", 498);
+    let admitted = |s: Stream| ledger().lease(lease_of(s)).is_some();
+
+    let free = |id: u64| {
+        store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(id, Vm::now_ms())).unwrap();
+    };
+    free(71);
+    vm.tick();
+    assert!(
+        admitted(first_vip),
+        "a vip that came 10 ms before it still goes first"
+    );
+    assert!(!admitted(batch) && !admitted(late_vip));
+    free(72);
+    vm.tick();
+    assert!(admitted(batch), "aged past the vip that came 10 s after it");
+    assert!(!admitted(late_vip));
+    free(73);
+    vm.tick();
+    assert!(admitted(late_vip));
+    assert_eq!(Vm::metric("kvgate.queued"), 0);
+    for s in [first_vip, batch, late_vip] {
+        vm.respond(s);
+        vm.finish(s);
+    }
+    for id in 74..77 {
+        free(id);
+    }
+    assert_eq!(ledger().committed(), 0);
+}
+
 // ---- 5. the backend poll -------------------------------------------------------------------
 
 fn report(used: u64, live: &[u64], finished: &[u64], cursor: u64) -> Vec<u8> {
