@@ -32,8 +32,10 @@ Arms (a fresh backend, and gateway where there is one, per arm and round; same p
            tokens until 5 have finished); the backend lends free blocks past a reservation and takes them back
            (recompute) when a reservation needs them
   queued   as elastic, with every class queued at the gateway (`action: queue`, up to
-           --queue-wait-ms, in arrival order per worker, claims across workers) instead of
-           refused or degraded: clients wait in Envoy rather than retry
+           --queue-wait-ms, in priority then arrival order per worker aged by the shipped
+           `queue_aging_ms`, claims across workers) instead of refused or degraded: clients wait
+           in Envoy rather than retry
+  queued-strict  as queued with `queue_aging_ms: 0` (strict priority: no aging)
   oracle   as kvgate, but every request's max_tokens is its true output length, learned by a
            first greedy pass (temperature 0) against a backend with a large pool
   vllm     backend --admission none --on-kv-exhaustion recompute (only when the built backend
@@ -270,7 +272,7 @@ def drive(url, workload, a, run, caps=None, progress=None):
 
 # ----- the arms ---------------------------------------------------------------------------------
 
-def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.9):
+def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.9, aging_ms=None):
     """The shipped filter config (envoy/kvgate-filter.yaml: from_backend, the demo classes and
     keys) priced against this pool; with `elastic_prior`, every class reserves elastically; with
     `queue_ms`, every class waits in the gateway's queue up to that long instead of a 429."""
@@ -287,6 +289,8 @@ def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.
         for c in cfg["policy"]["classes"].values():
             c.pop("min_output_tokens", None)
             c.update({"action": "queue", "max_wait_ms": queue_ms, "max_depth": 64})
+    if aging_ms is not None:
+        cfg["policy"]["queue_aging_ms"] = aging_ms
     return cfg
 
 
@@ -340,14 +344,18 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
               "cap": ["--admission", "none", "--max-batch", a.cap],
               "kvgate": ["--admission", "reserve"], "oracle": ["--admission", "reserve"],
               "elastic": ["--admission", "reserve"], "queued": ["--admission", "reserve"],
+              "queued-strict": ["--admission", "reserve"],
               "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm]
     b = Backend(d, *flags).start(timeout=120)
     gw = None
     try:
-        if arm in ("kvgate", "oracle", "elastic", "queued"):
-            prior = a.elastic_prior if arm in ("elastic", "queued") else None
-            queue_ms = a.queue_wait_ms if arm == "queued" else None
-            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile)).start()
+        if arm in ("kvgate", "oracle", "elastic", "queued", "queued-strict"):
+            queue = arm in ("queued", "queued-strict")
+            prior = a.elastic_prior if arm == "elastic" or queue else None
+            queue_ms = a.queue_wait_ms if queue else None
+            aging = 0 if arm == "queued-strict" else None
+            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile,
+                                                aging)).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
         url = gw.url if gw else b.url
@@ -490,7 +498,7 @@ def table(rows, arms):
 
 
 COLOURS = {"none": "#999999", "prompt": "#d62728", "cap": "#ff7f0e", "reserve": "#8c564b", "kvgate": "#1f77b4",
-           "elastic": "#2ca02c", "queued": "#17becf", "oracle": "#000000", "vllm": "#9467bd"}
+           "elastic": "#2ca02c", "queued": "#17becf", "queued-strict": "#bcbd22", "oracle": "#000000", "vllm": "#9467bd"}
 
 
 def plots(rows, arms, out_dir, stem):
