@@ -1144,13 +1144,17 @@ impl Gateway {
                 ) = (from_queue, err.kind, &class.action)
                 {
                     let deadline_ms = now_ms + max_wait_ms;
+                    // A retry keeps the age of its first refusal (the filter's waiting_since).
+                    let arrived_ms = claim_key
+                        .and_then(|k| self.ledgers.get(index)?.waiting_since(k))
+                        .map_or(now_ms, |w| w.min(now_ms));
                     self.queue.set_aging_ms(cfg.policy.queue_aging_ms);
                     let pushed = self.queue.push(
                         idx,
                         Waiting {
                             class: &class.name,
                             priority: class.priority,
-                            arrived_ms: now_ms,
+                            arrived_ms,
                             deadline_ms,
                             max_depth: *max_depth,
                         },

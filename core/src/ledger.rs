@@ -318,6 +318,15 @@ impl Ledger {
             .map_or(0, |c| c.held)
     }
 
+    /// When the request with this claim key was first refused (its place in line), if it still
+    /// has one: a retry's age, which a gateway queue orders by instead of the retry's arrival.
+    pub fn waiting_since(&self, key: u64) -> Option<u64> {
+        self.claims
+            .iter()
+            .find(|c| c.key == key)
+            .map(|c| c.first_ms)
+    }
+
     pub fn claims(&self) -> &[Claim] {
         &self.claims
     }
@@ -808,6 +817,10 @@ mod tests {
         ));
         assert_eq!(l.claimed(), 20);
         assert_eq!(l.free(), 0);
+        // Its place dates from the first refusal, not from the retry.
+        let key = l.claims()[0].key;
+        assert_eq!(l.waiting_since(key), Some(10));
+        assert_eq!(l.waiting_since(key ^ 1), None);
         // A small one ends; its bytes go to the claim, not to the next small request.
         l.release(ids[0], 20);
         assert!(matches!(

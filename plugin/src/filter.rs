@@ -233,6 +233,7 @@ impl Filter {
             endpoint: RefCell::new(None),
             shadow_note: RefCell::new(None),
             refusals: Cell::new(0),
+            waiting_since: Cell::new(None),
         });
         self.ticket = Some(Rc::clone(&ticket));
         match ticket.attempt(&self.worker, &rt) {
@@ -256,7 +257,8 @@ impl Filter {
                             Waiting {
                                 class: &ticket.class.name,
                                 priority: ticket.class.priority,
-                                arrived_ms: now,
+                                // A retry keeps the age of its first refusal.
+                                arrived_ms: ticket.waiting_since.get().map_or(now, |w| w.min(now)),
                                 deadline_ms: now.saturating_add(*max_wait_ms),
                                 max_depth: *max_depth,
                             },

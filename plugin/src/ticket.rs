@@ -48,6 +48,9 @@ pub struct Ticket {
     /// Refusals for lack of budget so far. From the second on, its claim is active: the ledger
     /// sets freed bytes aside for it, so it must keep being retried (see the worker's queue).
     pub refusals: Cell<u32>,
+    /// When its place in the fair-retry line was taken (its first refusal, on an earlier try of
+    /// the same request too): the arrival its place in the worker's queue is aged from.
+    pub waiting_since: Cell<Option<u64>>,
 }
 
 pub enum Attempt {
@@ -173,6 +176,10 @@ impl Ticket {
                 ));
                 if err.kind == ErrorKind::KvCapacityExceeded {
                     self.refusals.set(self.refusals.get().saturating_add(1));
+                }
+                if let Some(since) = claim_key.and_then(|k| ledger.waiting_since(k)) {
+                    let earliest = self.waiting_since.get().map_or(since, |w| w.min(since));
+                    self.waiting_since.set(Some(earliest));
                 }
                 Attempt::Rejected(err)
             }

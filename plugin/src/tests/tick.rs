@@ -250,6 +250,54 @@ fn a_long_wait_in_the_queue_outranks_a_later_higher_class() {
     assert_eq!(ledger().committed(), 0);
 }
 
+/// A request whose wait in the queue ran out and whose client retried keeps its age: its place
+/// in the fair-retry line dates from its first refusal, and the queue orders the retry by that,
+/// ahead of a request of the same class that came after it.
+#[test]
+fn a_retry_after_a_queue_timeout_keeps_its_age_in_the_queue() {
+    let mut vm = start(
+        3_000,
+        json!({"policy": {"default_class": "q", "classes": {"q": {
+            "action": "queue", "max_wait_ms": 5_000, "max_depth": 8, "priority": 0}}}}),
+    );
+    put_lease(81, 1_500, "q", 0, owner_id());
+    put_lease(82, 1_500, "q", 0, owner_id());
+    let older = completion(500, Some(1_000));
+    let (first, action) = vm.post("/v1/completions", &[], &older);
+    assert_eq!(action, Action::Pause, "queued");
+    vm.advance_ms(5_001);
+    vm.tick();
+    let replies = Vm::replies(first);
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].json()["error"]["code"], "kv_queue_timeout");
+    vm.finish(first);
+
+    vm.advance_ms(400);
+    let (newer, action) = vm.post("/v1/completions", &[], &completion(499, Some(1_001)));
+    assert_eq!(action, Action::Pause, "queued");
+    vm.advance_ms(100); // within the Retry-After + the patience: the retry keeps its place
+    let (retry, action) = vm.post("/v1/completions", &[], &older);
+    assert_eq!(action, Action::Pause, "queued");
+
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(81, Vm::now_ms())).unwrap();
+    vm.tick();
+    let admitted = |s: Stream| ledger().lease(lease_of(s)).is_some();
+    assert!(
+        admitted(retry),
+        "the retry is older than the request that came before it"
+    );
+    assert!(!admitted(newer));
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(82, Vm::now_ms())).unwrap();
+    vm.tick();
+    assert!(admitted(newer));
+    for s in [retry, newer] {
+        vm.respond(s);
+        vm.finish(s);
+    }
+    assert_eq!(ledger().committed(), 0);
+    assert_eq!(Vm::metric("kvgate.queued"), 0);
+}
+
 // ---- 5. the backend poll -------------------------------------------------------------------
 
 fn report(used: u64, live: &[u64], finished: &[u64], cursor: u64) -> Vec<u8> {
