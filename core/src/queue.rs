@@ -88,7 +88,8 @@ impl<T> AdmissionQueue<T> {
         Ok(())
     }
 
-    /// Earliest aged arrival first (highest priority first without aging), then arrival order.
+    /// Earliest aged arrival first (highest priority first without aging), then arrival, then
+    /// push order. An arrival may be earlier than the push: a retry keeps its first refusal's.
     fn sort(&mut self) {
         let aging = i128::from(self.aging_ms);
         let key = |e: &Entry<T>| match aging {
@@ -99,6 +100,7 @@ impl<T> AdmissionQueue<T> {
             key(a)
                 .cmp(&key(b))
                 .then(b.priority.cmp(&a.priority))
+                .then(a.arrived_ms.cmp(&b.arrived_ms))
                 .then(a.seq.cmp(&b.seq))
         });
     }
@@ -208,8 +210,8 @@ mod tests {
             order(&q),
             vec![
                 "vip-early",
-                "vip-late",
                 "vip-tie",
+                "vip-late",
                 "std-early",
                 "std-late",
                 "batch"
