@@ -272,7 +272,8 @@ def drive(url, workload, a, run, caps=None, progress=None):
 
 # ----- the arms ---------------------------------------------------------------------------------
 
-def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.9, aging_ms=None):
+def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.9, aging_ms=None,
+                  safety=None):
     """The shipped filter config (envoy/kvgate-filter.yaml: from_backend, the demo classes and
     keys) priced against this pool; with `elastic_prior`, every class reserves elastically; with
     `queue_ms`, every class waits in the gateway's queue up to that long instead of a 429."""
@@ -291,6 +292,8 @@ def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.
             c.update({"action": "queue", "max_wait_ms": queue_ms, "max_depth": 64})
     if aging_ms is not None:
         cfg["policy"]["queue_aging_ms"] = aging_ms
+    if safety is not None:
+        cfg["safety_fraction"] = safety
     return cfg
 
 
@@ -355,7 +358,7 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
             queue_ms = a.queue_wait_ms if queue else None
             aging = 0 if arm == "queued-strict" else None
             gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile,
-                                                aging)).start()
+                                                aging, a.safety_fraction)).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
         url = gw.url if gw else b.url
@@ -606,6 +609,8 @@ def main():
                    help="the elastic and queued arms: the quantile of learned outputs each class reserves")
     p.add_argument("--queue-wait-ms", type=int, default=20000,
                    help="the queued arm: how long a request may wait in the gateway's queue")
+    p.add_argument("--safety-fraction", type=float,
+                   help="the gateway arms: the filter's safety_fraction (default: the shipped config's)")
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
     p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     p.add_argument("--plots", help="write the PNG plots to this folder (default, when writing BENCHMARKS.md: "
