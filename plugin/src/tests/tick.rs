@@ -428,6 +428,13 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
                            "down_after_failures": 2}}),
     );
     let health_key = "kvgate.backend.v3";
+    /// The level a request that is not priced (`GET /v1/models`) is told.
+    fn level_seen(vm: &mut Vm) -> Option<String> {
+        let s = vm.open("GET", "/v1/models", &[], b"");
+        assert_eq!(vm.request_headers(s, true), Action::Continue);
+        vm.respond(s);
+        Vm::response_header(s, "x-kvgate-level")
+    }
     fn poll(vm: &Vm, status: u32, body: &[u8]) {
         vm.advance_ms(300);
         vm.tick();
@@ -447,13 +454,7 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
     });
 
     // No tick in between: this worker's copy still says up.
-    let s = vm.open("GET", "/v1/models", &[], b"");
-    assert_eq!(vm.request_headers(s, true), Action::Continue);
-    vm.respond(s);
-    assert_eq!(
-        Vm::response_header(s, "x-kvgate-level").as_deref(),
-        Some("red")
-    );
+    assert_eq!(level_seen(&mut vm).as_deref(), Some("red"));
     // A request is answered from its headers, before its body is read.
     let body = completion(10, Some(10));
     let p = vm.open("POST", "/v1/completions", &[], body.as_bytes());
@@ -466,11 +467,5 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
     // This worker's next poll fails too: still down, counted from the recorded failures.
     poll(&vm, 503, b"");
     assert_eq!(Vm::metric("kvgate.backend_up"), 0);
-    let s = vm.open("GET", "/v1/models", &[], b"");
-    assert_eq!(vm.request_headers(s, true), Action::Continue);
-    vm.respond(s);
-    assert_eq!(
-        Vm::response_header(s, "x-kvgate-level").as_deref(),
-        Some("red")
-    );
+    assert_eq!(level_seen(&mut vm).as_deref(), Some("red"));
 }
