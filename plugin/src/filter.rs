@@ -99,6 +99,8 @@ impl Filter {
     }
 
     fn serve_status(&mut self, rt: &Runtime) -> Action {
+        // Health as any worker last recorded it (each ledger read below refreshes the room).
+        self.worker.refresh_health();
         let mut total: Option<kvgate_core::Ledger> = None;
         let mut endpoints = Vec::new();
         for e in self.worker.endpoints() {
@@ -232,7 +234,7 @@ impl Filter {
             pending_cancels: Cell::new(0),
             endpoint: RefCell::new(None),
             shadow_note: RefCell::new(None),
-            refusals: Cell::new(0),
+            claim_active: Cell::new(false),
             waiting_since: Cell::new(None),
         });
         self.ticket = Some(Rc::clone(&ticket));
@@ -306,6 +308,9 @@ impl Filter {
             if let Some(m) = &e.metrics {
                 m.backend_refused.inc();
             }
+            // From what any worker recorded last: a copy a tick old would write "up" over
+            // another worker's "down".
+            e.refresh_health();
             let mut h = e.health();
             if !h.full {
                 h.full = true;

@@ -294,6 +294,11 @@ impl Root {
 
     /// Answer queued requests whose wait ran out, then admit from the front while budget allows.
     fn drain_queue(&self, rt: &Runtime, now: u64) {
+        // A reconfiguration may have changed the aging: the waiting requests are re-placed.
+        self.worker
+            .queue
+            .borrow_mut()
+            .set_aging_ms(rt.cfg.policy.queue_aging_ms);
         let expired = self.worker.queue.borrow_mut().expire(now);
         for e in expired {
             self.worker.metrics.queued.add_signed(-1);
@@ -334,18 +339,18 @@ impl Root {
             self.worker.queue.borrow_mut().pop_front();
             self.worker.metrics.queued.add_signed(-1);
         }
-        // A request that was at the front (refused there at least twice: its claim is active)
-        // and then found a higher-priority request queued ahead of it keeps its place in the
-        // fair-retry line across workers: the ledger sets freed bytes aside for it, which nobody
-        // else may take. Retry it too, or those bytes sit idle while the new front waits (seen as
-        // an empty pool with requests queued until their max_wait ran out).
+        // A request whose claim is active (it was refused at the front twice, or it is a
+        // client's retry that kept its place) but that is not at the front now keeps its place
+        // in the fair-retry line across workers: the ledger sets freed bytes aside for it, which
+        // nobody else may take. Retry it too, or those bytes sit idle while the front waits (seen
+        // as an empty pool with requests queued until their max_wait ran out).
         let served: Vec<Rc<Ticket>> = self
             .worker
             .queue
             .borrow()
             .items()
             .skip(1)
-            .filter(|t| t.refusals.get() >= 2)
+            .filter(|t| t.claim_active.get())
             .cloned()
             .collect();
         for ticket in served {

@@ -45,9 +45,11 @@ pub struct Ticket {
     pub endpoint: RefCell<Option<Rc<Endpoint>>>,
     /// Shadow mode: what enforce would have done (the `x-kvgate-shadow` response header).
     pub shadow_note: RefCell<Option<String>>,
-    /// Refusals for lack of budget so far. From the second on, its claim is active: the ledger
-    /// sets freed bytes aside for it, so it must keep being retried (see the worker's queue).
-    pub refusals: Cell<u32>,
+    /// Its place in the fair-retry line is active: the ledger sets freed bytes aside for it, so
+    /// it must keep being retried (see the worker's queue). The ledger activates a claim when
+    /// its request comes back: this stream's second refusal, or already the first refusal of a
+    /// client's retry whose earlier try left the claim.
+    pub claim_active: Cell<bool>,
     /// When its place in the fair-retry line was taken (its first refusal, on an earlier try of
     /// the same request too): the arrival its place in the worker's queue is aged from.
     pub waiting_since: Cell<Option<u64>>,
@@ -174,10 +176,12 @@ impl Ticket {
                     endpoint.name(&rt.cfg),
                     err.retry_after_ms.unwrap_or(0),
                 ));
-                if err.kind == ErrorKind::KvCapacityExceeded {
-                    self.refusals.set(self.refusals.get().saturating_add(1));
-                }
                 if let Some(since) = claim_key.and_then(|k| ledger.waiting_since(k)) {
+                    // The claim was there before this refusal (refused before, on this stream
+                    // or an earlier try): it is active now.
+                    if self.waiting_since.get().is_some() || since < now {
+                        self.claim_active.set(true);
+                    }
                     let earliest = self.waiting_since.get().map_or(since, |w| w.min(since));
                     self.waiting_since.set(Some(earliest));
                 }

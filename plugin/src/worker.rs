@@ -169,6 +169,8 @@ impl Endpoint {
         if let Ok((Some(bytes), _)) = proxy_wasm::hostcalls::get_shared_data(&self.health_key) {
             if let Some(h) = BackendHealth::decode(&bytes) {
                 self.health.set(h);
+                // Whether the endpoint may take a request follows its health.
+                self.update_view(|_| ());
             }
         }
     }

@@ -298,6 +298,55 @@ fn a_retry_after_a_queue_timeout_keeps_its_age_in_the_queue() {
     assert_eq!(Vm::metric("kvgate.queued"), 0);
 }
 
+/// A client's retry whose earlier try left a place in the fair-retry line has an active claim
+/// from its first refusal: the ledger sets freed bytes aside for it at once. Queued behind a
+/// front that does not fit, it is still retried on every tick and admitted with what its claim
+/// holds, instead of leaving those bytes idle until the front fits.
+#[test]
+fn a_retry_with_an_active_claim_behind_the_front_is_admitted_with_what_it_holds() {
+    let queued = |priority: u8| json!({"action": "queue", "max_wait_ms": 5_000, "max_depth": 8, "priority": priority});
+    let mut vm = start(
+        3_000,
+        json!({"policy": {"default_class": "batch", "class_header": "x-class",
+                          "class_header_trusted": true,
+                          "classes": {"vip": queued(9), "batch": queued(0)}}}),
+    );
+    put_lease(91, 1_500, "batch", 0, owner_id());
+    put_lease(92, 1_500, "batch", 0, owner_id());
+    let body = completion(500, Some(1_000));
+    let (first, _) = vm.post("/v1/completions", &[], &body);
+    vm.advance_ms(5_001);
+    vm.tick();
+    assert_eq!(
+        Vm::replies(first)[0].json()["error"]["code"],
+        "kv_queue_timeout"
+    );
+    vm.finish(first);
+    // A vip request that needs the whole pool takes the front; then the client retries.
+    vm.advance_ms(100);
+    let (vip, action) = vm.post(
+        "/v1/completions",
+        &[("x-class", "vip")],
+        &completion(1_000, Some(2_000)),
+    );
+    assert_eq!(action, Action::Pause, "queued");
+    vm.advance_ms(100);
+    let (retry, action) = vm.post("/v1/completions", &[], &body);
+    assert_eq!(action, Action::Pause, "queued");
+
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(91, Vm::now_ms())).unwrap();
+    vm.tick();
+    let admitted = |s: Stream| ledger().lease(lease_of(s)).is_some();
+    assert!(!admitted(vip), "the front needs the whole pool");
+    assert!(admitted(retry), "admitted with the bytes its claim held");
+    assert_eq!(ledger().claimed(), 0, "nothing set aside sits idle");
+    vm.respond(retry);
+    vm.finish(retry);
+    vm.finish(vip);
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(92, Vm::now_ms())).unwrap();
+    assert_eq!(ledger().committed(), 0);
+}
+
 // ---- 5. the backend poll -------------------------------------------------------------------
 
 fn report(used: u64, live: &[u64], finished: &[u64], cursor: u64) -> Vec<u8> {
@@ -445,13 +494,23 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
     poll(&vm, 503, b"");
     assert_eq!(Vm::metric("kvgate.backend_up"), 0);
     // What "another worker" records later: down, after two failures.
-    let down = testhost::with(|h| h.shared.get(health_key).cloned()).unwrap();
+    let recorded = || {
+        testhost::with(|h| h.shared.get(health_key).cloned())
+            .unwrap()
+            .0
+    };
+    let record = |bytes: &[u8]| {
+        testhost::with(|h| {
+            let cas = h.shared.get(health_key).map_or(0, |(_, c)| *c);
+            h.shared
+                .insert(health_key.to_string(), (bytes.to_vec(), cas + 1));
+        });
+    };
+    let down = recorded();
     poll(&vm, 200, &report(0, &[], &[], 1));
     assert_eq!(Vm::metric("kvgate.backend_up"), 1);
-    testhost::with(|h| {
-        let cas = h.shared.get(health_key).map_or(0, |(_, c)| *c);
-        h.shared.insert(health_key.to_string(), (down.0, cas + 1));
-    });
+    let up = recorded();
+    record(&down);
 
     // No tick in between: this worker's copy still says up.
     assert_eq!(level_seen(&mut vm).as_deref(), Some("red"));
@@ -464,8 +523,15 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
     assert_eq!(replies[0].status, 503);
     assert_eq!(ledger().committed(), 0);
 
-    // This worker's next poll fails too: still down, counted from the recorded failures.
-    poll(&vm, 503, b"");
+    // This worker's next poll goes out while the record says up; another worker records
+    // "down" before it is answered, and then it fails too: counted on from the record (still
+    // down), not from this worker's copy ("up", which one more failure would not turn down).
+    record(&up);
+    vm.advance_ms(300);
+    vm.tick();
+    let call = Vm::calls().last().cloned().unwrap();
+    record(&down);
+    vm.answer_call(call.token, 503, b"");
     assert_eq!(Vm::metric("kvgate.backend_up"), 0);
     assert_eq!(level_seen(&mut vm).as_deref(), Some("red"));
 }
