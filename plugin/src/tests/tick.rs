@@ -193,18 +193,21 @@ fn a_full_queue_answers_429_queue_full() {
     vm.finish(b);
 }
 
+/// A policy of two queued classes, vip (9) and batch (0), chosen by a trusted `x-class` header.
+fn vip_and_batch_queued(default_class: &str, max_wait_ms: u64) -> Value {
+    let queued = |priority: u8| json!({"action": "queue", "max_wait_ms": max_wait_ms, "max_depth": 8, "priority": priority});
+    json!({"default_class": default_class, "class_header": "x-class", "class_header_trusted": true,
+           "classes": {"vip": queued(9), "batch": queued(0)}})
+}
+
 /// Strict priority lets a low class wait as long as higher ones keep coming: with
 /// `queue_aging_ms`, waiting that long is worth one priority level, so a batch request is passed
 /// only by higher classes that arrived within their priority gap's worth of aging after it.
 #[test]
 fn a_long_wait_in_the_queue_outranks_a_later_higher_class() {
-    let queued = |priority: u8| json!({"action": "queue", "max_wait_ms": 60_000, "max_depth": 8, "priority": priority});
-    let mut vm = start(
-        9_000,
-        json!({"policy": {"default_class": "vip", "class_header": "x-class",
-                          "class_header_trusted": true, "queue_aging_ms": 1_000,
-                          "classes": {"vip": queued(9), "batch": queued(0)}}}),
-    );
+    let mut policy = vip_and_batch_queued("vip", 60_000);
+    policy["queue_aging_ms"] = 1_000.into();
+    let mut vm = start(9_000, json!({ "policy": policy }));
     for id in 71..77 {
         put_lease(id, 1_500, "vip", 9, owner_id());
     }
@@ -304,12 +307,9 @@ fn a_retry_after_a_queue_timeout_keeps_its_age_in_the_queue() {
 /// holds, instead of leaving those bytes idle until the front fits.
 #[test]
 fn a_retry_with_an_active_claim_behind_the_front_is_admitted_with_what_it_holds() {
-    let queued = |priority: u8| json!({"action": "queue", "max_wait_ms": 5_000, "max_depth": 8, "priority": priority});
     let mut vm = start(
         3_000,
-        json!({"policy": {"default_class": "batch", "class_header": "x-class",
-                          "class_header_trusted": true,
-                          "classes": {"vip": queued(9), "batch": queued(0)}}}),
+        json!({ "policy": vip_and_batch_queued("batch", 5_000) }),
     );
     put_lease(91, 1_500, "batch", 0, owner_id());
     put_lease(92, 1_500, "batch", 0, owner_id());
