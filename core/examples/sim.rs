@@ -986,11 +986,13 @@ impl Gateway {
                 v
             })
             .collect();
+        let mut queue = AdmissionQueue::default();
+        queue.set_aging_ms(cfg.policy.queue_aging_ms);
         Gateway {
             cfg,
             ledgers,
             views,
-            queue: AdmissionQueue::default(),
+            queue,
             learned: HashMap::new(),
             next_lease: 1,
             leases: HashMap::new(),
@@ -1148,7 +1150,6 @@ impl Gateway {
                     let arrived_ms = claim_key
                         .and_then(|k| self.ledgers.get(index)?.waiting_since(k))
                         .map_or(now_ms, |w| w.min(now_ms));
-                    self.queue.set_aging_ms(cfg.policy.queue_aging_ms);
                     let pushed = self.queue.push(
                         idx,
                         Waiting {

@@ -310,21 +310,19 @@ impl Ledger {
         self.claims.len() != before
     }
 
+    fn claim(&self, key: u64) -> Option<&Claim> {
+        self.claims.iter().find(|c| c.key == key)
+    }
+
     /// What the claim with this key holds for its request now (0 without one).
     pub fn held_for(&self, key: u64) -> u64 {
-        self.claims
-            .iter()
-            .find(|c| c.key == key)
-            .map_or(0, |c| c.held)
+        self.claim(key).map_or(0, |c| c.held)
     }
 
     /// When the request with this claim key was first refused (its place in line), if it still
     /// has one: a retry's age, which a gateway queue orders by instead of the retry's arrival.
     pub fn waiting_since(&self, key: u64) -> Option<u64> {
-        self.claims
-            .iter()
-            .find(|c| c.key == key)
-            .map(|c| c.first_ms)
+        self.claim(key).map(|c| c.first_ms)
     }
 
     pub fn claims(&self) -> &[Claim] {

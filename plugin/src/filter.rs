@@ -251,21 +251,17 @@ impl Filter {
                 ) = (err.kind, &ticket.class.action)
                 {
                     let now = host::now_ms();
-                    let pushed = {
-                        let mut queue = self.worker.queue.borrow_mut();
-                        queue.set_aging_ms(rt.cfg.policy.queue_aging_ms);
-                        queue.push(
-                            Rc::clone(&ticket),
-                            Waiting {
-                                class: &ticket.class.name,
-                                priority: ticket.class.priority,
-                                // A retry keeps the age of its first refusal.
-                                arrived_ms: ticket.waiting_since.get().map_or(now, |w| w.min(now)),
-                                deadline_ms: now.saturating_add(*max_wait_ms),
-                                max_depth: *max_depth,
-                            },
-                        )
-                    };
+                    let pushed = self.worker.queue.borrow_mut().push(
+                        Rc::clone(&ticket),
+                        Waiting {
+                            class: &ticket.class.name,
+                            priority: ticket.class.priority,
+                            // A retry keeps the age of its first refusal.
+                            arrived_ms: ticket.waiting_since.get().map_or(now, |w| w.min(now)),
+                            deadline_ms: now.saturating_add(*max_wait_ms),
+                            max_depth: *max_depth,
+                        },
+                    );
                     if pushed.is_ok() {
                         self.queued = true;
                         self.worker.metrics.queued.add(1);
@@ -409,13 +405,13 @@ impl HttpContext for Filter {
             );
             return self.reject(&rt, &e);
         }
-        // Model servers known to be down or hung get nothing new: answer at once.
-        // (Health as any worker last recorded it: this one's copy may be a tick old.)
+        // Model servers known to be down or hung get nothing new: answer at once. Health as any
+        // worker last recorded it: this one's copy may be a tick old.
         if rt.cfg.backend.is_some() {
             self.worker.refresh_health();
-        }
-        if rt.cfg.backend.is_some() && self.worker.all_down() {
-            return self.reject(&rt, &crate::ticket::no_endpoint(&rt));
+            if self.worker.all_down() {
+                return self.reject(&rt, &crate::ticket::no_endpoint(&rt));
+            }
         }
         if end_of_stream {
             let e = ApiError::new(

@@ -91,6 +91,11 @@ impl Root {
         // Alive before any lease can carry this owner.
         crate::worker::beat(host::now_ms());
         self.worker.configure_endpoints(&cfg);
+        // The requests already waiting are re-placed if the aging changed.
+        self.worker
+            .queue
+            .borrow_mut()
+            .set_aging_ms(cfg.policy.queue_aging_ms);
         let endpoints = self.worker.endpoints();
         let (mut created, mut kept) = (0, 0);
         for e in &endpoints {
@@ -294,11 +299,6 @@ impl Root {
 
     /// Answer queued requests whose wait ran out, then admit from the front while budget allows.
     fn drain_queue(&self, rt: &Runtime, now: u64) {
-        // A reconfiguration may have changed the aging: the waiting requests are re-placed.
-        self.worker
-            .queue
-            .borrow_mut()
-            .set_aging_ms(rt.cfg.policy.queue_aging_ms);
         let expired = self.worker.queue.borrow_mut().expire(now);
         for e in expired {
             self.worker.metrics.queued.add_signed(-1);

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::host::EnvoyStore;
-use crate::testhost::{Stream, Vm, EPOCH_MS};
+use crate::testhost::{self, Stream, Vm, EPOCH_MS};
 
 const A: &str = "10.0.0.1:8000";
 const B: &str = "10.0.0.2:8000";
@@ -43,6 +43,15 @@ fn report(used: u64, leases: Value) -> Vec<u8> {
            "leases": leases, "finished": [], "cursor": 1})
     .to_string()
     .into_bytes()
+}
+
+/// A poll answer: A fails, B answers with an empty pool.
+fn a_down(e: &str) -> (u32, Vec<u8>) {
+    if e == A {
+        (503, Vec::new())
+    } else {
+        (200, report(0, json!([])))
+    }
 }
 
 /// One poll round: a tick after `poll_ms`, then each endpoint's callout answered by `answer`.
@@ -162,13 +171,6 @@ fn each_endpoint_is_polled_on_its_own_and_a_down_one_is_left_out_until_it_answer
     let (on_a, _) = vm.post("/v1/completions", &[], &completion(500, Some(500)));
     assert_eq!(routed_to(on_a).as_deref(), Some(A));
     let a_lease = lease_of(on_a);
-    let a_down = |e: &str| {
-        if e == A {
-            (503, Vec::new())
-        } else {
-            (200, report(0, json!([])))
-        }
-    };
     poll_round(&vm, a_down);
     poll_round(&vm, a_down);
     assert!(logs()
@@ -456,4 +458,35 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
         vm.finish(s);
     }
     assert_eq!(ledger_at(A).committed(), 0);
+}
+
+/// Another worker has marked endpoint A down since this worker's last tick: a request reads the
+/// recorded health, and the choice of endpoint follows it (A would be the first pick on a tie).
+#[test]
+fn an_endpoint_another_worker_marked_down_is_not_chosen_before_this_workers_tick() {
+    let mut vm = start(10_000, fleet(&[A, B], json!({})));
+    let key = format!("kvgate.backend.v3@{A}");
+    poll_round(&vm, a_down);
+    poll_round(&vm, a_down);
+    let down = testhost::with(|h| h.shared.get(&key).cloned()).unwrap().0;
+    poll_round(&vm, |_| (200, report(0, json!([]))));
+    let (s, _) = vm.post("/v1/completions", &[], &completion(500, Some(500)));
+    assert_eq!(
+        routed_to(s).as_deref(),
+        Some(A),
+        "both up: the first listed"
+    );
+    vm.respond_from(s, 200, A);
+    vm.finish(s);
+
+    testhost::with(|h| {
+        let cas = h.shared.get(&key).map_or(0, |(_, c)| *c);
+        h.shared.insert(key.clone(), (down.clone(), cas + 1));
+    });
+    let (s, a) = vm.post("/v1/completions", &[], &completion(500, Some(500)));
+    assert_eq!(a, Action::Continue);
+    assert_eq!(routed_to(s).as_deref(), Some(B), "A is down: B");
+    vm.respond_from(s, 200, B);
+    vm.finish(s);
+    assert_eq!(ledger_at(A).committed() + ledger_at(B).committed(), 0);
 }

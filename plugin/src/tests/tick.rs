@@ -466,9 +466,11 @@ fn failed_polls_mark_the_backend_down_and_an_answer_brings_it_back() {
 }
 
 /// Every worker polls the backend and writes its health to shared data; this one's copy is a
-/// tick old when another worker has just counted the backend down. A request between ticks
-/// still sees "down" (red, a fast 503), and this worker's own failed poll counts on from what
-/// is recorded instead of writing its stale "up" over it.
+/// tick old when another worker has just counted the backend down. Each path that reads the
+/// health between ticks sees "down" — a priced request (a fast 503), the level an unpriced
+/// request is told, the status — and each path that writes it (a failed poll, the backend's own
+/// 429) counts on from the record instead of writing this worker's stale "up" over it. Before
+/// each check this worker's copy is made "up" again, so every check stands on its own.
 #[test]
 fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() {
     let mut vm = start(
@@ -490,10 +492,6 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
         let call = Vm::calls().last().cloned().unwrap();
         vm.answer_call(call.token, status, body);
     }
-    poll(&vm, 503, b"");
-    poll(&vm, 503, b"");
-    assert_eq!(Vm::metric("kvgate.backend_up"), 0);
-    // What "another worker" records later: down, after two failures.
     let recorded = || {
         testhost::with(|h| h.shared.get(health_key).cloned())
             .unwrap()
@@ -506,15 +504,25 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
                 .insert(health_key.to_string(), (bytes.to_vec(), cas + 1));
         });
     };
+    poll(&vm, 503, b"");
+    poll(&vm, 503, b"");
+    assert_eq!(Vm::metric("kvgate.backend_up"), 0);
+    // What "another worker" records: down, after two failures.
     let down = recorded();
-    poll(&vm, 200, &report(0, &[], &[], 1));
-    assert_eq!(Vm::metric("kvgate.backend_up"), 1);
-    let up = recorded();
-    record(&down);
+    let mut cursor = 0;
+    // This worker's copy (and the record) up after an answered poll; then the other worker's
+    // "down" lands, with no tick in between. Returns the "up" record.
+    let mut up_here_down_recorded = |vm: &Vm| {
+        cursor += 1;
+        poll(vm, 200, &report(0, &[], &[], cursor));
+        assert_eq!(Vm::metric("kvgate.backend_up"), 1);
+        let up = recorded();
+        record(&down);
+        up
+    };
 
-    // No tick in between: this worker's copy still says up.
-    assert_eq!(level_seen(&mut vm).as_deref(), Some("red"));
-    // A request is answered from its headers, before its body is read.
+    // A priced request is answered from its headers, before its body is read.
+    up_here_down_recorded(&vm);
     let body = completion(10, Some(10));
     let p = vm.open("POST", "/v1/completions", &[], body.as_bytes());
     assert_eq!(vm.request_headers(p, false), Action::Pause);
@@ -523,9 +531,20 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
     assert_eq!(replies[0].status, 503);
     assert_eq!(ledger().committed(), 0);
 
-    // This worker's next poll goes out while the record says up; another worker records
+    up_here_down_recorded(&vm);
+    assert_eq!(level_seen(&mut vm).as_deref(), Some("red"));
+
+    up_here_down_recorded(&vm);
+    let st = vm.open("GET", "/kvgate/status", &[], b"");
+    assert_eq!(vm.request_headers(st, true), Action::Pause);
+    let doc = Vm::replies(st)[0].json();
+    assert_eq!(doc["backend"]["up"], false, "{doc}");
+    assert_eq!(doc["level"], "red");
+
+    // This worker's next poll goes out while the record says up; the other worker records
     // "down" before it is answered, and then it fails too: counted on from the record (still
     // down), not from this worker's copy ("up", which one more failure would not turn down).
+    let up = up_here_down_recorded(&vm);
     record(&up);
     vm.advance_ms(300);
     vm.tick();
@@ -533,5 +552,17 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
     record(&down);
     vm.answer_call(call.token, 503, b"");
     assert_eq!(Vm::metric("kvgate.backend_up"), 0);
+    assert_eq!(level_seen(&mut vm).as_deref(), Some("red"));
+
+    // An admitted request that the backend refuses (its own 429) marks the endpoint full, from
+    // the record: "down" stays down.
+    record(&up);
+    vm.advance_ms(300);
+    vm.tick(); // this worker's copy: up
+    let (s, _) = vm.post("/v1/completions", &[], &completion(10, Some(10)));
+    assert!(ledger().lease(lease_of(s)).is_some(), "admitted while up");
+    record(&down);
+    vm.respond_from(s, 429, "127.0.0.1:8000");
+    vm.finish(s);
     assert_eq!(level_seen(&mut vm).as_deref(), Some("red"));
 }
