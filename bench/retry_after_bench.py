@@ -46,6 +46,8 @@ PROMPTS = [
     ("Count from 1 to 500, separated by commas: 1, 2, 3,", [120, 250, 400]),
     ("Write a long story about a dragon who learns to cook.", [200, 400]),
 ]
+# More than any filler's prompt takes once the chat template has wrapped it.
+FILLER_PROMPT_TOKENS = 96
 RETRY = {"min_ms": 500, "max_ms": 20000, "jitter": 0.1, "default_lease_ms": 3000}
 
 
@@ -70,8 +72,10 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
             with requests.post(gw.url + "/v1/chat/completions", json={**body, "stream": True},
                                stream=True, timeout=300) as r:
                 out["status"] = r.status_code
-                for _ in r.iter_content(chunk_size=None):
-                    pass
+                for line in r.iter_lines():
+                    if line.startswith(b"data: {"):
+                        out["chunks"] = out.get("chunks", 0) + 1
+            out["end"] = time.monotonic()
         except requests.RequestException as e:
             out["error"] = str(e)
 
@@ -81,7 +85,16 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
             prompt, caps = rng.choice(PROMPTS)
             body = {"model": MODEL, "max_tokens": rng.choice(caps), "temperature": 0,
                     "messages": [{"role": "user", "content": prompt}]}
-            out = {}
+            # Only fillers that fit what is free: a refused filler would leave a claim in the
+            # fair-retry line that the probe's Retry-After rightly waits for, but that nobody
+            # comes back for (it expires instead), so the probe's real wait would not be the one
+            # it was told about.
+            s = gw.status()
+            free = s["capacity_bytes"] - s["committed_bytes"] - s["held_back_bytes"]
+            per_token = s["model"]["kv_bytes_per_token"]
+            if (FILLER_PROMPT_TOKENS + body["max_tokens"]) * per_token + BLOCK_BYTES > free:
+                continue
+            out = {"cap": body["max_tokens"], "kind": prompt[:12]}
             t = threading.Thread(target=stream, args=(body, out))
             t.start()
             fillers.append((t, out))
@@ -108,10 +121,21 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
                     else:
                         time.sleep(0.05)
                 samples.append((ra, real))
-                print(f"  {name} probe {i - 1}: advertised {ra} ms, real "
-                      f"{'-' if real is None else f'{real * 1000:.0f} ms'}", flush=True)
+                probe = (ra, real, t0)
+            else:
+                probe = None
+        else:
+            probe = None
         for t, _ in fillers:
             t.join(timeout=300)
+        if probe:
+            ra, real, t0 = probe
+            ends = ", ".join(
+                f"{o['kind']}… cap {o['cap']}: HTTP {o.get('status')}, {o.get('chunks', 0)} chunks, ends "
+                f"{o['end'] - t0:+.1f} s" if "end" in o else f"{o['kind']}… {o}"
+                for _, o in fillers)
+            print(f"  {name} probe {i - 1}: advertised {ra} ms, real "
+                  f"{'-' if real is None else f'{real * 1000:.0f} ms'} ({ends})", flush=True)
     gw.assert_drained(timeout=60)
     gw.stop()
     b.stop()
@@ -137,11 +161,15 @@ def main():
     p.add_argument("--probes", type=int, default=12)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--blocks", type=int, default=64)
+    p.add_argument("--arms", default="progress,lifetime",
+                   help="comma-separated subset of progress,lifetime")
     a = p.parse_args()
-    results = {"progress": [], "lifetime": []}
+    arms = [(n, f) for n, f in (("progress", True), ("lifetime", False))
+            if n in a.arms.split(",")]
+    results = {n: [] for n, _ in arms}
     with tempfile.TemporaryDirectory() as work:
         for rnd in range(a.rounds):
-            for name, flag in (("progress", True), ("lifetime", False)):
+            for name, flag in arms:
                 r = run_arm(f"{name}{rnd}", flag, a.probes, a.blocks, rnd, work)
                 results[name].append(r)
                 print(f"round {rnd} {name}: {json.dumps(r)}", flush=True)

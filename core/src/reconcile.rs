@@ -35,7 +35,7 @@ pub struct BackendReport {
     pub entries: Vec<LiveEntry>,
     /// Output lengths of the requests that finished by themselves (stop or length) since the
     /// cursor.
-    pub finished_outputs: Vec<u64>,
+    pub finished_outputs: Vec<Output>,
     /// The same outputs with the class the gateway named for them (those that had one).
     pub class_outputs: Vec<(String, u64)>,
     /// The backend's admission mode (`reserve`, `prompt`, `none`; empty from an older backend).
@@ -60,6 +60,49 @@ pub struct LiveEntry {
     pub used_tokens: u64,
 }
 
+/// How long one finished output ran, and whether its cap cut it short: an output that ran to
+/// its cap says only that it would have run at least that long (a censored length). With the
+/// length of the prompt it answered (0 when not known).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct Output {
+    pub tokens: u64,
+    pub at_cap: bool,
+    pub prompt_tokens: u64,
+}
+
+impl Output {
+    /// An output that stopped by itself.
+    pub fn stopped(tokens: u64) -> Self {
+        Output {
+            tokens,
+            ..Output::default()
+        }
+    }
+
+    /// An output that its cap ended.
+    pub fn capped(tokens: u64) -> Self {
+        Output {
+            tokens,
+            at_cap: true,
+            ..Output::default()
+        }
+    }
+
+    /// The same output, for a prompt of `prompt_tokens`.
+    pub fn after(self, prompt_tokens: u64) -> Self {
+        Output {
+            prompt_tokens,
+            ..self
+        }
+    }
+
+    /// Did it answer a prompt of about the length of one of `prompt_tokens` (within 5 %, at
+    /// least one token either way)?
+    fn answered_like(&self, prompt_tokens: u64) -> bool {
+        self.prompt_tokens.abs_diff(prompt_tokens) <= (prompt_tokens / 20).max(1)
+    }
+}
+
 impl LiveEntry {
     pub fn generated(&self) -> u64 {
         self.used_tokens.saturating_sub(self.prompt_tokens)
@@ -72,8 +115,9 @@ impl LiveEntry {
 pub struct Progress {
     /// Output tokens per second of one decoding sequence.
     pub tokens_per_s: f64,
-    /// Output lengths of recently finished requests, ascending.
-    pub outputs: Vec<u64>,
+    /// Recently finished outputs, ascending (at equal lengths, one that stopped by itself
+    /// before one its cap ended).
+    pub outputs: Vec<Output>,
 }
 
 /// Learns [`Progress`] from successive reports of one backend: the decode rate from how far its
@@ -84,8 +128,8 @@ pub struct ProgressTracker {
     last: std::collections::HashMap<u64, u64>,
     last_ms: u64,
     tokens_per_s: f64,
-    /// The latest output lengths, oldest first.
-    outputs: std::collections::VecDeque<u64>,
+    /// The latest finished outputs, oldest first.
+    outputs: std::collections::VecDeque<Output>,
 }
 
 /// Output lengths kept for the median.
@@ -133,7 +177,7 @@ impl ProgressTracker {
         if self.outputs.len() < OUTPUTS_NEEDED || self.tokens_per_s <= 0.0 {
             return None;
         }
-        let mut outputs: Vec<u64> = self.outputs.iter().copied().collect();
+        let mut outputs: Vec<Output> = self.outputs.iter().copied().collect();
         outputs.sort_unstable();
         Some(Progress {
             tokens_per_s: self.tokens_per_s,
@@ -143,40 +187,100 @@ impl ProgressTracker {
 }
 
 impl Progress {
-    /// When `e` is expected to end: at the median length of the finished outputs that were
-    /// longer than what it has produced so far (outputs are bimodal — short answers and long
-    /// runs — and one that is past the short ones is a long one), never past its cap; at the
-    /// midpoint of what its cap still allows when no finished output was that long. A request
-    /// not yet decoding is expected to start now (optimistic: Retry-After must not overshoot).
+    /// When `e` is expected to end: at the median of the lengths it may still reach (see
+    /// [`Progress::lengths_after`]), never past its cap; at the midpoint of what its cap still
+    /// allows when no finished output was longer than what it has produced. A request not yet
+    /// decoding is expected to start now (optimistic: Retry-After must not overshoot).
     pub fn eta_ms(&self, e: &LiveEntry, now_ms: u64) -> Option<u64> {
         if !(self.tokens_per_s.is_finite() && self.tokens_per_s > 0.0) {
             return None;
         }
         let done = e.generated();
-        let cap = e.max_tokens.max(done.saturating_add(1));
-        let longer = self.outputs.partition_point(|o| *o <= done);
-        let total = match self.outputs.get(longer..).filter(|l| !l.is_empty()) {
-            Some(l) => l.get(l.len() / 2).copied().unwrap_or(cap).min(cap),
-            None => done.saturating_add(cap.saturating_sub(done).div_ceil(2)),
+        let remaining = match self.lengths_after(e) {
+            None => {
+                let cap = e.max_tokens.max(done.saturating_add(1));
+                let half = cap.saturating_sub(done).div_ceil(2);
+                (half as f64 / self.tokens_per_s * 1000.0) as u64
+            }
+            law => self.remaining_ms(e, &law, 0.5),
         };
-        let remaining = total.saturating_sub(done) as f64 / self.tokens_per_s * 1000.0;
-        Some(now_ms.saturating_add(remaining as u64))
+        Some(now_ms.saturating_add(remaining))
+    }
+
+    /// The lengths a lease `e` may still reach, each with the chance of ending there or before:
+    /// the Kaplan–Meier estimate over the finished outputs longer than what it has produced.
+    /// Outputs are bimodal — short answers and long runs — and one that is past the short ones
+    /// is a long one. An output its cap ended is not a length: it stays among those that could
+    /// still end up to its own length and then drops out, so outputs that run to their caps
+    /// leave the chance that this one runs to *its* cap (what is left above the last cumulative
+    /// chance). When at least [`OUTPUTS_NEEDED`] of the finished outputs answered a prompt of
+    /// about the length of `e`'s (within 5 %: the same template or task, usually), only those
+    /// count; otherwise all do. `None` when no output that counts was longer.
+    fn lengths_after(&self, e: &LiveEntry) -> Option<Vec<(u64, f64)>> {
+        let done = e.generated();
+        let like = |o: &&Output| o.answered_like(e.prompt_tokens);
+        let similar = self.outputs.iter().filter(like).count() >= OUTPUTS_NEEDED;
+        let at_risk: Vec<&Output> = self
+            .outputs
+            .iter()
+            .filter(|o| o.tokens > done && (!similar || like(o)))
+            .collect();
+        if at_risk.is_empty() {
+            return None;
+        }
+        let mut n = at_risk.len() as f64;
+        let mut survive = 1.0_f64;
+        let mut law: Vec<(u64, f64)> = Vec::with_capacity(at_risk.len());
+        for o in at_risk {
+            if !o.at_cap {
+                survive *= (n - 1.0) / n;
+                law.push((o.tokens, 1.0 - survive));
+            }
+            n -= 1.0;
+        }
+        // Every output stopped by itself: the last length is certain (no rounding left over).
+        if survive < 1e-9 {
+            if let Some(last) = law.last_mut() {
+                last.1 = 1.0;
+            }
+        }
+        Some(law)
+    }
+
+    /// How long `e` still runs when its length is the one at cumulative chance `u` in `[0, 1)`
+    /// of `law` (its cap when `u` is past every length; uniform up to its cap without a law).
+    fn remaining_ms(&self, e: &LiveEntry, law: &Option<Vec<(u64, f64)>>, u: f64) -> u64 {
+        let done = e.generated();
+        let cap = e.max_tokens.max(done.saturating_add(1));
+        let total = match law {
+            None => done
+                .saturating_add(1)
+                .saturating_add((u * cap.saturating_sub(done) as f64) as u64),
+            Some(law) => law
+                .get(law.partition_point(|(_, cum)| *cum <= u))
+                .map_or(cap, |(t, _)| *t),
+        }
+        .min(cap);
+        (total.saturating_sub(done) as f64 / self.tokens_per_s * 1000.0) as u64
     }
 
     /// Expected ends of several live leases taken together, in `entries`' order (`None` without
     /// a decode rate). One expected end per lease overshoots when several may each end early —
     /// three just-started answers, each a short one or a long run: the first of them to end is
     /// usually a short one — so the ends are sampled jointly: in each of [`JOINT_SAMPLES`]
-    /// draws every lease's total length is drawn from the finished outputs longer than what it
-    /// has produced (or uniformly up to its cap when none was), and the k-th earliest lease is
-    /// expected to end at the median, over the draws, of the k-th earliest end. Leases are
-    /// ranked by their own [`Progress::eta_ms`]. Deterministic (a fixed-seed generator over the
-    /// lease ids), so a CAS retry computes the same.
+    /// draws every lease's total length is drawn from the lengths it may still reach
+    /// ([`Progress::lengths_after`]; uniformly up to its cap when no finished output was
+    /// longer), and the k-th earliest lease is expected to end at the median, over the draws,
+    /// of the k-th earliest end. Leases are ranked by their own [`Progress::eta_ms`].
+    /// Deterministic (a fixed-seed generator over the lease ids), so a CAS retry computes the
+    /// same.
     pub fn joint_etas(&self, entries: &[&LiveEntry], now_ms: u64) -> Option<Vec<u64>> {
         if !(self.tokens_per_s.is_finite() && self.tokens_per_s > 0.0) {
             return None;
         }
         let n = entries.len();
+        let laws: Vec<Option<Vec<(u64, f64)>>> =
+            entries.iter().map(|e| self.lengths_after(e)).collect();
         let mut seed = entries.iter().fold(0x6b76_6761_7465_u64, |h, e| {
             crate::retry::splitmix64(h ^ e.id.unwrap_or(0))
         });
@@ -184,9 +288,11 @@ impl Progress {
         let mut ends = Vec::with_capacity(n);
         for _ in 0..JOINT_SAMPLES {
             ends.clear();
-            for e in entries {
+            for (e, law) in entries.iter().zip(&laws) {
                 seed = crate::retry::splitmix64(seed);
-                ends.push(self.sampled_remaining_ms(e, seed));
+                // u in [0, 1) from the top 53 bits.
+                let u = (seed >> 11) as f64 / (1u64 << 53) as f64;
+                ends.push(self.remaining_ms(e, law, u));
             }
             ends.sort_unstable();
             for (k, t) in ends.iter().enumerate() {
@@ -204,7 +310,8 @@ impl Progress {
             .collect();
         let solo: Vec<u64> = entries
             .iter()
-            .map(|e| self.eta_ms(e, now_ms).unwrap_or(u64::MAX))
+            .zip(&laws)
+            .map(|(e, law)| self.remaining_ms(e, law, 0.5))
             .collect();
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by_key(|&i| (solo.get(i).copied().unwrap_or(u64::MAX), i));
@@ -215,28 +322,6 @@ impl Progress {
             }
         }
         Some(out)
-    }
-
-    /// One draw of the time `e` still runs, from the 64 random bits `r`.
-    fn sampled_remaining_ms(&self, e: &LiveEntry, r: u64) -> u64 {
-        let done = e.generated();
-        let cap = e.max_tokens.max(done.saturating_add(1));
-        let longer = self
-            .outputs
-            .get(self.outputs.partition_point(|o| *o <= done)..)
-            .unwrap_or(&[]);
-        let u = (r >> 11) as f64 / (1u64 << 53) as f64;
-        let total = match longer.len() {
-            0 => done
-                .saturating_add(1)
-                .saturating_add((u * cap.saturating_sub(done) as f64) as u64),
-            len => {
-                let i = ((u * len as f64) as usize).min(len.saturating_sub(1));
-                longer.get(i).copied().unwrap_or(cap)
-            }
-        }
-        .min(cap);
-        (total.saturating_sub(done) as f64 / self.tokens_per_s * 1000.0) as u64
     }
 }
 
@@ -322,7 +407,11 @@ impl From<&LeaseReport> for BackendReport {
                         crate::wire::FinishReason::Stop | crate::wire::FinishReason::Length
                     )
                 })
-                .map(|f| f.completion_tokens)
+                .map(|f| Output {
+                    tokens: f.completion_tokens,
+                    at_cap: f.reason == crate::wire::FinishReason::Length,
+                    prompt_tokens: f.prompt_tokens,
+                })
                 .collect(),
             admission: r.admission.clone(),
             class_outputs: r
@@ -549,7 +638,11 @@ mod tests {
                         {"id":"2","reason":"length","completion_tokens":9},
                         {"id":"3","reason":"cancelled","completion_tokens":2,"class":"batch"}]}"#;
         let r = BackendReport::parse(body).unwrap();
-        assert_eq!(r.finished_outputs, vec![7, 9]);
+        // The one that ran to its cap is marked: it would have run at least that long.
+        assert_eq!(
+            r.finished_outputs,
+            vec![Output::stopped(7), Output::capped(9)]
+        );
         assert_eq!(r.class_outputs, vec![("batch".to_string(), 7)]);
     }
 
@@ -624,7 +717,7 @@ mod tests {
         // Three answers just started; finished outputs are short (10) or long (300) runs.
         let p = Progress {
             tokens_per_s: 10.0,
-            outputs: vec![10, 10, 10, 300, 300, 300],
+            outputs: [10, 10, 10, 300, 300, 300].map(Output::stopped).to_vec(),
         };
         let started = |id| LiveEntry {
             id: Some(id),
@@ -653,6 +746,82 @@ mod tests {
     }
 
     #[test]
+    fn an_output_its_cap_ended_says_only_that_it_ran_at_least_that_long() {
+        // Short answers stop by themselves (10, 50); long runs were cut by caps of 200.
+        let mut outputs = [10, 10, 10, 10, 50].map(Output::stopped).to_vec();
+        outputs.extend([200, 200].map(Output::capped));
+        outputs.sort_unstable();
+        let p = Progress {
+            tokens_per_s: 10.0,
+            outputs,
+        };
+        let running = |generated: u64, cap| LiveEntry {
+            id: Some(1),
+            bytes: 100,
+            running: true,
+            prompt_tokens: 20,
+            max_tokens: cap,
+            used_tokens: 20 + generated,
+        };
+        // Past the short answers, one in three of those left stopped by itself (at 50); the
+        // other two ran to their caps, so the median is a run to this lease's cap of 400, not
+        // an end at 200: 380 more tokens at 10/s.
+        assert_eq!(p.eta_ms(&running(20, 400), 0), Some(38_000));
+        // A smaller cap ends it sooner.
+        assert_eq!(p.eta_ms(&running(20, 150), 0), Some(13_000));
+        // Past every output that stopped by itself, with only runs to caps left: to its cap.
+        assert_eq!(p.eta_ms(&running(60, 400), 0), Some(34_000));
+        // Just started, the short answers are most of what may come: the median is 10.
+        assert_eq!(p.eta_ms(&running(2, 400), 0), Some(800));
+        // The same outputs, none of them cut by a cap: the lengths they reached are lengths.
+        let stopped = Progress {
+            tokens_per_s: 10.0,
+            outputs: [10, 10, 10, 10, 50, 200, 200].map(Output::stopped).to_vec(),
+        };
+        assert_eq!(stopped.eta_ms(&running(20, 400), 0), Some(18_000));
+        // In joint draws a run to its cap is drawn as often as the censored outputs say: of
+        // three leases past the short answers, the first ends at 50 when any of them stops by
+        // itself (19 in 27), the last only when all three do (1 in 27).
+        let a = running(20, 400);
+        let b = LiveEntry { id: Some(2), ..a };
+        let c = LiveEntry { id: Some(3), ..a };
+        let mut etas = p.joint_etas(&[&a, &b, &c], 0).unwrap();
+        etas.sort_unstable();
+        assert_eq!((etas[0], etas[2]), (3_000, 38_000));
+    }
+
+    #[test]
+    fn outputs_that_answered_prompts_of_about_the_same_length_come_first() {
+        // Six short answers to a 30-token prompt, and `runs` runs to the cap after a 50-token one.
+        let progress = |runs: usize| {
+            let mut outputs: Vec<Output> = vec![Output::stopped(56).after(30); 6];
+            outputs.extend(vec![Output::capped(400).after(50); runs]);
+            outputs.sort_unstable();
+            Progress {
+                tokens_per_s: 10.0,
+                outputs,
+            }
+        };
+        let running = |prompt_tokens: u64| LiveEntry {
+            id: Some(1),
+            bytes: 100,
+            running: true,
+            prompt_tokens,
+            max_tokens: 400,
+            used_tokens: prompt_tokens + 10,
+        };
+        let p = progress(5);
+        // Like the short answers: 46 more tokens at 10/s.
+        assert_eq!(p.eta_ms(&running(30), 0), Some(4_600));
+        // Like the runs (51 is within 5 % of 50): to its cap, 390 more.
+        assert_eq!(p.eta_ms(&running(51), 0), Some(39_000));
+        // Like none of them: all outputs count, and most of them (6 of 11) stopped at 56.
+        assert_eq!(p.eta_ms(&running(45), 0), Some(4_600));
+        // Fewer than five like it: all count too (6 of 10 stopped at 56).
+        assert_eq!(progress(4).eta_ms(&running(50), 0), Some(4_600));
+    }
+
+    #[test]
     fn progress_sets_each_leases_expected_end() {
         let mut l = Ledger::new(10_000, 1);
         admit(&mut l, 1, 100, 0);
@@ -661,7 +830,7 @@ mod tests {
         // Finished outputs: short answers (10-12) and long runs (50-60).
         let p = Progress {
             tokens_per_s: 10.0,
-            outputs: vec![10, 11, 12, 50, 50, 60],
+            outputs: [10, 11, 12, 50, 50, 60].map(Output::stopped).to_vec(),
         };
         let running = |id, generated: u64, cap| LiveEntry {
             id: Some(id),
@@ -699,7 +868,7 @@ mod tests {
         admit(&mut fresh, 1, 100, 0);
         let none = Progress {
             tokens_per_s: 0.0,
-            outputs: vec![50],
+            outputs: vec![Output::stopped(50)],
         };
         reconcile(&mut fresh, &report, 1_000, 5_000, Some(&none), 0);
         assert_eq!(fresh.lease(1).unwrap().eta_ms, 0);
@@ -717,7 +886,7 @@ mod tests {
                 used_tokens: 10 + generated,
                 ..LiveEntry::default()
             }],
-            finished_outputs: finished,
+            finished_outputs: finished.into_iter().map(Output::stopped).collect(),
             ..Default::default()
         };
         assert_eq!(t.observe(&at(0, vec![]), 1_000), None);
@@ -725,7 +894,7 @@ mod tests {
         assert_eq!(t.observe(&at(20, vec![30, 40]), 2_000), None);
         let p = t.observe(&at(40, vec![50, 60, 200]), 3_000).unwrap();
         assert!((p.tokens_per_s - 20.0).abs() < 1e-9);
-        assert_eq!(p.outputs, [30, 40, 50, 60, 200]);
+        assert_eq!(p.outputs, [30, 40, 50, 60, 200].map(Output::stopped));
         // Rates are smoothed: a slower second keeps most of the earlier estimate.
         let p = t.observe(&at(50, vec![]), 4_000).unwrap();
         assert!((p.tokens_per_s - 17.0).abs() < 1e-9, "{}", p.tokens_per_s);
