@@ -112,7 +112,8 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
             r = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
             if r.status_code == 429:
                 ra = int(r.headers.get("retry-after-ms", "0"))
-                need = r.json().get("error", {}).get("need_bytes", 0)
+                err = r.json().get("error", {})
+                need = err.get("need_bytes", 0)
                 real = None
                 while real is None and time.monotonic() - t0 < 120:
                     st = gw.status()
@@ -121,7 +122,7 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
                     else:
                         time.sleep(0.05)
                 samples.append((ra, real))
-                probe = (ra, real, t0)
+                probe = (ra, real, t0, need, err.get("free_bytes"), s["leases"])
             else:
                 probe = None
         else:
@@ -129,13 +130,14 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
         for t, _ in fillers:
             t.join(timeout=300)
         if probe:
-            ra, real, t0 = probe
+            ra, real, t0, need, free_then, leases = probe
             ends = ", ".join(
                 f"{o['kind']}… cap {o['cap']}: HTTP {o.get('status')}, {o.get('chunks', 0)} chunks, ends "
                 f"{o['end'] - t0:+.1f} s" if "end" in o else f"{o['kind']}… {o}"
                 for _, o in fillers)
             print(f"  {name} probe {i - 1}: advertised {ra} ms, real "
-                  f"{'-' if real is None else f'{real * 1000:.0f} ms'} ({ends})", flush=True)
+                  f"{'-' if real is None else f'{real * 1000:.0f} ms'}; need {need} B, free "
+                  f"{free_then} B, {leases} leases ({ends})", flush=True)
     gw.assert_drained(timeout=60)
     gw.stop()
     b.stop()

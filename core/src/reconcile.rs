@@ -208,43 +208,33 @@ impl Progress {
     }
 
     /// The lengths a lease `e` may still reach, each with the chance of ending there or before:
-    /// the Kaplan–Meier estimate over the finished outputs longer than what it has produced.
-    /// Outputs are bimodal — short answers and long runs — and one that is past the short ones
-    /// is a long one. An output its cap ended is not a length: it stays among those that could
-    /// still end up to its own length and then drops out, so outputs that run to their caps
-    /// leave the chance that this one runs to *its* cap (what is left above the last cumulative
-    /// chance). When at least [`OUTPUTS_NEEDED`] of the finished outputs answered a prompt of
-    /// about the length of `e`'s (within 5 %: the same template or task, usually), only those
-    /// count; otherwise all do. `None` when no output that counts was longer.
+    /// the Kaplan–Meier estimate over the finished outputs longer than what it has produced
+    /// (see [`kaplan_meier`]). Outputs are bimodal — short answers and long runs — and one that
+    /// is past the short ones is a long one. The outputs that answered a prompt of about the
+    /// length of `e`'s (within 5 %: the same template or task, usually) say the most: once
+    /// [`OUTPUTS_NEEDED`] of them have finished only they count; before that, their estimate
+    /// weighs one [`OUTPUTS_NEEDED`]th for each of them, and the estimate over all outputs the
+    /// rest. `None` when no output that counts was longer.
     fn lengths_after(&self, e: &LiveEntry) -> Option<Vec<(u64, f64)>> {
         let done = e.generated();
         let like = |o: &&Output| o.answered_like(e.prompt_tokens);
-        let similar = self.outputs.iter().filter(like).count() >= OUTPUTS_NEEDED;
-        let at_risk: Vec<&Output> = self
-            .outputs
-            .iter()
-            .filter(|o| o.tokens > done && (!similar || like(o)))
-            .collect();
-        if at_risk.is_empty() {
-            return None;
+        let longer = |o: &&Output| o.tokens > done;
+        let pooled = || kaplan_meier(self.outputs.iter().filter(longer));
+        let similar = self.outputs.iter().filter(like).count();
+        if similar == 0 {
+            return pooled();
         }
-        let mut n = at_risk.len() as f64;
-        let mut survive = 1.0_f64;
-        let mut law: Vec<(u64, f64)> = Vec::with_capacity(at_risk.len());
-        for o in at_risk {
-            if !o.at_cap {
-                survive *= (n - 1.0) / n;
-                law.push((o.tokens, 1.0 - survive));
+        let own = kaplan_meier(self.outputs.iter().filter(like).filter(longer));
+        if similar >= OUTPUTS_NEEDED {
+            return own;
+        }
+        match (own, pooled()) {
+            (Some(own), Some(all)) => {
+                let w = similar as f64 / OUTPUTS_NEEDED as f64;
+                Some(mix(&own, w, &all, 1.0 - w))
             }
-            n -= 1.0;
+            (own, all) => all.or(own),
         }
-        // Every output stopped by itself: the last length is certain (no rounding left over).
-        if survive < 1e-9 {
-            if let Some(last) = law.last_mut() {
-                last.1 = 1.0;
-            }
-        }
-        Some(law)
     }
 
     /// How long `e` still runs when its length is the one at cumulative chance `u` in `[0, 1)`
@@ -323,6 +313,56 @@ impl Progress {
         }
         Some(out)
     }
+}
+
+/// The Kaplan–Meier estimate over `at_risk` (ascending): each length an output stopped at by
+/// itself, with the chance of ending there or before. An output its cap ended is not a length:
+/// it stays among those that could still end up to its own length and then drops out, so
+/// outputs that ran to their caps leave the chance that the lease runs to *its* cap (what is
+/// left above the last cumulative chance). `None` when `at_risk` is empty.
+fn kaplan_meier<'a>(at_risk: impl Iterator<Item = &'a Output>) -> Option<Vec<(u64, f64)>> {
+    let at_risk: Vec<&Output> = at_risk.collect();
+    if at_risk.is_empty() {
+        return None;
+    }
+    let mut n = at_risk.len() as f64;
+    let mut survive = 1.0_f64;
+    let mut law: Vec<(u64, f64)> = Vec::with_capacity(at_risk.len());
+    for o in at_risk {
+        if !o.at_cap {
+            survive *= (n - 1.0) / n;
+            law.push((o.tokens, 1.0 - survive));
+        }
+        n -= 1.0;
+    }
+    Some(certain_at_the_end(law))
+}
+
+/// `a` with weight `wa` and `b` with weight `wb` (summing to 1), as one law.
+fn mix(a: &[(u64, f64)], wa: f64, b: &[(u64, f64)], wb: f64) -> Vec<(u64, f64)> {
+    let at = |law: &[(u64, f64)], t: u64| {
+        law.get(..law.partition_point(|(l, _)| *l <= t))
+            .and_then(|upto| upto.last())
+            .map_or(0.0, |(_, cum)| *cum)
+    };
+    let mut lengths: Vec<u64> = a.iter().chain(b).map(|(t, _)| *t).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    certain_at_the_end(
+        lengths
+            .into_iter()
+            .map(|t| (t, wa * at(a, t) + wb * at(b, t)))
+            .collect(),
+    )
+}
+
+/// A law whose last chance is all but 1 ends there for certain (no rounding left over as a
+/// chance of running to the cap).
+fn certain_at_the_end(mut law: Vec<(u64, f64)>) -> Vec<(u64, f64)> {
+    if let Some(last) = law.last_mut().filter(|l| l.1 > 1.0 - 1e-9) {
+        last.1 = 1.0;
+    }
+    law
 }
 
 /// Draws of every lease's remaining length behind [`Progress::joint_etas`].
@@ -792,9 +832,9 @@ mod tests {
 
     #[test]
     fn outputs_that_answered_prompts_of_about_the_same_length_come_first() {
-        // Six short answers to a 30-token prompt, and `runs` runs to the cap after a 50-token one.
-        let progress = |runs: usize| {
-            let mut outputs: Vec<Output> = vec![Output::stopped(56).after(30); 6];
+        // `short` answers to a 30-token prompt, and `runs` runs to the cap after a 50-token one.
+        let progress = |short: usize, runs: usize| {
+            let mut outputs: Vec<Output> = vec![Output::stopped(56).after(30); short];
             outputs.extend(vec![Output::capped(400).after(50); runs]);
             outputs.sort_unstable();
             Progress {
@@ -810,15 +850,22 @@ mod tests {
             max_tokens: 400,
             used_tokens: prompt_tokens + 10,
         };
-        let p = progress(5);
+        let p = progress(6, 5);
         // Like the short answers: 46 more tokens at 10/s.
         assert_eq!(p.eta_ms(&running(30), 0), Some(4_600));
         // Like the runs (51 is within 5 % of 50): to its cap, 390 more.
         assert_eq!(p.eta_ms(&running(51), 0), Some(39_000));
         // Like none of them: all outputs count, and most of them (6 of 11) stopped at 56.
         assert_eq!(p.eta_ms(&running(45), 0), Some(4_600));
-        // Fewer than five like it: all count too (6 of 10 stopped at 56).
-        assert_eq!(progress(4).eta_ms(&running(50), 0), Some(4_600));
+        // Fewer than five like it: their estimate (a run to the cap) weighs 4/5, the one over
+        // all outputs (6 of 10 stopped at 56) the rest: most likely a run to the cap.
+        assert_eq!(progress(6, 4).eta_ms(&running(50), 0), Some(39_000));
+        // One like it: 1/5 of the weight, and the short answers are most of all outputs.
+        assert_eq!(progress(6, 1).eta_ms(&running(50), 0), Some(4_600));
+        // Three short answers among eight runs: over all outputs a run to the cap is most
+        // likely (8 of 11), but the three like it weigh 3/5 and say it stops at 56.
+        assert_eq!(progress(3, 8).eta_ms(&running(30), 0), Some(4_600));
+        assert_eq!(progress(3, 8).eta_ms(&running(45), 0), Some(39_000));
     }
 
     #[test]
