@@ -97,9 +97,11 @@ impl Output {
     }
 
     /// Did it answer a prompt of about the length of one of `prompt_tokens` (within 5 %, at
-    /// least one token either way)?
+    /// least one token either way)? Never when either length is not known (0).
     fn answered_like(&self, prompt_tokens: u64) -> bool {
-        self.prompt_tokens.abs_diff(prompt_tokens) <= (prompt_tokens / 20).max(1)
+        self.prompt_tokens > 0
+            && prompt_tokens > 0
+            && self.prompt_tokens.abs_diff(prompt_tokens) <= (prompt_tokens / 20).max(1)
     }
 }
 
@@ -132,7 +134,7 @@ pub struct ProgressTracker {
     outputs: std::collections::VecDeque<Output>,
 }
 
-/// Output lengths kept for the median.
+/// Finished outputs kept for the estimate of the lengths a lease may reach.
 const OUTPUTS_KEPT: usize = 128;
 /// Finished requests needed before a typical length is trusted.
 const OUTPUTS_NEEDED: usize = 5;
@@ -189,42 +191,35 @@ impl ProgressTracker {
 impl Progress {
     /// When `e` is expected to end: at the median of the lengths it may still reach (see
     /// [`Progress::lengths_after`]), never past its cap; at the midpoint of what its cap still
-    /// allows when no finished output was longer than what it has produced. A request not yet
-    /// decoding is expected to start now (optimistic: Retry-After must not overshoot).
+    /// allows when no finished output that counts was longer than what it has produced. A
+    /// request not yet decoding is expected to start now (optimistic: Retry-After must not
+    /// overshoot).
     pub fn eta_ms(&self, e: &LiveEntry, now_ms: u64) -> Option<u64> {
         if !(self.tokens_per_s.is_finite() && self.tokens_per_s > 0.0) {
             return None;
         }
-        let done = e.generated();
-        let remaining = match self.lengths_after(e) {
-            None => {
-                let cap = e.max_tokens.max(done.saturating_add(1));
-                let half = cap.saturating_sub(done).div_ceil(2);
-                (half as f64 / self.tokens_per_s * 1000.0) as u64
-            }
-            law => self.remaining_ms(e, &law, 0.5),
-        };
+        let remaining = self.remaining_ms(e, &self.lengths_after(e), 0.5);
         Some(now_ms.saturating_add(remaining))
     }
 
-    /// The lengths a lease `e` may still reach, each with the chance of ending there or before:
-    /// the Kaplan–Meier estimate over the finished outputs longer than what it has produced
-    /// (see [`kaplan_meier`]). Outputs are bimodal — short answers and long runs — and one that
-    /// is past the short ones is a long one. The outputs that answered a prompt of about the
-    /// length of `e`'s (within 5 %: the same template or task, usually) say the most: once
-    /// [`OUTPUTS_NEEDED`] of them have finished only they count; before that, their estimate
-    /// weighs one [`OUTPUTS_NEEDED`]th for each of them, and the estimate over all outputs the
-    /// rest. `None` when no output that counts was longer.
-    fn lengths_after(&self, e: &LiveEntry) -> Option<Vec<(u64, f64)>> {
+    /// The lengths a lease `e` may still reach: the Kaplan–Meier estimate over the finished
+    /// outputs longer than what it has produced (see [`kaplan_meier`]). Outputs are bimodal —
+    /// short answers and long runs — and one that is past the short ones is a long one. The
+    /// outputs that answered a prompt of about the length of `e`'s (within 5 %: the same
+    /// template or task, usually) say the most: once [`OUTPUTS_NEEDED`] of them are longer than
+    /// what `e` has produced only they count; before that, their estimate weighs one
+    /// [`OUTPUTS_NEEDED`]th for each of them, and the estimate over all outputs the rest.
+    /// `None` when no output that counts was longer.
+    fn lengths_after(&self, e: &LiveEntry) -> Option<Law> {
         let done = e.generated();
         let like = |o: &&Output| o.answered_like(e.prompt_tokens);
         let longer = |o: &&Output| o.tokens > done;
         let pooled = || kaplan_meier(self.outputs.iter().filter(longer));
-        let similar = self.outputs.iter().filter(like).count();
+        let similar = self.outputs.iter().filter(longer).filter(like).count();
         if similar == 0 {
             return pooled();
         }
-        let own = kaplan_meier(self.outputs.iter().filter(like).filter(longer));
+        let own = kaplan_meier(self.outputs.iter().filter(longer).filter(like));
         if similar >= OUTPUTS_NEEDED {
             return own;
         }
@@ -238,17 +233,32 @@ impl Progress {
     }
 
     /// How long `e` still runs when its length is the one at cumulative chance `u` in `[0, 1)`
-    /// of `law` (its cap when `u` is past every length; uniform up to its cap without a law).
-    fn remaining_ms(&self, e: &LiveEntry, law: &Option<Vec<(u64, f64)>>, u: f64) -> u64 {
+    /// of `law`. Past its last length: between the longest output that ran to its cap and
+    /// `e`'s own cap, uniformly (such outputs say only that it may run at least that long).
+    /// Without a law: uniformly up to its cap.
+    fn remaining_ms(&self, e: &LiveEntry, law: &Option<Law>, u: f64) -> u64 {
         let done = e.generated();
         let cap = e.max_tokens.max(done.saturating_add(1));
+        let between = |from: u64, frac: f64| {
+            let from = from.clamp(done, cap);
+            let span = cap.saturating_sub(from) as f64;
+            from.saturating_add((frac.clamp(0.0, 1.0) * span).ceil() as u64)
+                .max(done.saturating_add(1))
+        };
         let total = match law {
-            None => done
-                .saturating_add(1)
-                .saturating_add((u * cap.saturating_sub(done) as f64) as u64),
-            Some(law) => law
-                .get(law.partition_point(|(_, cum)| *cum <= u))
-                .map_or(cap, |(t, _)| *t),
+            None => between(done, u),
+            Some(law) => match law
+                .steps
+                .get(law.steps.partition_point(|(_, cum)| *cum <= u))
+            {
+                Some((t, _)) => *t,
+                None => {
+                    let last = law.steps.last().map_or(0.0, |(_, cum)| *cum);
+                    let left = 1.0 - last;
+                    let frac = if left > 0.0 { (u - last) / left } else { 0.0 };
+                    between(law.tail_from, frac)
+                }
+            },
         }
         .min(cap);
         (total.saturating_sub(done) as f64 / self.tokens_per_s * 1000.0) as u64
@@ -269,8 +279,7 @@ impl Progress {
             return None;
         }
         let n = entries.len();
-        let laws: Vec<Option<Vec<(u64, f64)>>> =
-            entries.iter().map(|e| self.lengths_after(e)).collect();
+        let laws: Vec<Option<Law>> = entries.iter().map(|e| self.lengths_after(e)).collect();
         let mut seed = entries.iter().fold(0x6b76_6761_7465_u64, |h, e| {
             crate::retry::splitmix64(h ^ e.id.unwrap_or(0))
         });
@@ -315,23 +324,33 @@ impl Progress {
     }
 }
 
-/// The Kaplan–Meier estimate over `at_risk` (ascending): each length an output stopped at by
-/// itself, with the chance of ending there or before. An output its cap ended is not a length:
-/// it stays among those that could still end up to its own length and then drops out, so
-/// outputs that ran to their caps leave the chance that the lease runs to *its* cap (what is
-/// left above the last cumulative chance). `None` when `at_risk` is empty.
-fn kaplan_meier<'a>(at_risk: impl Iterator<Item = &'a Output>) -> Option<Vec<(u64, f64)>> {
-    let at_risk: Vec<&Output> = at_risk.collect();
-    if at_risk.is_empty() {
+/// The lengths a lease may still reach ([`Progress::lengths_after`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+struct Law {
+    /// Each length outputs stopped at by themselves, with the chance of ending there or before.
+    steps: Vec<(u64, f64)>,
+    /// What is left above the last step's chance is outputs that ran to their caps, the longest
+    /// of them this long (0 when none did).
+    tail_from: u64,
+}
+
+/// The Kaplan–Meier estimate over `at_risk` (ascending). An output its cap ended is not a
+/// length: it stays among those that could still end up to its own length and then drops out,
+/// so outputs that ran to their caps leave a chance that the lease runs past all the lengths
+/// (what is left above the last step's chance). `None` when `at_risk` is empty.
+fn kaplan_meier<'a>(at_risk: impl Iterator<Item = &'a Output> + Clone) -> Option<Law> {
+    let mut n = at_risk.clone().count() as f64;
+    if n == 0.0 {
         return None;
     }
-    let mut n = at_risk.len() as f64;
     let mut survive = 1.0_f64;
-    let mut law: Vec<(u64, f64)> = Vec::with_capacity(at_risk.len());
+    let mut law = Law::default();
     for o in at_risk {
-        if !o.at_cap {
+        if o.at_cap {
+            law.tail_from = law.tail_from.max(o.tokens);
+        } else {
             survive *= (n - 1.0) / n;
-            law.push((o.tokens, 1.0 - survive));
+            law.steps.push((o.tokens, 1.0 - survive));
         }
         n -= 1.0;
     }
@@ -339,27 +358,29 @@ fn kaplan_meier<'a>(at_risk: impl Iterator<Item = &'a Output>) -> Option<Vec<(u6
 }
 
 /// `a` with weight `wa` and `b` with weight `wb` (summing to 1), as one law.
-fn mix(a: &[(u64, f64)], wa: f64, b: &[(u64, f64)], wb: f64) -> Vec<(u64, f64)> {
-    let at = |law: &[(u64, f64)], t: u64| {
-        law.get(..law.partition_point(|(l, _)| *l <= t))
+fn mix(a: &Law, wa: f64, b: &Law, wb: f64) -> Law {
+    let at = |law: &Law, t: u64| {
+        law.steps
+            .get(..law.steps.partition_point(|(l, _)| *l <= t))
             .and_then(|upto| upto.last())
             .map_or(0.0, |(_, cum)| *cum)
     };
-    let mut lengths: Vec<u64> = a.iter().chain(b).map(|(t, _)| *t).collect();
+    let mut lengths: Vec<u64> = a.steps.iter().chain(&b.steps).map(|(t, _)| *t).collect();
     lengths.sort_unstable();
     lengths.dedup();
-    certain_at_the_end(
-        lengths
+    certain_at_the_end(Law {
+        steps: lengths
             .into_iter()
             .map(|t| (t, wa * at(a, t) + wb * at(b, t)))
             .collect(),
-    )
+        tail_from: a.tail_from.max(b.tail_from),
+    })
 }
 
 /// A law whose last chance is all but 1 ends there for certain (no rounding left over as a
-/// chance of running to the cap).
-fn certain_at_the_end(mut law: Vec<(u64, f64)>) -> Vec<(u64, f64)> {
-    if let Some(last) = law.last_mut().filter(|l| l.1 > 1.0 - 1e-9) {
+/// chance of running past it).
+fn certain_at_the_end(mut law: Law) -> Law {
+    if let Some(last) = law.steps.last_mut().filter(|l| l.1 > 1.0 - 1e-9) {
         last.1 = 1.0;
     }
     law
@@ -804,13 +825,15 @@ mod tests {
             used_tokens: 20 + generated,
         };
         // Past the short answers, one in three of those left stopped by itself (at 50); the
-        // other two ran to their caps, so the median is a run to this lease's cap of 400, not
-        // an end at 200: 380 more tokens at 10/s.
-        assert_eq!(p.eta_ms(&running(20, 400), 0), Some(38_000));
+        // other two ran to their caps of 200 and say only that it may run past 200: the median
+        // is a quarter of the way from 200 to this lease's cap of 400 (250), not an end at 200:
+        // 230 more tokens at 10/s.
+        assert_eq!(p.eta_ms(&running(20, 400), 0), Some(23_000));
         // A smaller cap ends it sooner.
         assert_eq!(p.eta_ms(&running(20, 150), 0), Some(13_000));
-        // Past every output that stopped by itself, with only runs to caps left: to its cap.
-        assert_eq!(p.eta_ms(&running(60, 400), 0), Some(34_000));
+        // Past every output that stopped by itself, with only runs to caps left: halfway from
+        // 200 to its cap (300).
+        assert_eq!(p.eta_ms(&running(60, 400), 0), Some(24_000));
         // Just started, the short answers are most of what may come: the median is 10.
         assert_eq!(p.eta_ms(&running(2, 400), 0), Some(800));
         // The same outputs, none of them cut by a cap: the lengths they reached are lengths.
@@ -821,13 +844,14 @@ mod tests {
         assert_eq!(stopped.eta_ms(&running(20, 400), 0), Some(18_000));
         // In joint draws a run to its cap is drawn as often as the censored outputs say: of
         // three leases past the short answers, the first ends at 50 when any of them stops by
-        // itself (19 in 27), the last only when all three do (1 in 27).
+        // itself (19 in 27), the last only when all three do (1 in 27): else past 200.
         let a = running(20, 400);
         let b = LiveEntry { id: Some(2), ..a };
         let c = LiveEntry { id: Some(3), ..a };
         let mut etas = p.joint_etas(&[&a, &b, &c], 0).unwrap();
         etas.sort_unstable();
-        assert_eq!((etas[0], etas[2]), (3_000, 38_000));
+        assert_eq!(etas[0], 3_000);
+        assert!((18_000..=38_000).contains(&etas[2]), "{}", etas[2]);
     }
 
     #[test]
@@ -855,6 +879,17 @@ mod tests {
         assert_eq!(p.eta_ms(&running(30), 0), Some(4_600));
         // Like the runs (51 is within 5 % of 50): to its cap, 390 more.
         assert_eq!(p.eta_ms(&running(51), 0), Some(39_000));
+        // Past every answer like it: the others say (runs to the cap of 400).
+        assert_eq!(
+            p.eta_ms(
+                &LiveEntry {
+                    used_tokens: 30 + 60,
+                    ..running(30)
+                },
+                0
+            ),
+            Some(34_000)
+        );
         // Like none of them: all outputs count, and most of them (6 of 11) stopped at 56.
         assert_eq!(p.eta_ms(&running(45), 0), Some(4_600));
         // Fewer than five like it: their estimate (a run to the cap) weighs 4/5, the one over
