@@ -9,7 +9,9 @@ pool; Envoy with the filter polling the backend every 200 ms). Each probe round:
      (`retry-after-ms`) and the bytes it needs (`need_bytes`); it does not retry;
   3. the real wait is the time until the ledger first has that many bytes free (nothing else
      competes for them), read from /kvgate/status every 50 ms;
-  4. the fillers finish; the next round starts.
+  4. the fillers finish; the next round starts once the probe's place in the fair-retry line
+     (kept for its Retry-After plus the patience: it never retries) has expired, so no probe
+     is told to wait behind an earlier one that is not coming back.
 A real wait shorter than the configured floor (`min_ms`) counts as the floor. The fillers of
 earlier rounds are the finished requests the estimator learns the usual output length from.
 
@@ -64,6 +66,7 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
                     "down_after_failures": 2, "secret": b.secret},
     })
     gw = Envoy(d, b.port, cfg).start()
+    patience_ms = cfg.get("fair_retry_patience_ms", 2000)
     rng = random.Random(seed)
     samples = []
 
@@ -129,6 +132,12 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
             probe = None
         for t, _ in fillers:
             t.join(timeout=300)
+        if probe:
+            # The probe keeps a place in the fair-retry line until its Retry-After plus the
+            # patience; it never comes back, so the next probe would be told to wait behind a
+            # place that then expires: start the next round once it has.
+            ra, t0 = probe[0], probe[2]
+            time.sleep(max(0.0, t0 + (ra + patience_ms) / 1000 + 0.25 - time.monotonic()))
         if probe:
             ra, real, t0, need, free_then, leases = probe
             ends = ", ".join(
