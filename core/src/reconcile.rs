@@ -72,6 +72,7 @@ pub struct Output {
 
 impl Output {
     /// An output that stopped by itself.
+    #[cfg(test)]
     pub fn stopped(tokens: u64) -> Self {
         Output {
             tokens,
@@ -80,6 +81,7 @@ impl Output {
     }
 
     /// An output that its cap ended.
+    #[cfg(test)]
     pub fn capped(tokens: u64) -> Self {
         Output {
             tokens,
@@ -89,6 +91,7 @@ impl Output {
     }
 
     /// The same output, for a prompt of `prompt_tokens`.
+    #[cfg(test)]
     pub fn after(self, prompt_tokens: u64) -> Self {
         Output {
             prompt_tokens,
@@ -219,17 +222,12 @@ impl Progress {
         if similar == 0 {
             return pooled();
         }
-        let own = kaplan_meier(self.outputs.iter().filter(longer).filter(like));
+        let own = kaplan_meier(self.outputs.iter().filter(longer).filter(like))?;
         if similar >= OUTPUTS_NEEDED {
-            return own;
+            return Some(own);
         }
-        match (own, pooled()) {
-            (Some(own), Some(all)) => {
-                let w = similar as f64 / OUTPUTS_NEEDED as f64;
-                Some(mix(&own, w, &all, 1.0 - w))
-            }
-            (own, all) => all.or(own),
-        }
+        let w = similar as f64 / OUTPUTS_NEEDED as f64;
+        Some(mix(&own, w, &pooled()?, 1.0 - w))
     }
 
     /// How long `e` still runs when its length is the one at cumulative chance `u` in `[0, 1)`
