@@ -40,6 +40,9 @@ Arms (a fresh backend, and gateway where there is one, per arm and round; same p
            first greedy pass (temperature 0) against a backend with a large pool
   vllm     backend --admission none --on-kv-exhaustion recompute (only when the built backend
            has the flag): vLLM's recompute preemption, straight to the backend
+  vllm-envoy  the same behind the shipped Envoy without the kvgate filter: what a mesh in
+           front of such a server runs, so that the gateway's own CPU is in both sides of the
+           comparison (this machine's two cores run clients, proxy and backend together)
 
 Per arm: failures by reason (mid-decode KV OOM = a stream ending with finish_reason "error" or
 cut off; preempted by policy; 413/too large; gave up), goodput (output tokens of completed
@@ -168,7 +171,8 @@ def send(url, r, a, run, cap_override=None):
     path = "/v1/chat/completions" if r["path"] == "chat" else "/v1/completions"
     t0 = time.monotonic()
     tries, n429 = 0, 0
-    res = {"kind": r["kind"], "outcome": None, "tokens": 0, "first_try": t0}
+    res = {"kind": r["kind"], "cls": r["cls"], "cap": body.get("max_tokens"), "outcome": None, "tokens": 0,
+           "first_try": t0}
     while True:
         tries += 1
         ts = time.monotonic()
@@ -348,7 +352,8 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
               "kvgate": ["--admission", "reserve"], "oracle": ["--admission", "reserve"],
               "elastic": ["--admission", "reserve"], "queued": ["--admission", "reserve"],
               "queued-strict": ["--admission", "reserve"],
-              "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm]
+              "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"],
+              "vllm-envoy": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm]
     b = Backend(d, *flags).start(timeout=120)
     gw = None
     try:
@@ -361,6 +366,9 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
                                                 aging, a.safety_fraction)).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
+        elif arm == "vllm-envoy":
+            gw = Envoy(d, b.port, None, plain=True).start()
+        cpu0 = (b.cpu_seconds(), gw.cpu_seconds() if gw else None)
         url = gw.url if gw else b.url
         run = Run()
         samples = []  # (used/capacity, reserved - used, claimed, held back, t s, committed/capacity)
@@ -374,7 +382,7 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
                     # under --admission reserve those are the whole reservation.
                     used = m.get("kvgate_backend_kv_written_bytes", m["kvgate_backend_kv_used_bytes"])
                     cap = m["kvgate_backend_kv_capacity_bytes"]
-                    st = gw.status() if gw else None
+                    st = gw.status() if gw and not gw.plain else None
                     samples.append((used / cap,
                                     None if st is None else st["committed_bytes"] - used,
                                     None if st is None else st.get("claimed_bytes", 0),
@@ -405,6 +413,8 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
         sampler.join()
         progress()
         m = b.metrics()
+        cpu = [None if x0 is None or x1 is None else x1 - x0
+               for x0, x1 in zip(cpu0, (b.cpu_seconds(), gw.cpu_seconds() if gw else None))]
     finally:
         if gw:
             gw.stop()
@@ -413,8 +423,14 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
         with open(a.dump, "a") as fh:
             for rid, x in sorted(run.results.items()):
                 fh.write(json.dumps({"arm": arm, "round": rnd, "id": rid, **{k: v for k, v in x.items()
-                                     if k not in ("first_try", "end")}}) + "\n")
+                                     if k not in ("first_try", "end")},
+                                     "start_s": x["first_try"] - t0, "end_s": x["end"] - t0}) + "\n")
+            # The KV series: (t s, written / capacity, reserved - written, claimed, held back,
+            # committed / capacity), bytes where not a share.
+            fh.write(json.dumps({"arm": arm, "round": rnd, "series": [[s[4], s[0], s[1], s[2], s[3], s[5]]
+                                                                       for s in samples]}) + "\n")
     row = summarise(arm, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None)
+    row["backend_cpu_s"], row["gateway_cpu_s"] = cpu
     # For the plots: the KV series and every completed request's latency and TTFT.
     row["series"] = [(s[4], s[0], s[5], None if s[2] is None else s[2] / m["kvgate_backend_kv_capacity_bytes"])
                      for s in samples]
@@ -480,7 +496,7 @@ def table(rows, arms):
     head = ("| arm | round | completed / sent | mid-decode KV OOM | preempted | 413 | gave up | other | "
             "output tokens | makespan s | goodput tok/s | vs oracle | latency p50 / p99 s | TTFT p50 / p99 s | "
             "429s | degraded | longest admission wait s | mean KV written / capacity | mean reserved − written MiB | "
-            "claimed MiB mean / peak | recomputed tokens (preemptions) |")
+            "claimed MiB mean / peak | recomputed tokens (preemptions) | CPU s backend / gateway |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     oracle = {r["round"]: r["goodput"] for r in rows if r["arm"] == "oracle"}
     for arm in arms:
@@ -496,12 +512,14 @@ def table(rows, arms):
                 f"{f(r['ttft_p50'], 2)} / {f(r['ttft_p99'], 2)} | {r['r429']} | {r['degraded']} | {wait} | "
                 f"{r['kv_written_mean']:.0%} | {f(r['reserved_minus_used_mib'])} | "
                 f"{f(r['claimed_mib'])} / {f(r['claimed_max_mib'])} | "
-                f"{r['recomputed_tokens']} ({r['recompute_preemptions']}) |")
+                f"{r['recomputed_tokens']} ({r['recompute_preemptions']}) | "
+                f"{f(r.get('backend_cpu_s'), 0)} / {f(r.get('gateway_cpu_s'), 0)} |")
     return "\n".join(lines)
 
 
 COLOURS = {"none": "#999999", "prompt": "#d62728", "cap": "#ff7f0e", "reserve": "#8c564b", "kvgate": "#1f77b4",
-           "elastic": "#2ca02c", "queued": "#17becf", "queued-strict": "#bcbd22", "oracle": "#000000", "vllm": "#9467bd"}
+           "elastic": "#2ca02c", "queued": "#17becf", "queued-strict": "#bcbd22", "oracle": "#000000", "vllm": "#9467bd",
+           "vllm-envoy": "#e377c2"}
 
 
 def plots(rows, arms, out_dir, stem):
@@ -585,6 +603,16 @@ def plots(rows, arms, out_dir, stem):
     return paths
 
 
+def machine():
+    """This machine in words: its logical CPUs and their model (Linux /proc/cpuinfo)."""
+    try:
+        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                 if ln.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{len(names) or '?'} vCPU {names[0] if names else 'unknown CPU'}"
+
+
 def git_hash():
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
@@ -635,7 +663,7 @@ def main():
             shutil.copy2(src, dst)
             setattr(harness, attr, dst)
         help_text = subprocess.run([str(harness.BACKEND), "--help"], capture_output=True, text=True).stdout
-        arms = [x for x in a.arms.split(",") if x != "vllm" or "--on-kv-exhaustion" in help_text]
+        arms = [x for x in a.arms.split(",") if not x.startswith("vllm") or "--on-kv-exhaustion" in help_text]
         if "vllm" in a.arms and "vllm" not in arms:
             print("the backend has no --on-kv-exhaustion: the vllm arm is left out", flush=True)
         print(f"{n} requests in {len(workload)} jobs (seed {a.seed}), {a.clients} clients, pool {a.blocks} blocks "
@@ -667,8 +695,7 @@ def main():
     head, tail = (text, "") if nxt < 0 else (text[:nxt + 1], text[nxt + 1:])
     text = head.rstrip("\n") + "\n"
     text += (f"\n### Run {started:%Y-%m-%d %H:%M} UTC, git {commit} ({', '.join(built)})\n\n"
-             f"Command: `.venv/bin/python {argv}` (`{cmd}` runs it after its build steps); machine: 2 vCPU AMD "
-             f"EPYC, shared; {n} requests in {len(workload)} jobs, seed {a.seed}, {a.clients} closed-loop clients, "
+             f"Command: `.venv/bin/python {argv}` (`{cmd}` runs it after its build steps); machine: {machine()}; {n} requests in {len(workload)} jobs, seed {a.seed}, {a.clients} closed-loop clients, "
              f"pool {a.blocks} blocks ({a.blocks * 16} tokens) in every arm, --step-delay-ms {a.step_delay_ms}, "
              f"give up after {f'{a.max_tries} tries or ' if a.max_tries else ''}{a.give_up_s:.0f} s; "
              f"the cap arm at --max-batch {a.cap}; "

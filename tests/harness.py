@@ -93,6 +93,14 @@ class Process:
             time.sleep(0.1)
         raise RuntimeError(f"{self.name} not ready in {timeout}s:\n{self.logs()}")
 
+    def cpu_seconds(self):
+        """User + system CPU time the process has used so far (Linux /proc), or None."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError, AttributeError):
+            return None
+
     def stop(self):
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -114,10 +122,13 @@ class Process:
 class Envoy(Process):
     name = "envoy"
 
-    def __init__(self, workdir, upstream_port, plugin_config, concurrency=2, ecds=False, bootstrap=None):
+    def __init__(self, workdir, upstream_port, plugin_config, concurrency=2, ecds=False, bootstrap=None,
+                 plain=False):
         """`upstream_port`: one port, or a list of them (every host of the backend cluster, as in
         envoy/fleet.yaml). `bootstrap`: the shipped envoy/envoy.yaml unless given (e.g.
-        `fleet_bootstrap()`)."""
+        `fleet_bootstrap()`). `plain`: the same Envoy without the kvgate filter (what a mesh
+        in front of another server runs)."""
+        self.plain = plain
         self.workdir = Path(workdir)
         self.port = free_port()
         self.admin_port = free_port()
@@ -154,6 +165,9 @@ class Envoy(Process):
             })
         else:
             f["typed_config"]["config"]["configuration"]["value"] = json.dumps(plugin_config)
+        if plain:
+            hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm["http_filters"] = [x for x in hcm["http_filters"] if x["name"] != "kvgate"]
         self.config_path = self.workdir / "envoy.json"
         self.config_path.write_text(json.dumps(boot))
 
@@ -187,7 +201,7 @@ class Envoy(Process):
         def ready():
             # Admin ready, and the filter answering on the listener.
             return (requests.get(self.admin + "/ready", timeout=1).status_code == 200
-                    and requests.get(self.url + "/kvgate/status", timeout=2).status_code == 200)
+                    and (self.plain or requests.get(self.url + "/kvgate/status", timeout=2).status_code == 200))
         return self.launch(args, ready, timeout)
 
     def status(self):

@@ -354,12 +354,14 @@ impl<M: Forward> Engine<M> {
                 .filter(|s| s.overgrown())
                 .max_by_key(|s| s.order);
             match (running, waiting) {
-                (Some((_, ro)), Some(w)) if w.order > ro => w.alloc.shrink_to_tokens(w.promised),
+                (Some((_, ro)), Some(w)) if w.order > ro => {
+                    Self::give_back_borrowed(&self.model, w)
+                }
                 (Some((i, _)), _) => {
                     let seq = self.running.remove(i);
                     self.requeue_for_recompute(seq);
                 }
-                (None, Some(w)) => w.alloc.shrink_to_tokens(w.promised),
+                (None, Some(w)) => Self::give_back_borrowed(&self.model, w),
                 (None, None) => return,
             }
             // Each step gives back at least one block; never spin if one did not.
@@ -471,6 +473,7 @@ impl<M: Forward> Engine<M> {
                     .filter(|s| s.elastic && s.order > order)
                 {
                     s.alloc.release();
+                    s.kv = None;
                 }
                 room = self
                     .waiting
@@ -497,10 +500,17 @@ impl<M: Forward> Engine<M> {
                 self.kv_oom(seq);
                 continue;
             }
-            match self
-                .model
-                .new_kv(seq.alloc.ids(), seq.alloc.tokens() as usize)
-            {
+            // A sequence that gave back borrowed blocks kept what its own blocks hold: it grows
+            // from there and is fed only the rest.
+            let tokens = seq.alloc.tokens() as usize;
+            let kv = match seq.kv.take() {
+                Some(mut kv) => self
+                    .model
+                    .grow_kv(&mut kv, seq.alloc.ids(), tokens)
+                    .map(|()| kv),
+                None => self.model.new_kv(seq.alloc.ids(), tokens),
+            };
+            match kv {
                 Ok(kv) => {
                     seq.kv = Some(kv);
                     seq.prefilling = true;
@@ -694,17 +704,36 @@ impl<M: Forward> Engine<M> {
     /// Its client sees only a pause in the stream.
     fn requeue_for_recompute(&mut self, mut seq: Seq<M::Kv>) {
         self.metrics.recompute_preemptions.inc();
-        seq.kv = None;
         seq.prefilling = false;
         if seq.elastic {
-            // It keeps its reservation (the gateway counts it) and gives back what it borrowed.
-            seq.alloc.shrink_to_tokens(seq.promised);
+            // It keeps its reservation (the gateway counts it), and the cache its reservation's
+            // blocks hold; it gives back what it borrowed.
+            Self::give_back_borrowed(&self.model, &mut seq);
         } else {
             // Everything goes back (vLLM's way): blocks held while waiting could be the ones a
             // running sequence needs to finish.
+            seq.kv = None;
             seq.alloc.release();
         }
         self.waiting.push_front(seq);
+    }
+
+    /// An elastic sequence gives back the blocks it borrowed past its reservation. Its cache
+    /// keeps what its own blocks hold (they stay its own, so discarding their contents would
+    /// buy nothing), so when it runs again only the positions past them are recomputed, not its
+    /// whole prompt and output. A cache that cannot be cut back is dropped: all of it is
+    /// recomputed.
+    fn give_back_borrowed(model: &M, seq: &mut Seq<M::Kv>) {
+        seq.alloc.shrink_to_tokens(seq.promised);
+        let tokens = seq.alloc.tokens() as usize;
+        if let Some(kv) = seq.kv.as_mut() {
+            if let Err(e) = model.shrink_kv(kv, seq.alloc.ids(), tokens) {
+                eprintln!(
+                    "kvgate-backend: cutting a KV cache back failed, recomputing it whole: {e:#}"
+                );
+                seq.kv = None;
+            }
+        }
     }
 
     /// Record a sampled token, stream its text, and decide whether the sequence is done.
@@ -796,11 +825,11 @@ impl<M: Forward> Engine<M> {
     fn publish(&self) {
         let per_token = self.pool.block_bytes / u64::from(self.pool.block_tokens.max(1));
         let block_tokens = u64::from(self.pool.block_tokens.max(1));
-        let view = |s: &Seq<M::Kv>, state: LeaseState| {
+        let view = |s: &Seq<M::Kv>, state: LeaseState, queued: bool| {
             // An elastic sequence preempted to be recomputed counts what it needs to resume
             // (its reservation plus what it borrowed): the gateway holds that back from new
             // admissions until it runs again, rather than admitting into the blocks it needs.
-            let resume = if s.elastic && s.kv.is_none() && !s.generated.is_empty() {
+            let resume = if s.elastic && queued && !s.generated.is_empty() {
                 (s.prefill_len() as u64 + 1).div_ceil(block_tokens) * block_tokens
             } else {
                 0
@@ -823,7 +852,7 @@ impl<M: Forward> Engine<M> {
         let leases: Vec<LeaseEntry> = self
             .waiting
             .iter()
-            .map(|s| view(s, LeaseState::Waiting))
+            .map(|s| view(s, LeaseState::Waiting, true))
             // Part-way through its prefill it holds KV but is not decoding yet: the gateway
             // reads decode progress from running entries only.
             .chain(self.running.iter().map(|s| {
@@ -832,7 +861,7 @@ impl<M: Forward> Engine<M> {
                 } else {
                     LeaseState::Running
                 };
-                view(s, state)
+                view(s, state, false)
             }))
             .collect();
         self.metrics.running.set(self.running.len() as i64);

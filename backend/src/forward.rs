@@ -11,6 +11,9 @@ pub trait Forward {
     fn new_kv(&self, blocks: &[u32], capacity: usize) -> anyhow::Result<Self::Kv>;
     /// Grow to `capacity` tokens in `blocks` (the blocks it had, then new ones).
     fn grow_kv(&self, kv: &mut Self::Kv, blocks: &[u32], capacity: usize) -> anyhow::Result<()>;
+    /// Cut back to the first `blocks` of those it had and `capacity` tokens, keeping the
+    /// positions before that (what a sequence's own blocks hold when it gives back borrowed ones).
+    fn shrink_kv(&self, kv: &mut Self::Kv, blocks: &[u32], capacity: usize) -> anyhow::Result<()>;
     /// Feed `tokens` into the cache after what it holds (a whole prompt, or the next chunk of
     /// one); logits of the last token fed.
     fn prefill(&self, tokens: &[u32], kv: &mut Self::Kv) -> anyhow::Result<Vec<f32>>;
@@ -44,6 +47,9 @@ impl Forward for Llama {
     }
     fn grow_kv(&self, kv: &mut SeqKv, blocks: &[u32], capacity: usize) -> anyhow::Result<()> {
         Llama::grow_kv(self, kv, blocks, capacity)
+    }
+    fn shrink_kv(&self, kv: &mut SeqKv, blocks: &[u32], capacity: usize) -> anyhow::Result<()> {
+        Llama::shrink_kv(self, kv, blocks, capacity)
     }
     fn prefill(&self, tokens: &[u32], kv: &mut SeqKv) -> anyhow::Result<Vec<f32>> {
         Ok(Llama::prefill(self, tokens, kv)?.to_vec1::<f32>()?)

@@ -409,6 +409,29 @@ impl Llama {
         Ok(())
     }
 
+    /// Cut a cache back to the KV blocks `blocks` (the first of those it had) and `capacity`
+    /// tokens: the positions past them are dropped, those before kept as they are. A sequence
+    /// that gives back blocks it borrowed keeps what its own blocks hold, and is fed again only
+    /// from there.
+    pub fn shrink_kv(&self, kv: &mut SeqKv, blocks: &[u32], capacity: usize) -> Result<()> {
+        if let Some(a) = &self.arena {
+            if kv.table.get(..blocks.len()) != Some(blocks) {
+                bail!("a shrinking KV cache would keep blocks it did not have");
+            }
+            kv.table = blocks.to_vec();
+            kv.capacity = capacity.min(blocks.len() * a.block_tokens);
+        } else {
+            kv.capacity = capacity.min(kv.capacity);
+        }
+        kv.len = kv.len.min(kv.capacity);
+        let row = self.cfg.kv_heads * self.cfg.head_dim;
+        for (k, v) in kv.layers.iter_mut() {
+            k.truncate(kv.len * row);
+            v.truncate(kv.len * row);
+        }
+        Ok(())
+    }
+
     /// Arena slots of positions `from..from + n` of a paged cache.
     fn slots(a: &Arena, kv: &SeqKv, from: usize, n: usize) -> Result<Vec<u32>> {
         (from..from + n)

@@ -411,6 +411,47 @@ mod tests {
     }
 
     #[test]
+    fn a_cache_cut_back_to_its_first_blocks_and_fed_the_rest_gives_what_one_prefill_gives() {
+        // What an elastic sequence does when it gives back borrowed blocks: it keeps the
+        // positions its own blocks hold and is fed the rest when it runs again.
+        let cfg = config("tiny", 256).unwrap();
+        let dev = Device::Cpu;
+        let tokens: Vec<u32> = (0..23u32).map(|i| (i * 53 + 7) % 512).collect();
+        let host = Llama::synthetic(cfg.clone(), 4, &dev).unwrap();
+        let paged = Llama::synthetic(cfg, 4, &dev)
+            .unwrap()
+            .with_paged_kv(12, 4, candle_core::DType::F32)
+            .unwrap();
+        let whole = {
+            let mut kv = host.new_kv(&[], 32).unwrap();
+            host.prefill(&tokens, &mut kv)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let table = [9u32, 2, 7, 0, 11, 5];
+        for m in [&host, &paged] {
+            let mut kv = m.new_kv(&table, 24).unwrap();
+            m.prefill(&tokens[..21], &mut kv).unwrap();
+            // Back to 2 blocks (8 tokens): positions 8.. are gone.
+            m.shrink_kv(&mut kv, &table[..2], 8).unwrap();
+            assert_eq!((kv.len(), kv.capacity()), (8, 8));
+            // Grown again into other blocks than before, and fed from position 8.
+            let again = [9u32, 2, 3, 4, 1, 6];
+            m.grow_kv(&mut kv, &again, 24).unwrap();
+            let b = m
+                .prefill(&tokens[8..], &mut kv)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert!(max_diff(&whole, &b) < 1e-4, "{}", max_diff(&whole, &b));
+        }
+        // A paged cache may keep only blocks it had, first ones first.
+        let mut kv = paged.new_kv(&table[..3], 12).unwrap();
+        assert!(paged.shrink_kv(&mut kv, &table[1..3], 8).is_err());
+    }
+
+    #[test]
     fn bf16_weights_and_a_bf16_arena_stay_close_to_f32() {
         let cfg = config("tiny", 256).unwrap();
         let dev = Device::Cpu;

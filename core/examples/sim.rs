@@ -32,8 +32,9 @@
 //!   Preemption and recompute follow engine.rs: `vllm` (`--on-kv-exhaustion recompute`) preempts
 //!   the youngest other running sequence, which frees all its blocks and is prefilled again over
 //!   prompt + generated; elastic sequences grow past their reservation from free blocks and the
-//!   youngest one grown past it is preempted first (keeping its reservation) when a reservation
-//!   or a sequence needs a block. A sequence ends on the step that samples its last token; a
+//!   youngest one grown past it is preempted first (keeping its reservation and the KV cache its
+//!   reservation's blocks hold, so that only the positions past them are prefilled again) when a
+//!   reservation or a sequence needs a block. A sequence ends on the step that samples its last token; a
 //!   sequence of true length L capped at C produces min(L, C) tokens (greedy outputs are
 //!   deterministic, so the cap alone decides).
 //! - `--preset cpu`: the live bench's backend (SmolLM2-135M, f32 KV 46,080 B/token, a pool of 40
@@ -571,6 +572,7 @@ fn ensure(s: &mut Seq, tokens: u64, free: &mut u64) -> bool {
 }
 
 /// `Allocation::shrink_to_tokens`; returns the blocks given back.
+/// Give back the blocks beyond `tokens`; the cache keeps what the blocks left hold.
 fn shrink(s: &mut Seq, tokens: u64, free: &mut u64) -> u64 {
     let keep = blocks_for(tokens);
     if keep >= s.blocks {
@@ -579,6 +581,7 @@ fn shrink(s: &mut Seq, tokens: u64, free: &mut u64) -> u64 {
     let back = s.blocks - keep;
     *free += back;
     s.blocks = keep;
+    s.kv = s.kv.map(|k| k.min(keep * BLOCK_TOKENS));
     back
 }
 
@@ -766,11 +769,11 @@ impl Backend {
 
     fn requeue_for_recompute(&mut self, mut seq: Seq) {
         self.preemptions += 1;
-        seq.kv = None;
         if seq.elastic {
             let promised = seq.promised;
             shrink(&mut seq, promised, &mut self.free);
         } else {
+            seq.kv = None;
             release(&mut seq, &mut self.free);
         }
         self.waiting.push_front(seq);
@@ -804,7 +807,10 @@ impl Backend {
                 break;
             };
             let len = front.prompt + front.generated;
-            if len > budget && budget < p.prefill_budget {
+            // What it still holds of its cache (an elastic sequence that gave back borrowed
+            // blocks) is not fed again.
+            let fed = len - front.kv.unwrap_or(0).min(len);
+            if fed > budget && budget < p.prefill_budget {
                 break;
             }
             let mut room = ensure(front, len, &mut self.free);
@@ -820,6 +826,7 @@ impl Backend {
                     .filter(|s| s.elastic && s.order > order)
                 {
                     release(s, &mut self.free);
+                    s.kv = None;
                 }
                 room = match self.waiting.get_mut(passed) {
                     Some(f) => ensure(f, len, &mut self.free),
@@ -832,14 +839,14 @@ impl Backend {
             let Some(mut seq) = self.waiting.remove(passed) else {
                 break;
             };
-            budget = budget.saturating_sub(len);
+            budget = budget.saturating_sub(fed);
             if !room {
                 self.end(seq, Note::KvOom, later);
                 continue;
             }
-            prefilled += len;
+            prefilled += fed;
             if seq.generated > 0 {
-                self.recomputed_tokens += len;
+                self.recomputed_tokens += fed;
             } else {
                 later.push((seq.req, Note::FirstToken));
             }

@@ -548,13 +548,20 @@ pub fn reconcile(
     let reserved: HashMap<u64, u64> = ledger.leases().iter().map(|l| (l.id, l.bytes)).collect();
     let mut own: Vec<&LiveEntry> = Vec::new();
     let mut gateways = BTreeSet::new();
+    // What own leases hold or need beyond their reservations: running ones' growth, all of it;
+    // of those waiting to resume, the largest need (see below).
+    let (mut needed, mut resume) = (0u64, 0u64);
     for e in &report.entries {
         match e.id.and_then(|id| reserved.get(&id)) {
             Some(bytes) => {
                 own.push(e);
-                out.grown_bytes = out
-                    .grown_bytes
-                    .saturating_add(e.bytes.saturating_sub(*bytes));
+                let grown = e.bytes.saturating_sub(*bytes);
+                out.grown_bytes = out.grown_bytes.saturating_add(grown);
+                if e.running {
+                    needed = needed.saturating_add(grown);
+                } else {
+                    resume = resume.max(grown);
+                }
             }
             None => {
                 out.foreign_leases += 1;
@@ -578,13 +585,17 @@ pub fn reconcile(
         }
     }
     // Held back: what the backend uses beyond this ledger, what other gateways' leases hold,
-    // or what this ledger's own leases hold or need there beyond their reservations (elastic
-    // growth, and preempted elastic sequences waiting to resume), whichever is most.
+    // or what this ledger's own leases hold or need there beyond their reservations, whichever
+    // is most. Own leases: the growth of running elastic sequences, and room for the preempted
+    // sequence that needs the most to resume. Not every preempted one's need: they resume one
+    // at a time as room frees, so holding back their sum (which can exceed the pool) would
+    // stop every admission until all had resumed, while the room beyond the largest need
+    // stays idle. Whenever this ledger admits, the largest need still fits what is free.
     let base = report
         .used_bytes
         .saturating_sub(ledger.committed())
         .max(out.foreign_bytes)
-        .max(out.grown_bytes);
+        .max(needed.saturating_add(resume));
     // Other gateways admit onto this backend too, and this one learns of it only at its next
     // poll: until then it takes only its share of the room free now, 1/(others + 1), so that
     // gateways racing for the same room rarely over-admit it (the backend refuses what they
@@ -682,6 +693,34 @@ mod tests {
         };
         let w = reconcile(&mut waiting, &needs, 100, 5_000, None, 0);
         assert_eq!((w.grown_bytes, w.held_back), (600, 600));
+        // Two preempted, needing 600 and 4,000 beyond their reservations, and one running
+        // 200 past its own: they resume one at a time, so room for the larger need is held
+        // back (with the running growth), not both needs: 4,200 of the 4,800 grown.
+        let mut two = Ledger::new(10_000, 1);
+        admit(&mut two, 1, 1_000, 0);
+        admit(&mut two, 2, 2_000, 0);
+        admit(&mut two, 3, 1_000, 0);
+        let both = BackendReport {
+            live: vec![1, 2, 3],
+            used_bytes: 1_000 + 2_000 + 1_200,
+            entries: vec![
+                LiveEntry {
+                    running: false,
+                    ..entry(1, 1_600)
+                },
+                LiveEntry {
+                    running: false,
+                    ..entry(2, 6_000)
+                },
+                entry(3, 1_200),
+            ],
+            ..Default::default()
+        };
+        let b = reconcile(&mut two, &both, 100, 5_000, None, 0);
+        assert_eq!((b.grown_bytes, b.held_back), (4_800, 4_200));
+        assert_eq!(two.free(), 10_000 - 4_000 - 4_200);
+        // Admitting into all of that still leaves the larger need free at the backend.
+        assert!(10_000 - both.used_bytes - two.free() >= 4_000);
         // The backend holds 3,100 bytes for the 3,000 committed, but lease 2 may still grow into
         // the 500 of its reservation it does not use yet: what is promised or borrowed is 3,600,
         // so the growth (600), not the pool's excess (100), is held back.
