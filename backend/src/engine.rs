@@ -32,8 +32,10 @@
 //! block), the youngest sequence grown past its reservation gives back what it borrowed and is
 //! recomputed later, whatever `--on-kv-exhaustion` says. A sequence within its reservation is
 //! never preempted for it, so a worst-case request still never fails mid-decode, and an elastic
-//! one is at worst delayed. A preempted elastic sequence keeps its reservation while it waits;
-//! sequences holding their reservations are prefilled before it.
+//! one is at worst delayed. A preempted elastic sequence keeps its reservation while it waits,
+//! and the KV cache its reservation's blocks hold: when it runs again only the positions past
+//! them are prefilled (one at the end of its reservation with no block free only pauses).
+//! Sequences holding their reservations are prefilled before it.
 //!
 //! This file schedules and nothing else: the handle and its messages are in `handle.rs`, what
 //! the engine publishes for the lease report in `published.rs` (the report itself is
