@@ -545,13 +545,17 @@ impl<M: Forward> Engine<M> {
                 return n;
             }
         };
-        // Prompt positions fed for the first time count as prompt; the rest was recomputed.
+        // Prompt positions fed for the first time count as prompt; the rest was recomputed,
+        // except the token sampled last before a preemption, which was never fed.
         let fresh = (done + n)
             .min(seq.prompt.len())
             .saturating_sub(seq.prompt_fed.max(done));
+        let never_fed = usize::from(done + n == total && !seq.generated.is_empty());
         seq.prompt_fed = seq.prompt_fed.max((done + n).min(seq.prompt.len()));
         self.metrics.prompt_tokens.inc_by(fresh as u64);
-        self.metrics.recomputed_tokens.inc_by((n - fresh) as u64);
+        self.metrics
+            .recomputed_tokens
+            .inc_by(n.saturating_sub(fresh + never_fed) as u64);
         if done + n < total {
             self.running.push(seq);
             return n;
@@ -837,6 +841,7 @@ impl<M: Forward> Engine<M> {
                 0
             };
             let reserved_tokens = s.alloc.tokens().max(resume);
+            let resuming = resume > s.alloc.tokens();
             LeaseEntry {
                 id: s.id.clone(),
                 state,
@@ -849,6 +854,7 @@ impl<M: Forward> Engine<M> {
                 elastic_output_tokens: s
                     .elastic
                     .then(|| s.promised.saturating_sub(s.prompt.len() as u64)),
+                resuming,
             }
         };
         let leases: Vec<LeaseEntry> = self

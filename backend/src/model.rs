@@ -425,9 +425,12 @@ impl Llama {
         }
         kv.len = kv.len.min(kv.capacity);
         let row = self.cfg.kv_heads * self.cfg.head_dim;
+        // Host caches give their memory back too: the pool lends those blocks to others.
         for (k, v) in kv.layers.iter_mut() {
             k.truncate(kv.len * row);
             v.truncate(kv.len * row);
+            k.shrink_to(kv.capacity * row);
+            v.shrink_to(kv.capacity * row);
         }
         Ok(())
     }

@@ -926,12 +926,20 @@ impl Backend {
         for (s, running) in seqs.chain(self.running.iter().map(|s| (s, true))) {
             let Some(id) = s.lease else { continue };
             live.push(id);
-            let bytes = s.blocks * bb;
+            // As engine.rs publishes: a preempted elastic sequence waiting to resume counts what
+            // it needs (prompt + generated + the next token, in whole blocks).
+            let resume = if s.elastic && !running && s.generated > 0 {
+                blocks_for(s.prompt + s.generated + 1)
+            } else {
+                0
+            };
+            let bytes = s.blocks.max(resume) * bb;
             if held.get(&id).is_none_or(|b| bytes > *b) {
                 entries.push(LiveEntry {
                     id: Some(id),
                     bytes,
                     running,
+                    resuming: resume > s.blocks,
                     prompt_tokens: s.prompt,
                     max_tokens: s.target,
                     used_tokens: s.kv.unwrap_or(0),

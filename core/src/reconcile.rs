@@ -53,6 +53,8 @@ pub struct LiveEntry {
     pub bytes: u64,
     /// Decoding (else waiting or just arrived).
     pub running: bool,
+    /// Preempted and waiting to resume: `bytes` is what it needs, not what it holds.
+    pub resuming: bool,
     pub prompt_tokens: u64,
     /// Its output cap at the backend.
     pub max_tokens: u64,
@@ -452,6 +454,7 @@ impl From<&LeaseReport> for BackendReport {
                     id: l.id.parse().ok(),
                     bytes: l.reserved_bytes.max(l.used_bytes),
                     running: l.state == crate::wire::LeaseState::Running,
+                    resuming: l.resuming,
                     prompt_tokens: l.prompt_tokens,
                     max_tokens: l.max_tokens,
                     used_tokens: l.used_tokens,
@@ -548,8 +551,8 @@ pub fn reconcile(
     let reserved: HashMap<u64, u64> = ledger.leases().iter().map(|l| (l.id, l.bytes)).collect();
     let mut own: Vec<&LiveEntry> = Vec::new();
     let mut gateways = BTreeSet::new();
-    // What own leases hold or need beyond their reservations: running ones' growth, all of it;
-    // of those waiting to resume, the largest need (see below).
+    // What own leases hold or need beyond their reservations: what they hold (running, or
+    // part-way through a prefill), all of it; of those waiting to resume, the largest need.
     let (mut needed, mut resume) = (0u64, 0u64);
     for e in &report.entries {
         match e.id.and_then(|id| reserved.get(&id)) {
@@ -557,10 +560,10 @@ pub fn reconcile(
                 own.push(e);
                 let grown = e.bytes.saturating_sub(*bytes);
                 out.grown_bytes = out.grown_bytes.saturating_add(grown);
-                if e.running {
-                    needed = needed.saturating_add(grown);
-                } else {
+                if e.resuming {
                     resume = resume.max(grown);
+                } else {
+                    needed = needed.saturating_add(grown);
                 }
             }
             None => {
@@ -586,11 +589,12 @@ pub fn reconcile(
     }
     // Held back: what the backend uses beyond this ledger, what other gateways' leases hold,
     // or what this ledger's own leases hold or need there beyond their reservations, whichever
-    // is most. Own leases: the growth of running elastic sequences, and room for the preempted
+    // is most. Own leases: the growth elastic sequences hold, and room for the preempted
     // sequence that needs the most to resume. Not every preempted one's need: they resume one
     // at a time as room frees, so holding back their sum (which can exceed the pool) would
     // stop every admission until all had resumed, while the room beyond the largest need
-    // stays idle. Whenever this ledger admits, the largest need still fits what is free.
+    // stays idle. Right after a poll, what this ledger admits leaves the largest need free;
+    // until the next one, a smaller need that resumed first may take part of it.
     let base = report
         .used_bytes
         .saturating_sub(ledger.committed())
@@ -685,6 +689,7 @@ mod tests {
             entries: vec![
                 LiveEntry {
                     running: false,
+                    resuming: true,
                     ..entry(1, 1_600)
                 },
                 entry(2, 1_500),
@@ -706,10 +711,12 @@ mod tests {
             entries: vec![
                 LiveEntry {
                     running: false,
+                    resuming: true,
                     ..entry(1, 1_600)
                 },
                 LiveEntry {
                     running: false,
+                    resuming: true,
                     ..entry(2, 6_000)
                 },
                 entry(3, 1_200),
@@ -721,6 +728,19 @@ mod tests {
         assert_eq!(two.free(), 10_000 - 4_000 - 4_200);
         // Admitting into all of that still leaves the larger need free at the backend.
         assert!(10_000 - both.used_bytes - two.free() >= 4_000);
+        // Lease 3 part-way through its prefill after resuming, holding 5,000 past its own
+        // reservation (not decoding, not waiting to resume either): what it holds counts in
+        // full beside the largest need, so lease 2 can still resume.
+        let mut three = two.clone();
+        let mut held = both.clone();
+        held.used_bytes = 1_000 + 2_000 + 6_000;
+        held.entries[2] = LiveEntry {
+            running: false,
+            ..entry(3, 6_000)
+        };
+        let h = reconcile(&mut three, &held, 100, 5_000, None, 0);
+        assert_eq!(h.held_back, 5_000 + 4_000);
+        assert_eq!(three.free(), 0);
         // The backend holds 3,100 bytes for the 3,000 committed, but lease 2 may still grow into
         // the 500 of its reservation it does not use yet: what is promised or borrowed is 3,600,
         // so the growth (600), not the pool's excess (100), is held back.
@@ -821,6 +841,7 @@ mod tests {
             id: Some(id),
             bytes: 100,
             running: true,
+            resuming: false,
             prompt_tokens: 20,
             max_tokens: 1000,
             used_tokens: 21,
@@ -857,6 +878,7 @@ mod tests {
             id: Some(1),
             bytes: 100,
             running: true,
+            resuming: false,
             prompt_tokens: 20,
             max_tokens: cap,
             used_tokens: 20 + generated,
@@ -907,6 +929,7 @@ mod tests {
             id: Some(1),
             bytes: 100,
             running: true,
+            resuming: false,
             prompt_tokens,
             max_tokens: 400,
             used_tokens: prompt_tokens + 10,
@@ -955,6 +978,7 @@ mod tests {
             id: Some(id),
             bytes: 100,
             running: true,
+            resuming: false,
             prompt_tokens: 20,
             max_tokens: cap,
             used_tokens: 20 + generated,

@@ -182,6 +182,10 @@ pub struct LeaseEntry {
     /// them from free blocks, and is preempted first when a reservation needs them back.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub elastic_output_tokens: Option<u64>,
+    /// An elastic sequence preempted and waiting to run again: `reserved_tokens` is what it
+    /// needs to resume, not what it holds.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub resuming: bool,
 }
 
 /// Why a sequence ended; also the OpenAI `finish_reason` of the ones that end normally.
@@ -298,6 +302,7 @@ mod tests {
                 used_tokens: 5,
                 used_bytes: 5,
                 elastic_output_tokens: Some(1),
+                resuming: false,
             }],
             finished: vec![FinishedEntry {
                 cursor: 1,
