@@ -193,7 +193,9 @@ def test_queue_waits_for_budget_then_times_out(stack):
     gw.wait_for(lambda s: s["leases"] == 1)
     t0 = time.time()
     r2 = {}
-    t2 = threading.Thread(target=lambda: r2.update(r=requests.post(gw.url + "/v1/completions", timeout=60,
+    # Not a timing test: it waits for the 400-token stream (about 20 s on this repository's
+    # 2-core CPU) and then decodes 700 tokens of its own (about 40 s), unstreamed.
+    t2 = threading.Thread(target=lambda: r2.update(r=requests.post(gw.url + "/v1/completions", timeout=180,
                           json={"model": MODEL, "prompt": COUNTING, "max_tokens": 700, "temperature": 0})))
     t2.start()
     gw.wait_for(lambda s: s["queued"] == 1, what="the second request to queue")
