@@ -352,8 +352,7 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
               "kvgate": ["--admission", "reserve"], "oracle": ["--admission", "reserve"],
               "elastic": ["--admission", "reserve"], "queued": ["--admission", "reserve"],
               "queued-strict": ["--admission", "reserve"],
-              "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"],
-              "vllm-envoy": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm]
+              "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm.removesuffix("-envoy")]
     b = Backend(d, *flags).start(timeout=120)
     gw = None
     try:

@@ -38,9 +38,12 @@ def shipped_bootstrap():
     return yaml.safe_load(SHIPPED.read_text())
 
 
+def http_connection_manager(bootstrap):
+    return bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
 def wasm_filter(bootstrap):
-    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-    return next(f for f in hcm["http_filters"] if f["name"] == "kvgate")
+    return next(f for f in http_connection_manager(bootstrap)["http_filters"] if f["name"] == "kvgate")
 
 
 def shipped_plugin_config():
@@ -166,7 +169,7 @@ class Envoy(Process):
         else:
             f["typed_config"]["config"]["configuration"]["value"] = json.dumps(plugin_config)
         if plain:
-            hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+            hcm = http_connection_manager(boot)
             hcm["http_filters"] = [x for x in hcm["http_filters"] if x["name"] != "kvgate"]
         self.config_path = self.workdir / "envoy.json"
         self.config_path.write_text(json.dumps(boot))
