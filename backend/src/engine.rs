@@ -466,9 +466,16 @@ impl<M: Forward> Engine<M> {
                     passed += 1;
                     continue;
                 }
-                // Nothing else can free blocks: take what younger waiting elastic sequences
-                // hold (they are recomputed from scratch later; they were only delayed).
-                let order = front.order;
+                // Nothing else can free blocks: every sequence left waits for more than is
+                // free (the ones passed over too). The oldest of them takes what the younger
+                // waiting elastic sequences hold (they are recomputed from scratch later; they
+                // were only delayed). Not the one in front: an older one passed over may hold
+                // what it needs, and neither would ever run.
+                let oldest = (0..=passed)
+                    .filter_map(|i| self.waiting.get(i).map(|s| (s.order, i)))
+                    .min()
+                    .map_or(passed, |(_, i)| i);
+                let order = self.waiting.get(oldest).map_or(0, |s| s.order);
                 for s in self
                     .waiting
                     .iter_mut()
@@ -477,10 +484,11 @@ impl<M: Forward> Engine<M> {
                     s.alloc.release();
                     s.kv = None;
                 }
-                room = self
-                    .waiting
-                    .get_mut(passed)
-                    .is_some_and(|f| f.alloc.ensure_tokens(len as u64));
+                passed = oldest;
+                room = self.waiting.get_mut(passed).is_some_and(|f| {
+                    let len = f.prefill_len();
+                    f.alloc.ensure_tokens(len as u64)
+                });
             }
             if !room
                 && self.cfg.on_kv_exhaustion == OnKvExhaustion::Recompute

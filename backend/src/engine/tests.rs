@@ -891,3 +891,46 @@ fn a_reservation_that_ends_inside_a_block_is_not_borrowing() {
     assert_eq!(e.pool.stats().blocks_free, 2);
     e.pool.check().unwrap();
 }
+
+#[test]
+fn elastic_sequences_that_all_wait_for_more_than_is_free_do_not_fail_and_all_finish() {
+    // Elastic sequences that each want more than the pool has beside the others'
+    // reservations: whenever they have all been preempted, none of them fits and none is
+    // running to free blocks. The oldest takes what the younger ones hold (they only wait
+    // longer); none ends in a mid-decode KV OOM, and every output is what it is alone.
+    for blocks in [8u64, 9, 10, 12] {
+        for n in 2..=4usize {
+            for allowance in [6u64, 22, 38] {
+                let reserved: u64 = (0..n as u64)
+                    .map(|i| (10 + i + allowance).div_ceil(16))
+                    .sum();
+                if reserved > blocks {
+                    continue; // the gateway would not admit them all
+                }
+                let mut e = engine(blocks, Admission::Reserve, usize::MAX, 8);
+                let mut rx: Vec<_> = (0..n)
+                    .map(|i| submit_elastic(&mut e, &format!("s{i}"), 10 + i, 100, allowance))
+                    .collect();
+                let mut evs: Vec<Vec<Event>> = (0..n).map(|_| Vec::new()).collect();
+                for _ in 0..6000 {
+                    e.step();
+                    for (r, ev) in rx.iter_mut().zip(evs.iter_mut()) {
+                        ev.extend(events(r));
+                    }
+                }
+                let at = format!("{blocks} blocks, {n} sequences, allowance {allowance}");
+                assert_eq!(e.metrics.kv_oom.get(), 0, "{at}");
+                for (i, ev) in evs.iter().enumerate() {
+                    assert_eq!(
+                        finished(ev),
+                        Some((FinishReason::Length, 100, false)),
+                        "{at}"
+                    );
+                    assert_eq!(text(ev), solo(10 + i, greedy(100)).0, "{at}");
+                }
+                assert_eq!(e.pool.stats().blocks_free, blocks as u32, "{at}");
+                e.pool.check().unwrap();
+            }
+        }
+    }
+}
