@@ -940,6 +940,7 @@ impl Backend {
                     bytes,
                     running,
                     resuming: resume > s.blocks,
+                    elastic: s.elastic,
                     prompt_tokens: s.prompt,
                     max_tokens: s.target,
                     used_tokens: s.kv.unwrap_or(0),

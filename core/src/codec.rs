@@ -2,7 +2,7 @@
 //!
 //! Layout (little endian):
 //! ```text
-//! "KVGL" | version u8 = 4 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//! "KVGL" | version u8 = 5 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
 //!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64
 //!        | lease count u32
 //!        | per lease: id u64 | bytes u64 | priority u8 | fingerprint u64 | created_ms u64
@@ -10,11 +10,13 @@
 //!                     | class bytes (UTF-8)
 //!        | claim count u32
 //!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64 | active u8
+//!        | lendable u64
 //! ```
 //! 58 bytes per lease plus its class name, 41 per claim. The decoder checks every length and the ledger
 //! invariant; garbage returns an error, never a panic.
 //!
-//! Versions 1 (no `held_back`, no lease owner), 2 (no claims) and 3 (no lease eta) are still read, so a filter upgraded in place under
+//! Versions 1 (no `held_back`, no lease owner), 2 (no claims), 3 (no lease eta) and 4 (no
+//! `lendable`: nothing lent until the next poll sets it) are still read, so a filter upgraded in place under
 //! the same `vm_id` migrates the ledger it finds instead of forgetting its leases: migrated
 //! leases have no owner and end at their deadline. An unknown version is an error, never an
 //! empty ledger.
@@ -22,7 +24,7 @@
 use crate::ledger::{Claim, Counters, Lease, Ledger, MAX_CLAIMS};
 
 const MAGIC: &[u8; 4] = b"KVGL";
-const VERSION: u8 = 4;
+const VERSION: u8 = 5;
 const CLAIM_LEN: usize = 5 * 8 + 1;
 const HEADER_LEN: usize = 4 + 1 + 9 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
@@ -101,6 +103,7 @@ impl Ledger {
             }
             out.push(u8::from(c.active));
         }
+        out.extend_from_slice(&self.lendable.to_le_bytes());
         out
     }
 
@@ -183,6 +186,7 @@ impl Ledger {
                 });
             }
         }
+        let lendable = if version >= 5 { r.u64()? } else { 0 };
         if !r.0.is_empty() {
             return Err(DecodeError::TrailingBytes(r.0.len()));
         }
@@ -193,6 +197,7 @@ impl Ledger {
             mean_lease_ms,
             counters,
             held_back,
+            lendable,
             leases,
             claims,
         };
@@ -326,9 +331,11 @@ mod tests {
     #[test]
     fn a_version_3_ledger_is_read_without_etas_and_an_eta_round_trips() {
         let mut l = sample();
-        // v3 is v4 without the 8-byte eta after each lease's owner.
+        // v3 is v5 without the 8-byte eta after each lease's owner and the trailing
+        // `lendable`.
         let mut v3 = l.encode();
         v3[4] = 3;
+        v3.truncate(v3.len() - 8);
         let mut at = HEADER_LEN;
         for x in l.leases() {
             let eta_at = at + 8 + 8 + 1 + 8 + 8 + 8 + 8;
@@ -341,6 +348,29 @@ mod tests {
         l.set_eta(id, 123_456);
         let back = Ledger::decode(&l.encode()).unwrap();
         assert_eq!(back.lease(id).unwrap().eta_ms, 123_456);
+    }
+
+    #[test]
+    fn a_version_4_ledger_is_read_with_nothing_lendable_and_lendable_round_trips() {
+        let mut l = sample();
+        l.set_held_back(5_000);
+        l.set_lendable(3_000);
+        let back = Ledger::decode(&l.encode()).unwrap();
+        assert_eq!((back.held_back(), back.lendable()), (5_000, 3_000));
+        // v4 is v5 without the trailing `lendable`.
+        let mut v4 = l.encode();
+        v4[4] = 4;
+        v4.truncate(v4.len() - 8);
+        let old = Ledger::decode(&v4).unwrap();
+        assert_eq!((old.held_back(), old.lendable()), (5_000, 0));
+        // More lendable than held back is not a ledger this code writes: refused.
+        let mut bad = l.encode();
+        let n = bad.len();
+        bad[n - 8..].copy_from_slice(&6_000u64.to_le_bytes());
+        assert!(matches!(
+            Ledger::decode(&bad),
+            Err(DecodeError::Inconsistent(_))
+        ));
     }
 
     #[test]
@@ -387,10 +417,10 @@ mod tests {
             Ledger::decode(&c),
             Err(DecodeError::Inconsistent(_))
         ));
-        // a lease count the input cannot hold.
+        // a claim count the input cannot hold (the last u32 before `lendable`).
         let mut d = Ledger::new(1, 1).encode();
         let n = d.len();
-        d[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+        d[n - 12..n - 8].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(Ledger::decode(&d), Err(DecodeError::Truncated));
     }
 

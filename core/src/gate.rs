@@ -195,7 +195,20 @@ pub fn decide(
         }
     }
     if reason == RejectReason::InsufficientCapacity && !class.preempts.is_empty() {
+        // What elastic sequences borrowed first: taken back at the backend, it cancels nobody.
+        if let Some(lease) = ledger.admit_into_lent(&request(priced.reserve_bytes(), cap)) {
+            ledger.uncount_rejection();
+            return Decision::Admitted {
+                lease,
+                cap,
+                degraded_from: None,
+                preempted: Vec::new(),
+            };
+        }
         if let Some(victims) = choose_victims(ledger, class, need, free) {
+            // Evicted only if that admits it: a lease evicted for nothing would leave the
+            // ledger while its request runs on.
+            let before = ledger.clone();
             let preempted: Vec<Lease> = victims.iter().filter_map(|id| ledger.evict(*id)).collect();
             ledger.uncount_rejection();
             if let AdmitOutcome::Admitted { lease } = ledger.try_admit_after_eviction(
@@ -210,6 +223,7 @@ pub fn decide(
                     preempted,
                 };
             }
+            *ledger = before;
         }
     }
     Decision::Rejected(rejection(
@@ -287,6 +301,12 @@ fn admit_request<'a>(
 /// The youngest leases (least work lost) of the classes `class` may preempt whose bytes, with
 /// what is free for this request (`free`: its own claim included), cover `need`; `None` when
 /// even all of them would not.
+///
+/// What is free after an eviction is counted as the ledger will count it: the capacity less
+/// what stays committed and what is held back, less what claims hold, plus this request's own
+/// claim (`free` less the ledger's free). Held back can exceed what is uncommitted (right after
+/// an admission into borrowed bytes, until the next poll), and then an evicted lease's bytes
+/// first pay off that excess.
 fn choose_victims(ledger: &Ledger, class: &ClassPolicy, need: u64, free: u64) -> Option<Vec<u64>> {
     let mut candidates: Vec<&Lease> = ledger
         .leases()
@@ -294,16 +314,25 @@ fn choose_victims(ledger: &Ledger, class: &ClassPolicy, need: u64, free: u64) ->
         .filter(|l| class.preempts.contains(&l.class) && l.priority < class.priority)
         .collect();
     candidates.sort_by_key(|l| std::cmp::Reverse(l.created_ms));
-    let mut free = free;
+    let own_held = free.saturating_sub(ledger.free());
+    let free_after = |evicted: u64| {
+        ledger
+            .capacity()
+            .saturating_sub(ledger.committed().saturating_sub(evicted))
+            .saturating_sub(ledger.held_back())
+            .saturating_sub(ledger.claimed())
+            .saturating_add(own_held)
+    };
+    let mut evicted = 0u64;
     let mut ids = Vec::new();
     for l in candidates {
-        if free >= need {
+        if free_after(evicted) >= need {
             break;
         }
-        free = free.saturating_add(l.bytes);
+        evicted = evicted.saturating_add(l.bytes);
         ids.push(l.id);
     }
-    (free >= need).then_some(ids)
+    (free_after(evicted) >= need).then_some(ids)
 }
 
 fn rejection(
@@ -559,6 +588,56 @@ mod tests {
         // batch cannot preempt anything.
         assert!(matches!(
             decide(&mut l, &c, &batch, &p3k, ANY, 6, 1),
+            Decision::Rejected(_)
+        ));
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_preempting_class_takes_back_borrowed_blocks_before_it_cancels_anyone() {
+        let c = cfg(
+            r#"{"classes":{"default":{},"batch":{"priority":1},"vip":{"priority":5,"preempts":["batch"]}}}"#,
+            10_000,
+        );
+        let batch = c.policy.get("batch").unwrap().clone();
+        let vip = c.policy.get("vip").unwrap().clone();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let p3k = priced(
+            &c,
+            &format!(r#"{{"prompt":{:?},"max_tokens":2900}}"#, vec![1; 100]),
+        );
+        for t in 0..2 {
+            assert!(matches!(
+                decide(&mut l, &c, &batch, &p3k, ANY, t, 1),
+                Decision::Admitted { .. }
+            ));
+        }
+        // The two batch sequences are elastic and have grown 3.5k past their reservations,
+        // 3k of it lendable: 500 tokens' room is free to all, 3k more to the vip.
+        let token = 46_080;
+        l.set_held_back(3_500 * token);
+        l.set_lendable(3_000 * token);
+        assert_eq!(l.free(), 500 * token);
+        match decide(&mut l, &c, &vip, &p3k, ANY, 2, 1) {
+            Decision::Admitted { preempted, .. } => assert!(preempted.is_empty()),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(l.leases().len(), 3, "no batch lease was cancelled");
+        assert_eq!(l.counters().rejected, 0);
+        // Nothing borrowed is left to lend, and until the next poll what is held back (3.5k)
+        // is more than the 1k left uncommitted: the next vip cancels both batch leases (one
+        // would leave 500 free), never one for nothing.
+        match decide(&mut l, &c, &vip, &p3k, ANY, 3, 1) {
+            Decision::Admitted { preempted, .. } => assert_eq!(preempted.len(), 2),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(l.leases().len(), 2);
+        // A class that may not preempt is not lent borrowed bytes outside the line.
+        let mut m = Ledger::new(c.pricing.capacity_bytes, 1);
+        m.set_held_back(9_000 * token);
+        m.set_lendable(9_000 * token);
+        assert!(matches!(
+            decide(&mut m, &c, &batch, &p3k, ANY, 0, 1),
             Decision::Rejected(_)
         ));
         l.check().unwrap();

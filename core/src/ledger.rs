@@ -97,6 +97,10 @@ pub struct Ledger {
     /// Bytes the backend really uses beyond what this ledger has committed (negative drift, from
     /// the last reconciliation): held back from admission until it clears.
     pub(crate) held_back: u64,
+    /// The part of `held_back` that elastic sequences hold past their reservations: blocks the
+    /// backend takes back (preempting the borrower) when a reservation needs them. Lent only to
+    /// requests waiting in line (claims), never to newcomers (see `settle_claims`).
+    pub(crate) lendable: u64,
     pub(crate) leases: Vec<Lease>,
     /// Refused requests waiting for their retry, oldest first.
     pub(crate) claims: Vec<Claim>,
@@ -235,6 +239,7 @@ impl Ledger {
             mean_lease_ms: 0,
             counters: Counters::default(),
             held_back: 0,
+            lendable: 0,
             leases: Vec::new(),
             claims: Vec::new(),
         }
@@ -273,6 +278,7 @@ impl Ledger {
         self.capacity = self.capacity.saturating_add(o.capacity);
         self.committed = self.committed.saturating_add(o.committed);
         self.held_back = self.held_back.saturating_add(o.held_back);
+        self.lendable = self.lendable.saturating_add(o.lendable);
         self.mean_lease_ms = self.mean_lease_ms.max(o.mean_lease_ms);
         let (a, b) = (&mut self.counters, o.counters);
         a.admitted = a.admitted.saturating_add(b.admitted);
@@ -334,12 +340,30 @@ impl Ledger {
     /// every transition, so only one claim is ever partly served and all younger ones hold
     /// nothing: an older claim that becomes active takes precedence over younger ones, and no two
     /// claims can each hold part of what the other needs (which would deadlock the line).
+    ///
+    /// Once what is not committed has run out, the claims also take the bytes elastic sequences
+    /// have borrowed past their reservations (`lendable`): the backend gives those back when a
+    /// reservation needs them (it preempts the borrower, whose own reservation's KV it keeps).
+    /// Without that, a request in line waits for the borrowers to finish, however long they run,
+    /// not for the reservations ahead of it. Only requests that have waited get them: lent to
+    /// every newcomer they would preempt the same long sequences over and over. Spare bytes are
+    /// poured before lent ones, so `free()` (what is unclaimed less what claims hold) counts
+    /// none of the lent bytes as taken from the spare.
     fn settle_claims(&mut self, now_ms: u64) {
         self.claims.retain(|c| c.expires_ms > now_ms);
         let mut spare = self.unclaimed();
+        // Never past the capacity: what is held back may be more than is left uncommitted.
+        let mut lend = self.lendable_now();
         for c in &mut self.claims {
-            c.held = if c.active { c.bytes.min(spare) } else { 0 };
-            spare -= c.held;
+            if !c.active {
+                c.held = 0;
+                continue;
+            }
+            let from_spare = c.bytes.min(spare);
+            let from_lend = (c.bytes - from_spare).min(lend);
+            spare -= from_spare;
+            lend -= from_lend;
+            c.held = from_spare + from_lend;
         }
     }
 
@@ -349,6 +373,15 @@ impl Ledger {
     /// Hold back `bytes` from admission (the backend uses that much more than the ledger knows).
     pub fn set_held_back(&mut self, bytes: u64) {
         self.held_back = bytes;
+        self.lendable = self.lendable.min(bytes);
+    }
+    /// Of the bytes held back, how many requests in line may take (borrowed growth the backend
+    /// gives back on demand); at most what is held back.
+    pub fn set_lendable(&mut self, bytes: u64) {
+        self.lendable = bytes.min(self.held_back);
+    }
+    pub fn lendable(&self) -> u64 {
+        self.lendable
     }
     /// The distinct owners of live leases (0 excluded), in first-seen order.
     pub fn owners(&self) -> Vec<u64> {
@@ -491,25 +524,67 @@ impl Ledger {
                 retry_after: Some(retry_after),
             };
         }
-        let id = match req.id {
-            Some(id) => id,
-            None => {
-                let id = self.next_id;
-                // Ids wrap only after 2^64 admissions; skip 0, which means "no lease".
-                self.next_id = self.next_id.wrapping_add(1).max(1);
-                id
-            }
-        };
+        let id = self.take_id(req.id);
         let lease = Lease::of(req, id);
         // Admitted: its claim (if any) is spent; what it held is part of `free` above.
         if let Some(i) = own {
             self.claims.remove(i);
         }
-        // bytes ≤ free ≤ capacity − committed, so this cannot overflow.
+        // bytes ≤ free ≤ capacity − committed (what a claim holds comes from what is not
+        // committed, or from lent bytes, which are part of held back), so this cannot overflow.
         self.committed += req.bytes;
         self.counters.admitted = self.counters.admitted.saturating_add(1);
         self.leases.push(lease.clone());
         AdmitOutcome::Admitted { lease }
+    }
+
+    /// Of what is lendable, what the capacity can hold now: held back may be more than what is
+    /// left uncommitted.
+    fn lendable_now(&self) -> u64 {
+        self.lendable.min(self.held_back).min(
+            self.capacity
+                .saturating_sub(self.committed)
+                .saturating_sub(self.unclaimed()),
+        )
+    }
+
+    /// A request of a class that may preempt, refused for room: admitted into what elastic
+    /// sequences have borrowed, when that covers it, so no lease is cancelled (the backend
+    /// takes the blocks back from the borrower, which resumes later). What claims hold, spare
+    /// or lent, stays theirs. `None` (nothing changed) when it does not fit that way either.
+    pub fn admit_into_lent(&mut self, req: &AdmitRequest<'_>) -> Option<Lease> {
+        let own = req
+            .claim
+            .and_then(|t| self.claims.iter().position(|c| c.key == t.key));
+        let own_held = own.and_then(|i| self.claims.get(i)).map_or(0, |c| c.held);
+        let room = self
+            .unclaimed()
+            .saturating_add(self.lendable_now())
+            .saturating_sub(self.claimed())
+            .saturating_add(own_held);
+        if req.bytes > room || req.id.is_some_and(|id| id == 0 || self.lease(id).is_some()) {
+            return None;
+        }
+        if let Some(i) = own {
+            self.claims.remove(i);
+        }
+        let id = self.take_id(req.id);
+        let lease = Lease::of(req, id);
+        // bytes ≤ room ≤ capacity − committed: committed stays within the capacity.
+        self.committed = self.committed.saturating_add(req.bytes);
+        self.counters.admitted = self.counters.admitted.saturating_add(1);
+        self.leases.push(lease.clone());
+        Some(lease)
+    }
+
+    /// The id a new lease gets: the caller's, or the next one.
+    fn take_id(&mut self, chosen: Option<u64>) -> u64 {
+        chosen.unwrap_or_else(|| {
+            let id = self.next_id;
+            // Ids wrap only after 2^64 admissions; skip 0, which means "no lease".
+            self.next_id = self.next_id.wrapping_add(1).max(1);
+            id
+        })
     }
 
     /// Release a lease by id. Idempotent: an unknown id changes nothing and says so.
@@ -630,6 +705,9 @@ impl Ledger {
         }
         if self.claims.iter().any(|c| c.held > c.bytes) {
             return Err("a claim holds more than it needs".to_string());
+        }
+        if self.lendable > self.held_back {
+            return Err("more lendable than held back".to_string());
         }
         let mut ids: Vec<u64> = self.leases.iter().map(|l| l.id).collect();
         ids.sort_unstable();
@@ -843,6 +921,53 @@ mod tests {
         assert_eq!(l.committed(), 90);
         assert_eq!(l.free(), 10);
         l.check().unwrap();
+    }
+
+    #[test]
+    fn a_request_in_line_may_take_back_what_elastic_sequences_borrowed_and_a_newcomer_may_not() {
+        let mut l = Ledger::new(100, 1);
+        let waiting = |now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key: 7,
+                patience_ms: 1000,
+            }),
+            ..req(30, now)
+        };
+        let AdmitOutcome::Admitted { lease } = l.try_admit(&req(50, 0), &retry(), 1) else {
+            panic!("fits");
+        };
+        // The elastic lease has grown 40 past its reservation (lendable), and 5 more are held
+        // back that nobody can give back (block rounding, unknown use).
+        l.set_held_back(45);
+        l.set_lendable(40);
+        assert_eq!(l.free(), 5);
+        // A newcomer does not fit in the 5 free: it is not lent the borrowed bytes.
+        assert!(matches!(
+            l.try_admit(&req(30, 1), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        // The request in line is refused once (its claim, holding nothing, is made), then its
+        // retry finds its claim filled with the 5 free and 25 of the borrowed bytes: admitted.
+        assert!(matches!(
+            l.try_admit(&waiting(2), &retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert!(matches!(
+            l.try_admit(&waiting(3), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert_eq!(l.committed(), 80);
+        assert!(l.claims().is_empty());
+        // Nothing is free until the next poll sees the borrower give the blocks back.
+        assert_eq!(l.free(), 0);
+        l.check().unwrap();
+        // Lending never goes past what is held back; lendable follows held back down.
+        l.set_held_back(10);
+        assert_eq!(l.lendable(), 10);
+        l.set_lendable(50);
+        assert_eq!(l.lendable(), 10);
+        l.release(lease.id, 4);
+        assert_eq!(l.free(), 100 - 30 - 10);
     }
 
     #[test]
@@ -1093,6 +1218,8 @@ mod tests {
         Release(usize),
         ReleaseUnknown,
         Reap(u64),
+        /// A poll: held back, and how much of it is lendable.
+        HoldBack(u64, u64),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1102,6 +1229,7 @@ mod tests {
             (0usize..64).prop_map(Op::Release),
             Just(Op::ReleaseUnknown),
             (0u64..50).prop_map(Op::Reap),
+            (0u64..600, 0u64..600).prop_map(|(h, l)| Op::HoldBack(h, l)),
         ]
     }
 
@@ -1154,6 +1282,11 @@ mod tests {
                             prop_assert!(r.deadline_ms <= now + ahead);
                         }
                         prop_assert!(l.leases().iter().all(|x| x.deadline_ms > now + ahead));
+                    }
+                    Op::HoldBack(h, lend) => {
+                        l.set_held_back(h);
+                        l.set_lendable(lend);
+                        prop_assert!(l.lendable() <= l.held_back());
                     }
                 }
                 prop_assert!(l.check().is_ok());

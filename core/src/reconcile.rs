@@ -55,6 +55,9 @@ pub struct LiveEntry {
     pub running: bool,
     /// Preempted and waiting to resume: `bytes` is what it needs, not what it holds.
     pub resuming: bool,
+    /// Reserved elastically: what it holds past its reservation is borrowed, and the backend
+    /// takes it back (preempting it) when a reservation needs the blocks.
+    pub elastic: bool,
     pub prompt_tokens: u64,
     /// Its output cap at the backend.
     pub max_tokens: u64,
@@ -455,6 +458,7 @@ impl From<&LeaseReport> for BackendReport {
                     bytes: l.reserved_bytes.max(l.used_bytes),
                     running: l.state == crate::wire::LeaseState::Running,
                     resuming: l.resuming,
+                    elastic: l.elastic_output_tokens.is_some(),
                     prompt_tokens: l.prompt_tokens,
                     max_tokens: l.max_tokens,
                     used_tokens: l.used_tokens,
@@ -512,6 +516,10 @@ pub struct Reconciled {
     /// elastic sequences grown past their reservation (and block rounding). Expected, so not
     /// drift; held back from admission like any use the ledger does not count.
     pub grown_bytes: u64,
+    /// Of what is held back, what elastic sequences have borrowed and are running on: the
+    /// backend gives it back to a reservation on demand, so requests waiting in line may be
+    /// admitted into it (`Ledger::set_lendable`).
+    pub lendable: u64,
 }
 
 impl Reconciled {
@@ -564,6 +572,9 @@ pub fn reconcile(
                     resume = resume.max(grown);
                 } else {
                     needed = needed.saturating_add(grown);
+                    if e.elastic {
+                        out.lendable = out.lendable.saturating_add(grown);
+                    }
                 }
             }
             None => {
@@ -612,6 +623,8 @@ pub fn reconcile(
     out.other_gateways = others;
     out.held_back = base.saturating_add(spare / (others + 1) * others);
     ledger.set_held_back(out.held_back);
+    ledger.set_lendable(out.lendable);
+    out.lendable = ledger.lendable();
     out
 }
 
@@ -750,6 +763,55 @@ mod tests {
     }
 
     #[test]
+    fn only_what_elastic_sequences_borrowed_and_run_on_is_lent_to_requests_in_line() {
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 1_000, 0); // elastic, running 600 past its reservation
+        admit(&mut l, 2, 2_000, 0); // worst case, 100 of block rounding past it
+        admit(&mut l, 3, 1_000, 0); // elastic, preempted: needs 900 past it to resume
+        let entry = |id, bytes, elastic| LiveEntry {
+            id: Some(id),
+            bytes,
+            running: true,
+            elastic,
+            ..Default::default()
+        };
+        let report = BackendReport {
+            live: vec![1, 2, 3],
+            used_bytes: 1_600 + 2_100 + 1_000,
+            entries: vec![
+                entry(1, 1_600, true),
+                entry(2, 2_100, false),
+                LiveEntry {
+                    running: false,
+                    resuming: true,
+                    ..entry(3, 1_900, true)
+                },
+            ],
+            ..Default::default()
+        };
+        let r = reconcile(&mut l, &report, 100, 5_000, None, 0);
+        assert_eq!(r.held_back, 600 + 100 + 900);
+        // The rounding is no one's to give back, and the preempted one's need is its room to
+        // resume: only the running borrower's 600 is lent.
+        assert_eq!((r.lendable, l.lendable()), (600, 600));
+        // With another gateway on the backend, its share of the room is held back too, and
+        // none of it is lendable.
+        let mut shared = Ledger::new(10_000, 1);
+        admit(&mut shared, 1, 1_000, 0);
+        let mut two = report.clone();
+        two.live = vec![1];
+        two.entries.truncate(1);
+        two.entries.push(LiveEntry {
+            id: Some((7u64 << GATEWAY_SHIFT) | 1),
+            ..entry(0, 500, false)
+        });
+        two.used_bytes = 1_600 + 500;
+        let s = reconcile(&mut shared, &two, 100, 5_000, None, 0);
+        assert!(s.held_back > 600, "{}", s.held_back);
+        assert_eq!(shared.lendable(), 600);
+    }
+
+    #[test]
     fn finished_outputs_carry_the_class_the_gateway_named() {
         let body = br#"{"pool":{"capacity_bytes":1000,"used_bytes":0},
             "finished":[{"id":"1","reason":"stop","completion_tokens":7,"class":"batch"},
@@ -842,6 +904,7 @@ mod tests {
             bytes: 100,
             running: true,
             resuming: false,
+            elastic: false,
             prompt_tokens: 20,
             max_tokens: 1000,
             used_tokens: 21,
@@ -879,6 +942,7 @@ mod tests {
             bytes: 100,
             running: true,
             resuming: false,
+            elastic: false,
             prompt_tokens: 20,
             max_tokens: cap,
             used_tokens: 20 + generated,
@@ -930,6 +994,7 @@ mod tests {
             bytes: 100,
             running: true,
             resuming: false,
+            elastic: false,
             prompt_tokens,
             max_tokens: 400,
             used_tokens: prompt_tokens + 10,
@@ -979,6 +1044,7 @@ mod tests {
             bytes: 100,
             running: true,
             resuming: false,
+            elastic: false,
             prompt_tokens: 20,
             max_tokens: cap,
             used_tokens: 20 + generated,

@@ -30,6 +30,7 @@ pub fn status_json(ledger: &Ledger, cfg: &Config, tokenizer: &str) -> Value {
         "committed_bytes": ledger.committed(),
         "free_bytes": ledger.free(),
         "held_back_bytes": ledger.held_back(),
+        "lendable_bytes": ledger.lendable(),
         "claims": ledger.claims().len(),
         // Claim keys are hashes of callers' keys and bodies: internal, never shown to clients.
         "claim_list": ledger.claims().iter().map(|c| json!({

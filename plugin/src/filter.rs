@@ -119,6 +119,7 @@ impl Filter {
                     "other_model": h.mismatch,
                     "committed_bytes": ledger.committed(), "capacity_bytes": ledger.capacity(),
                     "free_bytes": ledger.free(), "held_back_bytes": ledger.held_back(),
+                    "lendable_bytes": ledger.lendable(),
                     "foreign_bytes": h.foreign_bytes, "foreign_leases": h.foreign_leases,
                     "live_leases": ledger.leases().len(),
                     "level": e.level(&ledger, &rt.cfg).as_str(),
