@@ -12,7 +12,7 @@
 //!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64 | active u8
 //!        | lendable u64
 //! ```
-//! 58 bytes per lease plus its class name, 41 per claim. The decoder checks every length and the ledger
+//! 58 bytes per lease plus its class name, 41 per claim, 8 after them. The decoder checks every length and the ledger
 //! invariant; garbage returns an error, never a panic.
 //!
 //! Versions 1 (no `held_back`, no lease owner), 2 (no claims), 3 (no lease eta) and 4 (no

@@ -205,7 +205,8 @@ pub fn decide(
                 preempted: Vec::new(),
             };
         }
-        if let Some(victims) = choose_victims(ledger, class, need, free) {
+        let own_held = holder.claim.map_or(0, |t| ledger.held_for(t.key));
+        if let Some(victims) = choose_victims(ledger, class, need, own_held) {
             // Evicted only if that admits it: a lease evicted for nothing would leave the
             // ledger while its request runs on.
             let before = ledger.clone();
@@ -299,22 +300,25 @@ fn admit_request<'a>(
 }
 
 /// The youngest leases (least work lost) of the classes `class` may preempt whose bytes, with
-/// what is free for this request (`free`: its own claim included), cover `need`; `None` when
-/// even all of them would not.
+/// what is free for this request (its own claim's `own_held` included), cover `need`; `None`
+/// when even all of them would not.
 ///
 /// What is free after an eviction is counted as the ledger will count it: the capacity less
 /// what stays committed and what is held back, less what claims hold, plus this request's own
-/// claim (`free` less the ledger's free). Held back can exceed what is uncommitted (right after
-/// an admission into borrowed bytes, until the next poll), and then an evicted lease's bytes
-/// first pay off that excess.
-fn choose_victims(ledger: &Ledger, class: &ClassPolicy, need: u64, free: u64) -> Option<Vec<u64>> {
+/// claim. Held back can exceed what is uncommitted (right after an admission into borrowed
+/// bytes, until the next poll), and then an evicted lease's bytes first pay off that excess.
+fn choose_victims(
+    ledger: &Ledger,
+    class: &ClassPolicy,
+    need: u64,
+    own_held: u64,
+) -> Option<Vec<u64>> {
     let mut candidates: Vec<&Lease> = ledger
         .leases()
         .iter()
         .filter(|l| class.preempts.contains(&l.class) && l.priority < class.priority)
         .collect();
     candidates.sort_by_key(|l| std::cmp::Reverse(l.created_ms));
-    let own_held = free.saturating_sub(ledger.free());
     let free_after = |evicted: u64| {
         ledger
             .capacity()
@@ -624,9 +628,10 @@ mod tests {
         }
         assert_eq!(l.leases().len(), 3, "no batch lease was cancelled");
         assert_eq!(l.counters().rejected, 0);
-        // Nothing borrowed is left to lend, and until the next poll what is held back (3.5k)
-        // is more than the 1k left uncommitted: the next vip cancels both batch leases (one
-        // would leave 500 free), never one for nothing.
+        // Of the 3k borrowed, 2.5k were lent; until the next poll what is held back (3.5k) is
+        // more than the 1k left uncommitted, and the 500 not lent yet do not cover another
+        // 3k: the next vip cancels both batch leases (one would leave 500 free), never one
+        // for nothing.
         match decide(&mut l, &c, &vip, &p3k, ANY, 3, 1) {
             Decision::Admitted { preempted, .. } => assert_eq!(preempted.len(), 2),
             other => panic!("{other:?}"),

@@ -538,12 +538,19 @@ impl Ledger {
         AdmitOutcome::Admitted { lease }
     }
 
-    /// Of what is lendable, what the capacity can hold now: held back may be more than what is
-    /// left uncommitted.
+    /// Of what is lendable, what may still be lent now. The rest of held back (block rounding,
+    /// use nobody reported, other gateways' share) can never be given back, so it stays out of
+    /// reach: what is poured into claims (the spare, then this) never goes past the capacity
+    /// less committed less that firm part. Held back may be more than is left uncommitted
+    /// (right after lent bytes were admitted, until the next poll), and what was lent since
+    /// the poll is then no longer lendable.
     fn lendable_now(&self) -> u64 {
-        self.lendable.min(self.held_back).min(
+        let lendable = self.lendable.min(self.held_back);
+        let firm = self.held_back - lendable;
+        lendable.min(
             self.capacity
                 .saturating_sub(self.committed)
+                .saturating_sub(firm)
                 .saturating_sub(self.unclaimed()),
         )
     }
@@ -958,15 +965,32 @@ mod tests {
         ));
         assert_eq!(l.committed(), 80);
         assert!(l.claims().is_empty());
-        // Nothing is free until the next poll sees the borrower give the blocks back.
+        // Nothing is free until the next poll sees the borrower give the blocks back, and of
+        // the 40 borrowed only the 15 not lent yet may still be lent (the 5 held back that
+        // nobody can give back stay out of reach): a second request in line for 20 waits.
         assert_eq!(l.free(), 0);
+        let second = |now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key: 8,
+                patience_ms: 1000,
+            }),
+            ..req(20, now)
+        };
+        for now in [4, 5] {
+            assert!(matches!(
+                l.try_admit(&second(now), &retry(), 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+        assert_eq!(l.held_for(8), 15);
         l.check().unwrap();
         // Lending never goes past what is held back; lendable follows held back down.
         l.set_held_back(10);
         assert_eq!(l.lendable(), 10);
         l.set_lendable(50);
         assert_eq!(l.lendable(), 10);
-        l.release(lease.id, 4);
+        l.release(lease.id, 6);
+        l.drop_claim(8);
         assert_eq!(l.free(), 100 - 30 - 10);
     }
 
@@ -1247,6 +1271,8 @@ mod tests {
                             AdmitOutcome::Admitted { lease } => {
                                 prop_assert_eq!(l.committed(), before + b);
                                 prop_assert_eq!(lease.bytes, b);
+                                // A newcomer is never lent anything held back.
+                                prop_assert!(l.committed() + l.held_back() <= l.capacity());
                             }
                             AdmitOutcome::Rejected { need, free, .. } => {
                                 prop_assert!(need > free);
@@ -1264,6 +1290,10 @@ mod tests {
                         if let AdmitOutcome::Admitted { .. } = l.try_admit(&r, &retry(), now) {
                             prop_assert_eq!(l.committed(), before + b);
                             prop_assert!(l.claims().iter().all(|c| c.key != key));
+                            // A request in line may be lent borrowed bytes, never the part of
+                            // held back that nobody can give back.
+                            let firm = l.held_back() - l.lendable();
+                            prop_assert!(l.committed() + firm <= l.capacity());
                         }
                     }
                     Op::Release(i) => {
@@ -1286,7 +1316,6 @@ mod tests {
                     Op::HoldBack(h, lend) => {
                         l.set_held_back(h);
                         l.set_lendable(lend);
-                        prop_assert!(l.lendable() <= l.held_back());
                     }
                 }
                 prop_assert!(l.check().is_ok());

@@ -516,9 +516,10 @@ pub struct Reconciled {
     /// elastic sequences grown past their reservation (and block rounding). Expected, so not
     /// drift; held back from admission like any use the ledger does not count.
     pub grown_bytes: u64,
-    /// Of what is held back, what elastic sequences have borrowed and are running on: the
-    /// backend gives it back to a reservation on demand, so requests waiting in line may be
-    /// admitted into it (`Ledger::set_lendable`).
+    /// Of what is held back, what elastic sequences hold past their reservations (decoding,
+    /// or part-way through a prefill; not a preempted one's need to resume): the backend gives
+    /// it back to a reservation on demand, so requests waiting in line may be admitted into it
+    /// (`Ledger::set_lendable`).
     pub lendable: u64,
 }
 
@@ -611,6 +612,16 @@ pub fn reconcile(
         .saturating_sub(ledger.committed())
         .max(out.foreign_bytes)
         .max(needed.saturating_add(resume));
+    // Lendable: the part of that the borrowers' growth makes up. Without the growth, what would
+    // still be held back (the firm part) stays held back; when foreign use is the larger term,
+    // the growth is hidden inside it and none of it can be lent.
+    let firm = report
+        .used_bytes
+        .saturating_sub(out.lendable)
+        .saturating_sub(ledger.committed())
+        .max(out.foreign_bytes)
+        .max(needed.saturating_sub(out.lendable).saturating_add(resume));
+    out.lendable = base.saturating_sub(firm);
     // Other gateways admit onto this backend too, and this one learns of it only at its next
     // poll: until then it takes only its share of the room free now, 1/(others + 1), so that
     // gateways racing for the same room rarely over-admit it (the backend refuses what they
@@ -807,8 +818,40 @@ mod tests {
         });
         two.used_bytes = 1_600 + 500;
         let s = reconcile(&mut shared, &two, 100, 5_000, None, 0);
-        assert!(s.held_back > 600, "{}", s.held_back);
+        // Base 1,100 (the growth and the other gateway's 500 the pool uses beyond the 1,000
+        // committed), plus half of the 10,000 − 1,000 − 1,100 left, the other gateway's share.
+        assert_eq!(s.held_back, 1_100 + 7_900 / 2);
         assert_eq!(shared.lendable(), 600);
+        // Foreign use (2,000, from requests that bypassed the gateways) larger than the
+        // growth: held back is that, the growth is inside it, and nothing can be lent (lent, a
+        // claim could be admitted into bytes the foreign requests really use).
+        let mut bypassed = Ledger::new(10_000, 1);
+        admit(&mut bypassed, 1, 1_000, 0);
+        admit(&mut bypassed, 2, 3_000, 0); // not at the backend yet
+        let foreign = BackendReport {
+            live: vec![1],
+            used_bytes: 1_600 + 2_000,
+            entries: vec![
+                entry(1, 1_600, true),
+                LiveEntry {
+                    id: None,
+                    ..entry(0, 2_000, false)
+                },
+            ],
+            ..Default::default()
+        };
+        let f = reconcile(&mut bypassed, &foreign, 100, 5_000, None, 0);
+        assert_eq!((f.held_back, f.lendable), (2_000, 0));
+        // More growth than foreign use: only the growth beyond what is firm is lent.
+        let mut grown = foreign.clone();
+        grown.entries[0].bytes = 3_500;
+        grown.used_bytes = 3_500 + 2_000;
+        let mut g_ledger = Ledger::new(10_000, 1);
+        admit(&mut g_ledger, 1, 1_000, 0);
+        admit(&mut g_ledger, 2, 3_000, 0);
+        let g = reconcile(&mut g_ledger, &grown, 100, 5_000, None, 0);
+        // Held back 2,500 (the growth); without it 2,000 (foreign) would still be: 500 lent.
+        assert_eq!((g.held_back, g.lendable), (2_500, 500));
     }
 
     #[test]
