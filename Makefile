@@ -106,7 +106,7 @@ backend-test-build:
 # small generated Llama-3- and Qwen-style GGUFs (tokenizer, template, stop ids checked against HF).
 test-backend: backend-test-build model setup-venv
 	cargo test --release -p kvgate-backend
-	cd tests && ../$(PY) -m pytest -q test_backend.py test_gguf_models.py
+	cd tests && ../$(PY) -m pytest -q --durations=8 test_backend.py test_gguf_models.py
 
 # Run the backend in the foreground on 127.0.0.1:8000 with the default model.
 backend: backend-build model
@@ -130,7 +130,7 @@ down:
 
 # The closed loop: Envoy + filter + the real backend with the real model.
 test-loop: wasm backend-test-build model setup-venv
-	cd tests && ../$(PY) -m pytest -q test_loop.py test_openai_client.py test_sustained.py test_fleet.py test_elastic.py
+	cd tests && ../$(PY) -m pytest -q --durations=12 test_loop.py test_openai_client.py test_sustained.py test_fleet.py test_elastic.py
 
 # Every config that ships: accepted by Envoy with the real filter; compose and Istio files parse.
 test-configs: wasm setup-venv setup-tools

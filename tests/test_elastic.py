@@ -16,6 +16,8 @@ import time
 
 import requests
 
+from harness import BLOCK_BYTES
+
 MODEL = "smollm2-135m-instruct"
 COUNTING = "1, 2, 3, 4,"  # greedy SmolLM2 keeps counting: a generation that runs to max_tokens
 
@@ -142,4 +144,61 @@ def test_elastic_classes_stay_at_the_worst_case_in_front_of_a_backend_that_does_
         "model": MODEL, "prompt": "Hi", "max_tokens": 400, "temperature": 0})
     assert r.status_code == 200, r.text
     assert gw.stats().get("kvgate.elastic_admitted", 0) == 0
+    drained(gw, b)
+
+
+def test_a_request_in_line_is_admitted_into_what_a_long_sequence_borrowed(stack):
+    # 16 blocks = 256 tokens. A counting stream reserves its prompt + 16 output tokens (the
+    # prior) and grows far past that on borrowed blocks. A request too big for what is free
+    # beside that growth waits in the gateway's queue, and is admitted into the borrowed blocks
+    # (the backend takes them back) while the long one is still running, not after it ends. The
+    # long one pauses and still ends at its cap with exactly the text it produces alone.
+    policy = elastic_policy(min_samples=512)
+    policy["policy"]["classes"]["default"].update(
+        {"action": "queue", "max_wait_ms": 60_000, "max_depth": 8})
+    gw, b = stack(16, policy, "--admission", "reserve")
+    active(gw)
+    alone = {}
+    stream(gw, 200, alone)
+    assert alone["status"] == 200 and alone["finish"] == "length", alone
+    drained(gw, b)
+    long, ended = {"chunks": 0}, {}
+
+    def run_long():
+        r = requests.post(gw.url + "/v1/completions", stream=True, timeout=180, json={
+            "model": MODEL, "prompt": COUNTING, "max_tokens": 200, "temperature": 0,
+            "stream": True})
+        long["status"], text = r.status_code, []
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                c = json.loads(line[6:]).get("choices") or [{}]
+                text.append(c[0].get("text", ""))
+                long["finish"] = c[0].get("finish_reason") or long.get("finish")
+                long["chunks"] += 1
+        long["text"] = "".join(text)
+        ended["long"] = time.monotonic()
+    t = threading.Thread(target=run_long)
+    t.start()
+    # (What the previous run held back and lent stays until the next poll: wait for this one.)
+    s = gw.wait_for(lambda s: s["leases"] == 1 and s["lendable_bytes"] >= 6 * BLOCK_BYTES, 60,
+                    "the long one borrowing")
+    # Priced (prompt + 4 output tokens + one block of margin) at what is free beside the growth
+    # plus half of what the long one borrowed: it does not fit without taking some back.
+    bpt = s["model"]["kv_bytes_per_token"]
+    n = (s["free_bytes"] + s["lendable_bytes"] // 2 - BLOCK_BYTES) // bpt - 4
+    assert n > 0, s
+    refused = s["counters"]["rejected"]
+    r = requests.post(gw.url + "/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": [1] * n, "max_tokens": 4, "temperature": 0})
+    ended["waiter"], streamed = time.monotonic(), long["chunks"]
+    assert r.status_code == 200, r.text
+    # Done while the long one had tens of tokens to go (it pauses for it), not once it ended.
+    assert "long" not in ended and streamed <= 180, streamed
+    t.join(timeout=180)
+    assert gw.status()["counters"]["rejected"] > refused, "it waited in line first"
+    assert long["status"] == 200 and long["finish"] == "length", long
+    assert long["text"] == alone["text"], "paused without a token lost or repeated"
+    m = b.metrics()
+    assert m["kvgate_backend_recompute_preemptions_total"] >= 1
+    assert m["kvgate_backend_kv_oom_total"] == 0
     drained(gw, b)
