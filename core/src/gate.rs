@@ -551,20 +551,26 @@ mod tests {
         );
     }
 
-    #[test]
-    fn preempt_evicts_the_youngest_lower_class_leases() {
+    /// A 10k-token budget; batch (priority 1) and vip (5, preempts batch) beside the default
+    /// class; a request of 3k tokens.
+    fn preempting_classes() -> (Config, ClassPolicy, ClassPolicy, ClassPolicy, Priced) {
         let c = cfg(
             r#"{"classes":{"default":{},"batch":{"priority":1},"vip":{"priority":5,"preempts":["batch"]}}}"#,
             10_000,
         );
-        let batch = c.policy.get("batch").unwrap().clone();
-        let vip = c.policy.get("vip").unwrap().clone();
-        let def = c.policy.get("default").unwrap().clone();
-        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let class = |n: &str| c.policy.get(n).unwrap().clone();
+        let (batch, vip, def) = (class("batch"), class("vip"), class("default"));
         let p3k = priced(
             &c,
             &format!(r#"{{"prompt":{:?},"max_tokens":2900}}"#, vec![1; 100]),
         );
+        (c, batch, vip, def, p3k)
+    }
+
+    #[test]
+    fn preempt_evicts_the_youngest_lower_class_leases() {
+        let (c, batch, vip, def, p3k) = preempting_classes();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
         // t=0 default 3k, t=1 batch 3k, t=2 batch 3k: 9k of 10k.
         for (t, class) in [(0, &def), (1, &batch), (2, &batch)] {
             assert!(matches!(
@@ -599,17 +605,8 @@ mod tests {
 
     #[test]
     fn a_preempting_class_takes_back_borrowed_blocks_before_it_cancels_anyone() {
-        let c = cfg(
-            r#"{"classes":{"default":{},"batch":{"priority":1},"vip":{"priority":5,"preempts":["batch"]}}}"#,
-            10_000,
-        );
-        let batch = c.policy.get("batch").unwrap().clone();
-        let vip = c.policy.get("vip").unwrap().clone();
+        let (c, batch, vip, _, p3k) = preempting_classes();
         let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
-        let p3k = priced(
-            &c,
-            &format!(r#"{{"prompt":{:?},"max_tokens":2900}}"#, vec![1; 100]),
-        );
         for t in 0..2 {
             assert!(matches!(
                 decide(&mut l, &c, &batch, &p3k, ANY, t, 1),

@@ -599,28 +599,32 @@ pub fn reconcile(
             }
         }
     }
-    // Held back: what the backend uses beyond this ledger, what other gateways' leases hold,
-    // or what this ledger's own leases hold or need there beyond their reservations, whichever
-    // is most. Own leases: the growth elastic sequences hold, and room for the preempted
+    // Held back: what the backend uses beyond this ledger, or what foreign leases hold there
+    // plus what this ledger's own leases hold or need beyond their reservations, whichever is
+    // more (the two are different blocks: with both, their sum is in use beyond the ledger
+    // even while its own reservations are not filled yet). Own leases: the growth elastic
+    // sequences hold, and room for the preempted
     // sequence that needs the most to resume. Not every preempted one's need: they resume one
     // at a time as room frees, so holding back their sum (which can exceed the pool) would
     // stop every admission until all had resumed, while the room beyond the largest need
     // stays idle. Right after a poll, what this ledger admits leaves the largest need free;
     // until the next one, a smaller need that resumed first may take part of it.
-    let base = report
-        .used_bytes
-        .saturating_sub(ledger.committed())
-        .max(out.foreign_bytes)
-        .max(needed.saturating_add(resume));
+    let base = report.used_bytes.saturating_sub(ledger.committed()).max(
+        out.foreign_bytes
+            .saturating_add(needed)
+            .saturating_add(resume),
+    );
     // Lendable: the part of that the borrowers' growth makes up. Without the growth, what would
-    // still be held back (the firm part) stays held back; when foreign use is the larger term,
-    // the growth is hidden inside it and none of it can be lent.
+    // still be held back (the firm part) stays held back.
     let firm = report
         .used_bytes
         .saturating_sub(out.lendable)
         .saturating_sub(ledger.committed())
-        .max(out.foreign_bytes)
-        .max(needed.saturating_sub(out.lendable).saturating_add(resume));
+        .max(
+            out.foreign_bytes
+                .saturating_add(needed.saturating_sub(out.lendable))
+                .saturating_add(resume),
+        );
     out.lendable = base.saturating_sub(firm);
     // Other gateways admit onto this backend too, and this one learns of it only at its next
     // poll: until then it takes only its share of the room free now, 1/(others + 1), so that
@@ -822,9 +826,9 @@ mod tests {
         // committed), plus half of the 10,000 − 1,000 − 1,100 left, the other gateway's share.
         assert_eq!(s.held_back, 1_100 + 7_900 / 2);
         assert_eq!(shared.lendable(), 600);
-        // Foreign use (2,000, from requests that bypassed the gateways) larger than the
-        // growth: held back is that, the growth is inside it, and nothing can be lent (lent, a
-        // claim could be admitted into bytes the foreign requests really use).
+        // Foreign use (2,000, from requests that bypassed the gateways) beside the growth
+        // (600) while lease 2 is not at the backend yet: both are held back, though the pool
+        // uses less than is committed, and only the growth is lent (not the foreign bytes).
         let mut bypassed = Ledger::new(10_000, 1);
         admit(&mut bypassed, 1, 1_000, 0);
         admit(&mut bypassed, 2, 3_000, 0); // not at the backend yet
@@ -841,8 +845,11 @@ mod tests {
             ..Default::default()
         };
         let f = reconcile(&mut bypassed, &foreign, 100, 5_000, None, 0);
-        assert_eq!((f.held_back, f.lendable), (2_000, 0));
-        // More growth than foreign use: only the growth beyond what is firm is lent.
+        assert_eq!((f.held_back, f.lendable), (2_600, 600));
+        // All 4,000 committed plus 2,600 in use beyond them: 3,400 free, as in the pool once
+        // lease 2 arrives.
+        assert_eq!(bypassed.free(), 10_000 - 4_000 - 2_600);
+        // More growth than foreign use: the growth is lent, the foreign use never.
         let mut grown = foreign.clone();
         grown.entries[0].bytes = 3_500;
         grown.used_bytes = 3_500 + 2_000;
@@ -850,8 +857,7 @@ mod tests {
         admit(&mut g_ledger, 1, 1_000, 0);
         admit(&mut g_ledger, 2, 3_000, 0);
         let g = reconcile(&mut g_ledger, &grown, 100, 5_000, None, 0);
-        // Held back 2,500 (the growth); without it 2,000 (foreign) would still be: 500 lent.
-        assert_eq!((g.held_back, g.lendable), (2_500, 500));
+        assert_eq!((g.held_back, g.lendable), (2_000 + 2_500, 2_500));
     }
 
     #[test]
