@@ -187,16 +187,16 @@ def test_preempt_cancels_the_youngest_lower_class_stream(stack):
 
 def test_queue_waits_for_budget_then_times_out(stack):
     policy = {"classes": {"default": {"action": "queue", "max_wait_ms": 30000, "max_depth": 4}}}
-    gw, b = stack(64, {"policy": policy})
-    # 921 tokens usable: 400 (+prompt, +1 block) now, 700 (+...) next does not fit.
-    t, res = long_stream(gw, 400)
+    gw, b = stack(32, {"policy": policy})
+    # 460 tokens usable: 200 (+prompt, +1 block) now, 300 (+...) next does not fit beside it.
+    t, res = long_stream(gw, 200)
     gw.wait_for(lambda s: s["leases"] == 1)
     t0 = time.time()
     r2 = {}
-    # Not a timing test: it waits for the 400-token stream (about 20 s on this repository's
-    # 2-core CPU) and then decodes 700 tokens of its own (about 40 s), unstreamed.
+    # Not a timing test: it waits for the 200-token stream (about 10 s on this repository's
+    # 2-core CPU) and then decodes 300 tokens of its own (about 17 s), unstreamed.
     t2 = threading.Thread(target=lambda: r2.update(r=requests.post(gw.url + "/v1/completions", timeout=180,
-                          json={"model": MODEL, "prompt": COUNTING, "max_tokens": 700, "temperature": 0})))
+                          json={"model": MODEL, "prompt": COUNTING, "max_tokens": 300, "temperature": 0})))
     t2.start()
     gw.wait_for(lambda s: s["queued"] == 1, what="the second request to queue")
     t.join()
@@ -205,15 +205,15 @@ def test_queue_waits_for_budget_then_times_out(stack):
     assert time.time() - t0 > 1.0, "it waited for the first to finish"
     drained(gw, b)
     # A short max_wait answers 429 with the queue's reason when budget never frees.
-    gw2, b2 = stack(64, {"policy": {"classes": {"default": {"action": "queue", "max_wait_ms": 300, "max_depth": 4}}}})
-    t, res = long_stream(gw2, 400)
+    gw2, b2 = stack(32, {"policy": {"classes": {"default": {"action": "queue", "max_wait_ms": 300, "max_depth": 4}}}})
+    t, res = long_stream(gw2, 200)
     gw2.wait_for(lambda s: s["leases"] == 1)
     r = requests.post(gw2.url + "/v1/completions", timeout=30,
-                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 700, "temperature": 0})
+                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 300, "temperature": 0})
     assert r.status_code == 429
     assert r.json()["error"]["code"] == "kv_queue_timeout"
     assert "retry-after" in r.headers
-    # Told how long the 400-token stream ahead of it will likely take, not the shortest wait
+    # Told how long the 200-token stream ahead of it will likely take, not the shortest wait
     # (the shipped min_ms, 500), which would bring it straight back to the same queue.
     assert int(r.headers["retry-after-ms"]) > 500, r.headers
     t.join()
