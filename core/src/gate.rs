@@ -303,10 +303,10 @@ fn admit_request<'a>(
 /// what is free for this request (its own claim's `own_held` included), cover `need`; `None`
 /// when even all of them would not.
 ///
-/// What is free after an eviction is counted as the ledger will count it: the capacity less
-/// what stays committed and what is held back, less what claims hold, plus this request's own
-/// claim. Held back can exceed what is uncommitted (right after an admission into borrowed
-/// bytes, until the next poll), and then an evicted lease's bytes first pay off that excess.
+/// What is free after an eviction is counted as the ledger will count it
+/// (`Ledger::free_after_evicting`, plus this request's own claim): held back can exceed what
+/// is uncommitted (right after an admission into borrowed bytes, until the next poll), and
+/// then an evicted lease's bytes first pay off that excess.
 fn choose_victims(
     ledger: &Ledger,
     class: &ClassPolicy,
@@ -319,14 +319,7 @@ fn choose_victims(
         .filter(|l| class.preempts.contains(&l.class) && l.priority < class.priority)
         .collect();
     candidates.sort_by_key(|l| std::cmp::Reverse(l.created_ms));
-    let free_after = |evicted: u64| {
-        ledger
-            .capacity()
-            .saturating_sub(ledger.committed().saturating_sub(evicted))
-            .saturating_sub(ledger.held_back())
-            .saturating_sub(ledger.claimed())
-            .saturating_add(own_held)
-    };
+    let free_after = |evicted: u64| ledger.free_after_evicting(evicted).saturating_add(own_held);
     let mut evicted = 0u64;
     let mut ids = Vec::new();
     for l in candidates {

@@ -257,6 +257,15 @@ impl Ledger {
         self.unclaimed().saturating_sub(self.claimed())
     }
 
+    /// What `free()` will be once leases holding `evicted` bytes are gone (before anything
+    /// is settled again): their bytes first pay off any held back beyond what is uncommitted.
+    pub fn free_after_evicting(&self, evicted: u64) -> u64 {
+        self.capacity
+            .saturating_sub(self.committed.saturating_sub(evicted))
+            .saturating_sub(self.held_back)
+            .saturating_sub(self.claimed())
+    }
+
     /// Capacity less committed and held back (claims included).
     fn unclaimed(&self) -> u64 {
         self.capacity
@@ -352,7 +361,6 @@ impl Ledger {
     fn settle_claims(&mut self, now_ms: u64) {
         self.claims.retain(|c| c.expires_ms > now_ms);
         let mut spare = self.unclaimed();
-        // Never past the capacity: what is held back may be more than is left uncommitted.
         let mut lend = self.lendable_now();
         for c in &mut self.claims {
             if !c.active {
@@ -524,18 +532,25 @@ impl Ledger {
                 retry_after: Some(retry_after),
             };
         }
-        let id = self.take_id(req.id);
-        let lease = Lease::of(req, id);
-        // Admitted: its claim (if any) is spent; what it held is part of `free` above.
+        // bytes ≤ free ≤ capacity − committed (what a claim holds comes from what is not
+        // committed, or from lent bytes, which are part of held back).
+        AdmitOutcome::Admitted {
+            lease: self.grant(req, own),
+        }
+    }
+
+    /// Reserve for `req`, whose bytes the caller found room for (within capacity − committed):
+    /// its claim (`own`, if any) is spent, what it held being part of that room.
+    fn grant(&mut self, req: &AdmitRequest<'_>, own: Option<usize>) -> Lease {
         if let Some(i) = own {
             self.claims.remove(i);
         }
-        // bytes ≤ free ≤ capacity − committed (what a claim holds comes from what is not
-        // committed, or from lent bytes, which are part of held back), so this cannot overflow.
-        self.committed += req.bytes;
+        let id = self.take_id(req.id);
+        let lease = Lease::of(req, id);
+        self.committed = self.committed.saturating_add(req.bytes);
         self.counters.admitted = self.counters.admitted.saturating_add(1);
         self.leases.push(lease.clone());
-        AdmitOutcome::Admitted { lease }
+        lease
     }
 
     /// Of what is lendable, what may still be lent now. The rest of held back (block rounding,
@@ -572,16 +587,8 @@ impl Ledger {
         if req.bytes > room || req.id.is_some_and(|id| id == 0 || self.lease(id).is_some()) {
             return None;
         }
-        if let Some(i) = own {
-            self.claims.remove(i);
-        }
-        let id = self.take_id(req.id);
-        let lease = Lease::of(req, id);
         // bytes ≤ room ≤ capacity − committed: committed stays within the capacity.
-        self.committed = self.committed.saturating_add(req.bytes);
-        self.counters.admitted = self.counters.admitted.saturating_add(1);
-        self.leases.push(lease.clone());
-        Some(lease)
+        Some(self.grant(req, own))
     }
 
     /// The id a new lease gets: the caller's, or the next one.
