@@ -540,6 +540,8 @@ struct Seq {
     generated: u64,
     /// Tokens it will produce: min(true length, max_tokens).
     target: u64,
+    /// It ends at its cap, not by itself (a censored output length for elastic classes).
+    to_cap: bool,
     /// Tokens in its KV cache (None: not prefilled, or preempted).
     kv: Option<u64>,
     blocks: u64,
@@ -597,7 +599,7 @@ fn take<T>(v: &mut Vec<T>, i: usize) -> Option<T> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Note {
     FirstToken,
-    Done(u64),
+    Done(u64, bool),
     KvOom,
     Preempted,
     /// The backend's own 429 (Retry-After 1 s).
@@ -709,6 +711,7 @@ impl Backend {
                         prompt,
                         generated: 0,
                         target: true_len.min(max_tokens).max(1),
+                        to_cap: true_len >= max_tokens,
                         kv: None,
                         blocks,
                         order: self.arrivals,
@@ -783,8 +786,8 @@ impl Backend {
     fn accept_token(&mut self, mut seq: Seq, later: &mut Vec<(usize, Note)>) {
         seq.generated += 1;
         if seq.generated >= seq.target {
-            let n = seq.generated;
-            self.end(seq, Note::Done(n), later);
+            let (n, to_cap) = (seq.generated, seq.to_cap);
+            self.end(seq, Note::Done(n, to_cap), later);
         } else {
             self.running.push(seq);
         }
@@ -1673,14 +1676,17 @@ impl<'a> Sim<'a> {
                     s.ttft.get_or_insert(now - first);
                 }
             }
-            Note::Done(tokens) => {
+            Note::Done(tokens, at_cap) => {
                 if let Some(s) = self.reqs.get_mut(r) {
                     s.tokens = tokens;
                 }
                 release(self);
                 if let Some(gw) = self.gw.as_mut() {
                     let name = gw.class(class).name;
-                    gw.learned.entry(name).or_default().push(tokens);
+                    gw.learned
+                        .entry(name)
+                        .or_default()
+                        .push_output(tokens, at_cap);
                 }
                 self.resolve(r, Outcome::Ok);
                 self.drain();

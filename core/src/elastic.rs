@@ -120,29 +120,54 @@ impl ElasticPolicy {
 /// Finished outputs kept per class.
 pub const OUTPUTS_KEPT: usize = 512;
 
-/// The output lengths of a class's most recent finished requests (ones that stopped by
-/// themselves or at their cap; a cut-short request says nothing of how long it would have run).
+/// The output lengths of a class's most recent finished requests: ones that stopped by
+/// themselves, and ones cut at their cap (`at_cap`). A cut-short request (an error, a client
+/// abort) says nothing of how long it would have run and is not pushed.
+///
+/// An output cut at its cap is *censored*: it would have run at least that long. Counting it as
+/// if it had stopped there pulls the quantile down whenever a class mixes small and big caps (a
+/// hundred requests capped at 16 would make a 0.9 quantile of 16 for the class's 2,000-token
+/// requests too). The quantile is therefore read from the Kaplan–Meier estimate of the output
+/// length distribution, which lets a censored output count only while it is still running;
+/// without censored samples that is exactly the empirical (nearest-rank) quantile.
+///
 /// Kept in arrival order (to drop the oldest) and sorted (so a quantile, read on every request
-/// of an elastic class, is an index, not a sort).
+/// of an elastic class, is an index without censored samples and one pass over at most
+/// [`OUTPUTS_KEPT`] samples with them, not a sort).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OutputLengths {
-    recent: VecDeque<u64>,
-    sorted: Vec<u64>,
+    recent: VecDeque<Sample>,
+    /// Ascending; at equal lengths an output that stopped by itself comes before one cut at its
+    /// cap (an event before a censoring, as Kaplan–Meier counts ties).
+    sorted: Vec<Sample>,
+    censored: usize,
 }
 
+/// (tokens, cut at the cap): ordered as [`OutputLengths::sorted`] needs.
+type Sample = (u64, bool);
+
 impl OutputLengths {
-    /// O(kept): learned at each poll, off the request path.
+    /// An output that stopped by itself after `tokens`.
     pub fn push(&mut self, tokens: u64) {
+        self.push_output(tokens, false);
+    }
+
+    /// One finished output; `at_cap`: it was cut at its cap (it would have run at least this
+    /// long). O(kept): learned at each poll, off the request path.
+    pub fn push_output(&mut self, tokens: u64, at_cap: bool) {
         if self.recent.len() == OUTPUTS_KEPT {
             if let Some(old) = self.recent.pop_front() {
                 if let Ok(i) = self.sorted.binary_search(&old) {
                     self.sorted.remove(i);
+                    self.censored -= usize::from(old.1);
                 }
             }
         }
-        self.recent.push_back(tokens);
-        let at = self.sorted.partition_point(|t| *t <= tokens);
-        self.sorted.insert(at, tokens);
+        let sample = (tokens, at_cap);
+        self.recent.push_back(sample);
+        let at = self.sorted.partition_point(|s| *s <= sample);
+        self.sorted.insert(at, sample);
+        self.censored += usize::from(at_cap);
     }
 
     pub fn len(&self) -> usize {
@@ -153,12 +178,32 @@ impl OutputLengths {
         self.recent.is_empty()
     }
 
-    /// The `permille`/1000 quantile (nearest rank, rounding up: at least that share of the
-    /// samples are at or below it). `None` without samples.
+    /// The `permille`/1000 quantile: the shortest length that at least that share of the
+    /// outputs are estimated not to run past (Kaplan–Meier; without censored samples the
+    /// nearest rank, rounding up). `None` without samples. When more than the rest of the share
+    /// was cut at caps longer than every output that stopped by itself, the estimate never
+    /// reaches the share: the longest output kept, a lower bound of the quantile.
     pub fn quantile(&self, permille: u16) -> Option<u64> {
         let n = self.sorted.len();
-        let rank = (n * usize::from(permille.min(1000))).div_ceil(1000).max(1);
-        self.sorted.get(rank.checked_sub(1)?).copied()
+        let permille = usize::from(permille.min(1000));
+        if self.censored == 0 {
+            let rank = (n * permille).div_ceil(1000).max(1);
+            return self.sorted.get(rank.checked_sub(1)?).map(|s| s.0);
+        }
+        let share = permille as f64 / 1000.0;
+        let mut survival = 1.0f64;
+        for (i, (tokens, at_cap)) in self.sorted.iter().enumerate() {
+            if *at_cap {
+                continue; // leaves the risk set without an event
+            }
+            let at_risk = (n - i) as f64;
+            survival *= 1.0 - 1.0 / at_risk;
+            // The tolerance keeps exact shares (9 of 10 for 0.9) exact in floating point.
+            if 1.0 - survival >= share - 1e-9 {
+                return Some(*tokens);
+            }
+        }
+        self.sorted.last().map(|s| s.0)
     }
 }
 
@@ -206,6 +251,86 @@ mod tests {
         );
         l.push(1_000);
         assert_eq!(l.quantile(0), Some(9), "then 1");
+    }
+
+    #[test]
+    fn outputs_cut_at_small_caps_do_not_pull_down_the_quantile_of_long_ones() {
+        // 80 requests capped at 16, all cut there; 20 with big caps that stopped at 200..=219.
+        let mut l = OutputLengths::default();
+        for _ in 0..80 {
+            l.push_output(16, true);
+        }
+        for t in 200..220 {
+            l.push(t);
+        }
+        // Counted as stops, the 0.9 quantile would be 210; counted as "at least 16", every
+        // output that stopped by itself stopped at 200 or later, so the estimate is theirs:
+        // the 0.9 quantile of 200..=219 (nearest rank 18 of 20).
+        assert_eq!(l.quantile(900), Some(217));
+        assert_eq!(l.quantile(500), Some(209));
+        let naive = lengths(
+            &std::iter::repeat_n(16, 80)
+                .chain(200..220)
+                .collect::<Vec<_>>(),
+        );
+        assert_eq!(naive.quantile(500), Some(16), "what the old estimate said");
+    }
+
+    #[test]
+    fn kaplan_meier_counts_a_censored_output_while_it_runs_and_stops_there() {
+        // Stops at 1, 3, 5; one cut at 2, one at 4 (the classic worked example):
+        // S(1) = 4/5, S(3) = 4/5 * 2/3 = 8/15, S(5) = 0.
+        let mut l = OutputLengths::default();
+        for (t, cut) in [(1, false), (2, true), (3, false), (4, true), (5, false)] {
+            l.push_output(t, cut);
+        }
+        assert_eq!(l.quantile(200), Some(1), "F(1) = 0.2");
+        assert_eq!(l.quantile(201), Some(3), "F(3) = 7/15 = 0.467");
+        assert_eq!(l.quantile(467), Some(5));
+        assert_eq!(l.quantile(466), Some(3));
+        assert_eq!(l.quantile(1000), Some(5));
+        // A tie: at equal lengths the stop counts before the cut.
+        let mut l = OutputLengths::default();
+        for (t, cut) in [(4, true), (4, false)] {
+            l.push_output(t, cut);
+        }
+        assert_eq!(l.quantile(500), Some(4), "S(4) = 1/2");
+    }
+
+    #[test]
+    fn when_most_outputs_run_to_their_caps_the_quantile_is_the_longest_kept() {
+        let mut l = OutputLengths::default();
+        for t in [10, 20] {
+            l.push(t);
+        }
+        for t in [300, 350, 399] {
+            l.push_output(t, true);
+        }
+        // F never passes 0.4 (two stops of five at risk from the start).
+        assert_eq!(l.quantile(400), Some(20));
+        assert_eq!(
+            l.quantile(900),
+            Some(399),
+            "a lower bound: the longest kept"
+        );
+        // Without censoring the same lengths give the same nearest-rank answer as ever.
+        let plain = lengths(&[10, 20, 300, 350, 399]);
+        assert_eq!(plain.quantile(900), Some(399));
+        assert_eq!(plain.quantile(400), Some(20));
+    }
+
+    #[test]
+    fn a_censored_output_dropped_from_the_window_is_forgotten() {
+        let mut l = OutputLengths::default();
+        l.push_output(8, true);
+        for t in 0..OUTPUTS_KEPT as u64 - 1 {
+            l.push(100 + t % 10);
+        }
+        assert_eq!(l.censored, 1);
+        l.push(100);
+        assert_eq!(l.censored, 0);
+        assert_eq!(l.len(), OUTPUTS_KEPT);
+        assert!(l.sorted.iter().all(|s| !s.1));
     }
 
     #[test]

@@ -37,7 +37,7 @@ pub struct BackendReport {
     /// cursor.
     pub finished_outputs: Vec<Output>,
     /// The same outputs with the class the gateway named for them (those that had one).
-    pub class_outputs: Vec<(String, u64)>,
+    pub class_outputs: Vec<(String, Output)>,
     /// The backend's admission mode (`reserve`, `prompt`, `none`; empty from an older backend).
     pub admission: String,
     /// The margin its block rounding needs on every reservation (`None` from an older backend).
@@ -393,6 +393,18 @@ fn certain_at_the_end(mut law: Law) -> Law {
 pub const JOINT_SAMPLES: usize = 63;
 
 impl BackendReport {
+    /// What a finished request says of output lengths: one that stopped by itself or at its
+    /// cap; nothing from one cut short (an error, a cancel: how long it would have run is
+    /// unknown).
+    fn learned_output(f: &crate::wire::FinishedEntry) -> Option<Output> {
+        use crate::wire::FinishReason;
+        matches!(f.reason, FinishReason::Stop | FinishReason::Length).then(|| Output {
+            tokens: f.completion_tokens,
+            at_cap: f.reason == FinishReason::Length,
+            prompt_tokens: f.prompt_tokens,
+        })
+    }
+
     /// Does this backend serve the model priced with `spec` (named `model`)? The KV shape and
     /// the name must agree; the context may differ (each backend advertises what its own pool
     /// holds). Without a reported spec, the fingerprints must agree.
@@ -464,33 +476,13 @@ impl From<&LeaseReport> for BackendReport {
                     used_tokens: l.used_tokens,
                 })
                 .collect(),
-            finished_outputs: r
-                .finished
-                .iter()
-                .filter(|f| {
-                    matches!(
-                        f.reason,
-                        crate::wire::FinishReason::Stop | crate::wire::FinishReason::Length
-                    )
-                })
-                .map(|f| Output {
-                    tokens: f.completion_tokens,
-                    at_cap: f.reason == crate::wire::FinishReason::Length,
-                    prompt_tokens: f.prompt_tokens,
-                })
-                .collect(),
+            finished_outputs: r.finished.iter().filter_map(Self::learned_output).collect(),
             admission: r.admission.clone(),
             class_outputs: r
                 .finished
                 .iter()
-                .filter(|f| {
-                    !f.class.is_empty()
-                        && matches!(
-                            f.reason,
-                            crate::wire::FinishReason::Stop | crate::wire::FinishReason::Length
-                        )
-                })
-                .map(|f| (f.class.clone(), f.completion_tokens))
+                .filter(|f| !f.class.is_empty())
+                .filter_map(|f| Some((f.class.clone(), Self::learned_output(f)?)))
                 .collect(),
         }
     }
@@ -865,14 +857,22 @@ mod tests {
         let body = br#"{"pool":{"capacity_bytes":1000,"used_bytes":0},
             "finished":[{"id":"1","reason":"stop","completion_tokens":7,"class":"batch"},
                         {"id":"2","reason":"length","completion_tokens":9},
+                        {"id":"4","reason":"length","completion_tokens":16,"class":"batch"},
                         {"id":"3","reason":"cancelled","completion_tokens":2,"class":"batch"}]}"#;
         let r = BackendReport::parse(body).unwrap();
         // The one that ran to its cap is marked: it would have run at least that long.
         assert_eq!(
             r.finished_outputs,
-            vec![Output::stopped(7), Output::capped(9)]
+            vec![Output::stopped(7), Output::capped(9), Output::capped(16)]
         );
-        assert_eq!(r.class_outputs, vec![("batch".to_string(), 7)]);
+        // Per class too: the elastic quantile counts an output cut at its cap as censored.
+        assert_eq!(
+            r.class_outputs,
+            vec![
+                ("batch".to_string(), Output::stopped(7)),
+                ("batch".to_string(), Output::capped(16))
+            ]
+        );
     }
 
     #[test]

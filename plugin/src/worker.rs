@@ -11,6 +11,7 @@ use kvgate_core::config::{Config, MAX_GATEWAY_ID};
 use kvgate_core::elastic::OutputLengths;
 use kvgate_core::fleet::{self, View};
 use kvgate_core::queue::AdmissionQueue;
+use kvgate_core::reconcile::Output;
 use kvgate_core::retry::splitmix64;
 use kvgate_core::{ClassPolicy, ErrorKind, Ledger, Level, Reservation, TokenCounter};
 
@@ -318,13 +319,17 @@ impl Worker {
     }
 
     /// Learn the output lengths of finished requests of the configured classes.
-    pub fn learn_outputs(&self, cfg: &Config, outputs: &[(String, u64)]) {
+    pub fn learn_outputs(&self, cfg: &Config, outputs: &[(String, Output)]) {
         let mut learned = self.outputs.borrow_mut();
-        for (class, tokens) in outputs {
+        for (class, out) in outputs {
             if cfg.policy.get(class).is_none() {
                 continue;
             }
-            learned.entry(class.clone()).or_default().push(*tokens);
+            // An output cut at its cap counts as "at least this long" (censored).
+            learned
+                .entry(class.clone())
+                .or_default()
+                .push_output(out.tokens, out.at_cap);
         }
     }
 

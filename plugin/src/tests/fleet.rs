@@ -386,7 +386,7 @@ fn lease_ids_carry_the_gateway_id() {
 #[test]
 fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backend() {
     let policy = json!({"classes": {"default": {"reservation": "elastic",
-        "elastic_min_samples": 2, "elastic_prior_tokens": 10}}});
+        "elastic_min_samples": 2, "elastic_prior_tokens": 10, "elastic_quantile": 0.5}}});
     let mut cfg = fleet(&[A], json!({}));
     cfg["policy"] = policy;
     let mut vm = start(10_000, cfg);
@@ -419,13 +419,17 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     vm.respond_from(s, 200, A);
     vm.finish(s);
 
-    // The backend reports two outputs of the class (and one cut short, which says nothing).
+    // The backend reports four outputs of the class: two that stopped by themselves (40, 60)
+    // and two cut at a cap of 10, which would have run at least that long (and one cut short,
+    // which says nothing).
     poll_round(&vm, |_| {
         let doc = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
-            "admission": "reserve", "leases": [], "cursor": 3, "finished": [
-                {"cursor": 1, "id": "1", "reason": "stop", "completion_tokens": 30, "class": "default"},
-                {"cursor": 2, "id": "2", "reason": "length", "completion_tokens": 50, "class": "default"},
-                {"cursor": 3, "id": "3", "reason": "cancelled", "completion_tokens": 900, "class": "default"}]});
+            "admission": "reserve", "leases": [], "cursor": 5, "finished": [
+                {"cursor": 1, "id": "1", "reason": "stop", "completion_tokens": 40, "class": "default"},
+                {"cursor": 2, "id": "2", "reason": "length", "completion_tokens": 10, "class": "default"},
+                {"cursor": 3, "id": "3", "reason": "cancelled", "completion_tokens": 900, "class": "default"},
+                {"cursor": 4, "id": "4", "reason": "length", "completion_tokens": 10, "class": "default"},
+                {"cursor": 5, "id": "5", "reason": "stop", "completion_tokens": 60, "class": "default"}]});
         (200, doc.to_string().into_bytes())
     });
     let st = vm.open("GET", "/kvgate/status", &[], b"");
@@ -433,18 +437,19 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     let e = Vm::replies(st)[0].json()["elastic"]["default"].clone();
     assert_eq!(
         (e["samples"].clone(), e["learned_tokens"].clone()),
-        (json!(2), json!(50))
+        (json!(4), json!(40))
     );
 
-    // Learned: the 0.9 quantile of {30, 50}.
+    // Learned: the median. Counted as stops, the two cut at 10 would make it 10; as censored
+    // (Kaplan–Meier) half of the outputs are estimated to run past 10, and it is 40.
     let (s, _) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
     assert_eq!(
         Vm::request_header(s, "x-kvgate-reserve-output").as_deref(),
-        Some("50")
+        Some("40")
     );
     assert_eq!(
         ledger_at(A).lease(lease_of(s)).unwrap().bytes,
-        250 * PER_TOKEN
+        240 * PER_TOKEN
     );
     // A cap below the allowance reserves the cap: the worst case, not elastic.
     let (s2, _) = vm.post("/v1/completions", &[], &completion(200, Some(20)));
