@@ -75,7 +75,9 @@
 //!   none`: blocks as sequences grow; a sequence that finds none fails = mid-decode KV OOM),
 //!   `reserve` (`--admission reserve` alone), `kvgate` (the gateway with the shipped policy in
 //!   front of `--admission reserve`), `elastic` (as kvgate, every class `reservation: elastic`,
-//!   0.9 quantile, 5 samples, prior `--elastic-prior` = 64), `oracle` (kvgate with every cap set to
+//!   0.9 quantile, 5 samples, prior `--elastic-prior` = 64), `queued` (as elastic, every class
+//!   `action: queue` for up to `--queue-wait-ms` = 20,000 and 64 deep, as the live bench's queued
+//!   arm), `oracle` (kvgate with every cap set to
 //!   the request's true output length), `vllm` (`--admission none --on-kv-exhaustion recompute`).
 //!   Several bare backends are balanced round robin; the gateway picks one as `fleet::admit`
 //!   does (most room, claims at their home endpoint). The gateway learns finished output lengths
@@ -420,6 +422,8 @@ enum Arm {
     Reserve,
     Kvgate,
     Elastic,
+    /// As elastic, every class waiting in the gateway's queue (`action: queue`).
+    Queued,
     Oracle,
     Vllm,
 }
@@ -434,6 +438,7 @@ impl Arm {
             "reserve" => Arm::Reserve,
             "kvgate" => Arm::Kvgate,
             "elastic" => Arm::Elastic,
+            "queued" => Arm::Queued,
             "oracle" => Arm::Oracle,
             "vllm" => Arm::Vllm,
             other => return Err(format!("--arms: unknown arm {other:?}")),
@@ -447,12 +452,13 @@ impl Arm {
             Arm::Reserve => "reserve",
             Arm::Kvgate => "kvgate",
             Arm::Elastic => "elastic",
+            Arm::Queued => "queued",
             Arm::Oracle => "oracle",
             Arm::Vllm => "vllm",
         }
     }
     fn gateway(self) -> bool {
-        matches!(self, Arm::Kvgate | Arm::Elastic | Arm::Oracle)
+        matches!(self, Arm::Kvgate | Arm::Elastic | Arm::Queued | Arm::Oracle)
     }
     fn reserve(self) -> bool {
         !matches!(self, Arm::None | Arm::Prompt | Arm::Cap(_) | Arm::Vllm)
@@ -477,7 +483,12 @@ impl Arm {
 
 /// The shipped filter configuration (the JSON block of envoy/kvgate-filter.yaml) priced against
 /// one backend's pool; with `elastic_prior`, every class reserves elastically.
-fn filter_config(path: &str, p: &Preset, elastic_prior: Option<u64>) -> Res<Config> {
+fn filter_config(
+    path: &str,
+    p: &Preset,
+    elastic_prior: Option<u64>,
+    queue_ms: Option<u64>,
+) -> Res<Config> {
     let yaml = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     // The JSON is the block scalar after `value: |`, up to the first line indented less.
     let mut lines = yaml
@@ -521,6 +532,13 @@ fn filter_config(path: &str, p: &Preset, elastic_prior: Option<u64>) -> Res<Conf
                 c.insert("elastic_quantile".into(), 0.9.into());
                 c.insert("elastic_min_samples".into(), 5.into());
                 c.insert("elastic_prior_tokens".into(), prior.into());
+                if let Some(ms) = queue_ms {
+                    // As bench/admission_bench.py's filter_config with `queue_ms`.
+                    c.remove("min_output_tokens");
+                    c.insert("action".into(), "queue".into());
+                    c.insert("max_wait_ms".into(), ms.into());
+                    c.insert("max_depth".into(), 64.into());
+                }
             }
         }
     }
@@ -634,7 +652,8 @@ struct Backend {
     used_area: f64,
     recomputed_tokens: u64,
     preemptions: u64,
-    /// Times `reclaim_borrowed` would have looped without freeing a block (engine.rs spins).
+    /// Times `reclaim_borrowed` found nothing more to free (engine.rs stops there too, and the
+    /// backend refuses the reservation: a 429 the gateway counts as drift).
     stuck: u64,
 }
 
@@ -1858,7 +1877,8 @@ fn main() -> Res<()> {
     let mut clients = None;
     let mut rate = None;
     let mut give_up_s = 60.0;
-    let mut arms = "none,prompt,cap,reserve,kvgate,elastic,oracle,vllm".to_string();
+    let mut arms = "none,prompt,cap,reserve,kvgate,elastic,queued,oracle,vllm".to_string();
+    let mut queue_wait_ms: u64 = 20_000;
     let mut cap = None;
     let mut blocks = None;
     let mut elastic_prior = 64u64;
@@ -1883,6 +1903,7 @@ fn main() -> Res<()> {
             "--cap" => cap = Some(parse(&a, args.next())?),
             "--blocks" => blocks = Some(parse(&a, args.next())?),
             "--elastic-prior" => elastic_prior = parse(&a, args.next())?,
+            "--queue-wait-ms" => queue_wait_ms = parse(&a, args.next())?,
             "--filter-config" => filter_path = parse(&a, args.next())?,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
@@ -1989,11 +2010,15 @@ fn main() -> Res<()> {
     for arm in arms {
         let gw = match arm {
             Arm::Kvgate | Arm::Oracle => Some(Gateway::new(
-                filter_config(&filter_path, &p, None)?,
+                filter_config(&filter_path, &p, None, None)?,
                 backends,
             )),
             Arm::Elastic => Some(Gateway::new(
-                filter_config(&filter_path, &p, Some(elastic_prior))?,
+                filter_config(&filter_path, &p, Some(elastic_prior), None)?,
+                backends,
+            )),
+            Arm::Queued => Some(Gateway::new(
+                filter_config(&filter_path, &p, Some(elastic_prior), Some(queue_wait_ms))?,
                 backends,
             )),
             _ => None,
@@ -2002,7 +2027,7 @@ fn main() -> Res<()> {
         dumped.extend(lines);
         if row.stuck > 0 {
             println!(
-                "note: {}: {} time(s) the backend's reclaim of borrowed blocks found only blocks that round a reservation up (engine.rs would loop there forever; the simulator stops the reclaim)",
+                "note: {}: {} time(s) the backend's reclaim of borrowed blocks found only blocks that round a reservation up (engine.rs stops there too and refuses the reservation)",
                 arm.name(),
                 row.stuck
             );
