@@ -75,7 +75,7 @@
 //!   none`: blocks as sequences grow; a sequence that finds none fails = mid-decode KV OOM),
 //!   `reserve` (`--admission reserve` alone), `kvgate` (the gateway with the shipped policy in
 //!   front of `--admission reserve`), `elastic` (as kvgate, every class `reservation: elastic`,
-//!   0.9 quantile, 5 samples, prior `--elastic-prior` = 64), `queued` (as elastic, every class
+//!   0.9 quantile (`--elastic-quantile`), 5 samples, prior `--elastic-prior` = 64), `queued` (as elastic, every class
 //!   `action: queue` for up to `--queue-wait-ms` = 20,000 and 64 deep, as the live bench's queued
 //!   arm), `oracle` (kvgate with every cap set to
 //!   the request's true output length), `vllm` (`--admission none --on-kv-exhaustion recompute`).
@@ -488,6 +488,7 @@ fn filter_config(
     p: &Preset,
     elastic_prior: Option<u64>,
     queue_ms: Option<u64>,
+    quantile: f64,
 ) -> Res<Config> {
     let yaml = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     // The JSON is the block scalar after `value: |`, up to the first line indented less.
@@ -529,7 +530,7 @@ fn filter_config(
         for c in classes.values_mut() {
             if let Some(c) = c.as_object_mut() {
                 c.insert("reservation".into(), "elastic".into());
-                c.insert("elastic_quantile".into(), 0.9.into());
+                c.insert("elastic_quantile".into(), quantile.into());
                 c.insert("elastic_min_samples".into(), 5.into());
                 c.insert("elastic_prior_tokens".into(), prior.into());
                 if let Some(ms) = queue_ms {
@@ -1879,6 +1880,7 @@ fn main() -> Res<()> {
     let mut give_up_s = 60.0;
     let mut arms = "none,prompt,cap,reserve,kvgate,elastic,queued,oracle,vllm".to_string();
     let mut queue_wait_ms: u64 = 20_000;
+    let mut quantile: f64 = 0.9;
     let mut cap = None;
     let mut blocks = None;
     let mut elastic_prior = 64u64;
@@ -1904,6 +1906,7 @@ fn main() -> Res<()> {
             "--blocks" => blocks = Some(parse(&a, args.next())?),
             "--elastic-prior" => elastic_prior = parse(&a, args.next())?,
             "--queue-wait-ms" => queue_wait_ms = parse(&a, args.next())?,
+            "--elastic-quantile" => quantile = parse(&a, args.next())?,
             "--filter-config" => filter_path = parse(&a, args.next())?,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
@@ -2010,15 +2013,15 @@ fn main() -> Res<()> {
     for arm in arms {
         let gw = match arm {
             Arm::Kvgate | Arm::Oracle => Some(Gateway::new(
-                filter_config(&filter_path, &p, None, None)?,
+                filter_config(&filter_path, &p, None, None, quantile)?,
                 backends,
             )),
             Arm::Elastic => Some(Gateway::new(
-                filter_config(&filter_path, &p, Some(elastic_prior), None)?,
+                filter_config(&filter_path, &p, Some(elastic_prior), None, quantile)?,
                 backends,
             )),
             Arm::Queued => Some(Gateway::new(
-                filter_config(&filter_path, &p, Some(elastic_prior), Some(queue_wait_ms))?,
+                filter_config(&filter_path, &p, Some(elastic_prior), Some(queue_wait_ms), quantile)?,
                 backends,
             )),
             _ => None,
