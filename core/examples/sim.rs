@@ -2021,7 +2021,13 @@ fn main() -> Res<()> {
                 backends,
             )),
             Arm::Queued => Some(Gateway::new(
-                filter_config(&filter_path, &p, Some(elastic_prior), Some(queue_wait_ms), quantile)?,
+                filter_config(
+                    &filter_path,
+                    &p,
+                    Some(elastic_prior),
+                    Some(queue_wait_ms),
+                    quantile,
+                )?,
                 backends,
             )),
             _ => None,
