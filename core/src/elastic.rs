@@ -190,20 +190,8 @@ impl OutputLengths {
             let rank = (n * permille).div_ceil(1000).max(1);
             return self.sorted.get(rank.checked_sub(1)?).map(|s| s.0);
         }
-        let share = permille as f64 / 1000.0;
-        let mut survival = 1.0f64;
-        for (i, (tokens, at_cap)) in self.sorted.iter().enumerate() {
-            if *at_cap {
-                continue; // leaves the risk set without an event
-            }
-            let at_risk = (n - i) as f64;
-            survival *= 1.0 - 1.0 / at_risk;
-            // The tolerance keeps exact shares (9 of 10 for 0.9) exact in floating point.
-            if 1.0 - survival >= share - 1e-9 {
-                return Some(*tokens);
-            }
-        }
-        self.sorted.last().map(|s| s.0)
+        crate::reconcile::kaplan_meier(self.sorted.iter().copied())
+            .map(|law| law.quantile(permille as f64 / 1000.0))
     }
 }
 
@@ -263,7 +251,7 @@ mod tests {
         for t in 200..220 {
             l.push(t);
         }
-        // Counted as stops, the 0.9 quantile would be 210; counted as "at least 16", every
+        // Counted as stops, the 0.9 quantile would be 209; counted as "at least 16", every
         // output that stopped by itself stopped at 200 or later, so the estimate is theirs:
         // the 0.9 quantile of 200..=219 (nearest rank 18 of 20).
         assert_eq!(l.quantile(900), Some(217));

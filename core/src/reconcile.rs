@@ -76,6 +76,11 @@ pub struct Output {
 }
 
 impl Output {
+    /// (tokens, ended at its cap): what [`kaplan_meier`] reads.
+    pub fn sample(&self) -> (u64, bool) {
+        (self.tokens, self.at_cap)
+    }
+
     /// An output that stopped by itself.
     #[cfg(test)]
     pub fn stopped(tokens: u64) -> Self {
@@ -222,12 +227,18 @@ impl Progress {
         let done = e.generated();
         let like = |o: &&Output| o.answered_like(e.prompt_tokens);
         let longer = |o: &&Output| o.tokens > done;
-        let pooled = || kaplan_meier(self.outputs.iter().filter(longer));
+        let pooled = || kaplan_meier(self.outputs.iter().filter(longer).map(Output::sample));
         let similar = self.outputs.iter().filter(longer).filter(like).count();
         if similar == 0 {
             return pooled();
         }
-        let own = kaplan_meier(self.outputs.iter().filter(longer).filter(like))?;
+        let own = kaplan_meier(
+            self.outputs
+                .iter()
+                .filter(longer)
+                .filter(like)
+                .map(Output::sample),
+        )?;
         if similar >= OUTPUTS_NEEDED {
             return Some(own);
         }
@@ -329,7 +340,7 @@ impl Progress {
 
 /// The lengths a lease may still reach ([`Progress::lengths_after`]).
 #[derive(Debug, Clone, PartialEq, Default)]
-struct Law {
+pub(crate) struct Law {
     /// Each length outputs stopped at by themselves, with the chance of ending there or before.
     steps: Vec<(u64, f64)>,
     /// What is left above the last step's chance is outputs that ran to their caps, the longest
@@ -340,24 +351,40 @@ struct Law {
 /// The Kaplan–Meier estimate over `at_risk` (ascending). An output its cap ended is not a
 /// length: it stays among those that could still end up to its own length and then drops out,
 /// so outputs that ran to their caps leave a chance that the lease runs past all the lengths
-/// (what is left above the last step's chance). `None` when `at_risk` is empty.
-fn kaplan_meier<'a>(at_risk: impl Iterator<Item = &'a Output> + Clone) -> Option<Law> {
+/// (what is left above the last step's chance). `None` when `at_risk` is empty. Items are
+/// (tokens, ended at its cap) ([`Output::sample`]); at equal lengths a stop comes first.
+pub(crate) fn kaplan_meier(at_risk: impl Iterator<Item = (u64, bool)> + Clone) -> Option<Law> {
     let mut n = at_risk.clone().count() as f64;
     if n == 0.0 {
         return None;
     }
     let mut survive = 1.0_f64;
     let mut law = Law::default();
-    for o in at_risk {
-        if o.at_cap {
-            law.tail_from = law.tail_from.max(o.tokens);
+    for (tokens, at_cap) in at_risk {
+        if at_cap {
+            law.tail_from = law.tail_from.max(tokens);
         } else {
             survive *= (n - 1.0) / n;
-            law.steps.push((o.tokens, 1.0 - survive));
+            law.steps.push((tokens, 1.0 - survive));
         }
         n -= 1.0;
     }
     Some(certain_at_the_end(law))
+}
+
+impl Law {
+    /// The shortest length that outputs end at or before with at least chance `share`; when
+    /// the steps never reach it (the rest ran to their caps), the longest output seen, a lower
+    /// bound. The tolerance keeps exact shares (9 of 10 for 0.9) exact in floating point.
+    pub(crate) fn quantile(&self, share: f64) -> u64 {
+        self.steps
+            .iter()
+            .find(|(_, cum)| *cum >= share - 1e-9)
+            .map_or_else(
+                || self.steps.last().map_or(0, |s| s.0).max(self.tail_from),
+                |s| s.0,
+            )
+    }
 }
 
 /// `a` with weight `wa` and `b` with weight `wb` (summing to 1), as one law.
