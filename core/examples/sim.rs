@@ -656,6 +656,8 @@ struct Backend {
     /// Times `reclaim_borrowed` found nothing more to free (engine.rs stops there too, and the
     /// backend refuses the reservation: a 429 the gateway counts as drift).
     stuck: u64,
+    /// How long its last step that decoded took (ms): one token per running sequence.
+    last_decode_ms: f64,
 }
 
 struct StepOut {
@@ -1000,6 +1002,22 @@ struct Gateway {
     next_lease: u64,
     /// Live lease id → (request, endpoint).
     leases: HashMap<u64, (usize, usize)>,
+    /// Per backend, output tokens a second of one decoding sequence as the polls see it (the
+    /// filter's `ProgressTracker` rate: a moving average; 0 until the first poll that decoded).
+    tokens_per_s: Vec<f64>,
+    /// Requests carry their expected run (`ClaimTicket::run_ms`) and the queue is tried behind
+    /// its front (`--backfill`).
+    backfill: bool,
+}
+
+/// The filter's `Worker::run_ms`: `output_tokens` at the slowest backend's rate; 0 (unknown)
+/// until every backend has one.
+fn run_ms(tokens_per_s: &[f64], output_tokens: u64) -> u64 {
+    let slowest = tokens_per_s.iter().copied().fold(f64::INFINITY, f64::min);
+    if tokens_per_s.is_empty() || !(slowest > 0.0 && slowest.is_finite()) {
+        return 0;
+    }
+    ((output_tokens as f64 * 1000.0 / slowest).ceil() as u64).max(1)
 }
 
 enum Attempt {
@@ -1009,7 +1027,7 @@ enum Attempt {
 }
 
 impl Gateway {
-    fn new(cfg: Config, backends: usize) -> Self {
+    fn new(cfg: Config, backends: usize, backfill: bool) -> Self {
         let cap = cfg.pricing.capacity_bytes;
         let ledgers: Vec<Ledger> = (0..backends)
             .map(|i| Ledger::new(cap, ((i as u64 + 1) << 32) | (GATEWAY << GATEWAY_SHIFT)))
@@ -1033,6 +1051,8 @@ impl Gateway {
             views,
             queue,
             learned: HashMap::new(),
+            tokens_per_s: vec![0.0; backends],
+            backfill,
             next_lease: 1,
             leases: HashMap::new(),
         }
@@ -1050,6 +1070,7 @@ impl Gateway {
         now_ms: u64,
         jitter_seed: u64,
         from_queue: bool,
+        behind: bool,
     ) -> Attempt {
         let cfg = &self.cfg;
         let prompt = vec![r.req.prompt];
@@ -1084,6 +1105,14 @@ impl Gateway {
         let claim = (cfg.fair_retry_patience_ms > 0).then(|| ClaimTicket {
             key: splitmix64(r.req.id).max(1),
             patience_ms: cfg.fair_retry_patience_ms,
+            run_ms: if self.backfill {
+                let output = priced
+                    .elastic
+                    .map_or(priced.price.cap.cap, |e| e.output_tokens);
+                run_ms(&self.tokens_per_s, output)
+            } else {
+                0
+            },
         });
         let holder = Holder {
             lease_id: Some(lease_id),
@@ -1143,8 +1172,24 @@ impl Gateway {
                         retry_ms: Some(cfg.retry_after.min_ms),
                     };
                 };
-                let d = gate::decide(l, cfg, &class, &priced, holder, now_ms, jitter_seed);
-                (index, d)
+                if behind {
+                    // Ticket::attempt_backfill: without the class's policy, and a refusal
+                    // changes nothing.
+                    let before = l.clone();
+                    let d =
+                        gate::decide(l, cfg, &plain_class, &priced, holder, now_ms, jitter_seed);
+                    if let Decision::Rejected(_) = d {
+                        *l = before;
+                        return Attempt::Refused {
+                            status: 429,
+                            retry_ms: None,
+                        };
+                    }
+                    (index, d)
+                } else {
+                    let d = gate::decide(l, cfg, &class, &priced, holder, now_ms, jitter_seed);
+                    (index, d)
+                }
             }
         };
         match decision {
@@ -1583,12 +1628,18 @@ impl<'a> Sim<'a> {
 
     /// Returns true when the request is no longer waiting for budget (forwarded or answered).
     fn gateway_try(&mut self, r: usize, from_queue: bool) -> bool {
+        self.gateway_try_as(r, from_queue, false)
+    }
+
+    /// `behind`: a queued request behind the front, tried as a backfill (the filter's
+    /// `attempt_backfill`).
+    fn gateway_try_as(&mut self, r: usize, from_queue: bool, behind: bool) -> bool {
         let now_ms = self.now / 1000;
         let jitter = splitmix64(self.o.seed ^ self.tries.wrapping_mul(0x2545_f491_4f6c_dd1d));
         let (Some(gw), Some(s)) = (self.gw.as_mut(), self.reqs.get(r)) else {
             return true;
         };
-        match gw.attempt(s, r, now_ms, jitter, from_queue) {
+        match gw.attempt(s, r, now_ms, jitter, from_queue, behind) {
             Attempt::Forward { cmds } => {
                 let lease = cmds.iter().find_map(|(_, c)| match c {
                     Cmd::Submit { req, lease, .. } if *req == r => *lease,
@@ -1645,6 +1696,18 @@ impl<'a> Sim<'a> {
                 gw.queue.pop_front();
             }
         }
+        // The filter's backfill tries behind a front that waits (at most BACKFILL_TRIES).
+        let behind: Vec<usize> = match self.gw.as_ref() {
+            Some(g) if g.backfill => g.queue.items().skip(1).take(8).copied().collect(),
+            _ => Vec::new(),
+        };
+        for r in behind {
+            if self.gateway_try_as(r, true, true) {
+                if let Some(gw) = self.gw.as_mut() {
+                    gw.queue.remove_where(|i| *i == r);
+                }
+            }
+        }
     }
 
     fn step(&mut self, b: usize) {
@@ -1655,6 +1718,9 @@ impl<'a> Sim<'a> {
             return;
         };
         let out = be.step(p, arm);
+        if !be.running.is_empty() && out.ms > 0.0 {
+            be.last_decode_ms = out.ms;
+        }
         let d = ms(out.ms);
         be.used_area += ((be.total - be.free) as f64) * d as f64;
         let busy = be.busy();
@@ -1738,7 +1804,20 @@ impl<'a> Sim<'a> {
         let o = self.o;
         let p = &o.preset;
         if let Some(gw) = self.gw.as_mut() {
-            for (be, ledger) in self.backends.iter_mut().zip(gw.ledgers.iter_mut()) {
+            for ((be, ledger), rate) in self
+                .backends
+                .iter_mut()
+                .zip(gw.ledgers.iter_mut())
+                .zip(gw.tokens_per_s.iter_mut())
+            {
+                if be.last_decode_ms > 0.0 && gw.cfg.retry_from_progress {
+                    let seen = 1000.0 / be.last_decode_ms;
+                    *rate = if *rate > 0.0 {
+                        0.7 * *rate + 0.3 * seen
+                    } else {
+                        seen
+                    };
+                }
                 let report = be.report(p, ledger);
                 reconcile::reconcile(ledger, &report, now_ms, 30_000, None, GATEWAY);
             }
@@ -1881,6 +1960,7 @@ fn main() -> Res<()> {
     let mut arms = "none,prompt,cap,reserve,kvgate,elastic,queued,oracle,vllm".to_string();
     let mut queue_wait_ms: u64 = 20_000;
     let mut quantile: f64 = 0.9;
+    let mut backfill = true;
     let mut cap = None;
     let mut blocks = None;
     let mut elastic_prior = 64u64;
@@ -1907,6 +1987,13 @@ fn main() -> Res<()> {
             "--elastic-prior" => elastic_prior = parse(&a, args.next())?,
             "--queue-wait-ms" => queue_wait_ms = parse(&a, args.next())?,
             "--elastic-quantile" => quantile = parse(&a, args.next())?,
+            "--backfill" => {
+                backfill = match parse::<String>(&a, args.next())?.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    v => return Err(format!("--backfill {v:?}: on or off")),
+                }
+            }
             "--filter-config" => filter_path = parse(&a, args.next())?,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
@@ -2015,10 +2102,12 @@ fn main() -> Res<()> {
             Arm::Kvgate | Arm::Oracle => Some(Gateway::new(
                 filter_config(&filter_path, &p, None, None, quantile)?,
                 backends,
+                backfill,
             )),
             Arm::Elastic => Some(Gateway::new(
                 filter_config(&filter_path, &p, Some(elastic_prior), None, quantile)?,
                 backends,
+                backfill,
             )),
             Arm::Queued => Some(Gateway::new(
                 filter_config(
@@ -2029,6 +2118,7 @@ fn main() -> Res<()> {
                     quantile,
                 )?,
                 backends,
+                backfill,
             )),
             _ => None,
         };

@@ -389,6 +389,7 @@ mod tests {
             claim: Some(ClaimTicket {
                 key: 99,
                 patience_ms: 10,
+                run_ms: 0,
             }),
         };
         assert!(matches!(

@@ -131,6 +131,10 @@ pub struct ClaimTicket {
     pub key: u64,
     /// A claim left by a refusal expires this long after the refusal unless retried.
     pub patience_ms: u64,
+    /// How long the request is expected to run once admitted, from the backend's decode rate
+    /// and the output it reserves (0: unknown). With it, a request may go ahead of the line
+    /// when it is expected to be done before the line's front could start (a backfill).
+    pub run_ms: u64,
 }
 
 /// The claim key of a request: a stable hash (FNV-1a) of who sent it and what it asks, so its
@@ -479,6 +483,9 @@ impl Ledger {
             };
         }
         if req.bytes > free {
+            if let Some(lease) = self.backfill(req, own, retry) {
+                return AdmitOutcome::Admitted { lease };
+            }
             self.counters.rejected = self.counters.rejected.saturating_add(1);
             // What its claim already holds for it is not waited for: a request near the head of
             // the line is told to come back as soon as the rest is likely free (bytes set aside
@@ -537,6 +544,52 @@ impl Ledger {
         AdmitOutcome::Admitted {
             lease: self.grant(req, own),
         }
+    }
+
+    /// Backfill: admit `req`, which does not fit beside what the line ahead of it holds, into
+    /// those bytes when it is expected to end before the line's front could start anyway (as
+    /// in a batch scheduler's EASY backfilling). Without it a front that needs most of the pool
+    /// leaves what is free idle, and everyone behind it waiting, until enough leases end; with
+    /// it, what is free runs requests that are done by then. The front's start is when what is
+    /// spare or lendable now and what the live leases free as they are expected to end (the
+    /// Retry-After estimate's order) cover its need. Only spare bytes are taken, never lent
+    /// ones. The lease starts with that expected end (`eta_ms`), so the next decision counts
+    /// it as freeing its bytes then; the backend's reports refine it.
+    ///
+    /// The line's bound on a front's wait holds while runs end as expected: one that runs
+    /// longer than its estimate delays the front by the difference (its cap bounds it).
+    fn backfill(
+        &mut self,
+        req: &AdmitRequest<'_>,
+        own: Option<usize>,
+        retry: &RetryAfterConfig,
+    ) -> Option<Lease> {
+        let run_ms = req.claim.map_or(0, |t| t.run_ms);
+        if run_ms == 0 || req.bytes > self.unclaimed() {
+            return None;
+        }
+        let front = self
+            .claims
+            .iter()
+            .take(own.unwrap_or(self.claims.len()))
+            .find(|c| c.active)?;
+        let have = self.unclaimed().saturating_add(self.lendable_now());
+        let start_ms = match front.bytes.checked_sub(have) {
+            None | Some(0) => 0,
+            Some(short) => {
+                crate::retry::wait_to_free(self, short, req.now_ms, retry).unwrap_or(u64::MAX)
+            }
+        };
+        if run_ms > start_ms {
+            return None;
+        }
+        // bytes ≤ unclaimed ≤ capacity − committed: committed stays within the capacity.
+        let mut lease = self.grant(req, own);
+        lease.eta_ms = req.now_ms.saturating_add(run_ms);
+        self.set_eta(lease.id, lease.eta_ms);
+        // What the claims hold came from the bytes it took: pour again from what is left.
+        self.settle_claims(req.now_ms);
+        Some(lease)
     }
 
     /// Reserve for `req`, whose bytes the caller found room for (within capacity − committed):
@@ -881,6 +934,7 @@ mod tests {
             claim: Some(ClaimTicket {
                 key: 42,
                 patience_ms: 1000,
+                run_ms: 0,
             }),
             ..req(90, now)
         };
@@ -938,12 +992,103 @@ mod tests {
     }
 
     #[test]
+    fn a_request_done_before_the_front_could_start_backfills_what_the_front_holds() {
+        let mut l = Ledger::new(100, 1);
+        let keyed = |bytes, key, run_ms, now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key,
+                patience_ms: 60_000,
+                run_ms,
+            }),
+            ttl_ms: 600_000,
+            ..req(bytes, now)
+        };
+        let cfg = exact_retry();
+        let AdmitOutcome::Admitted { lease: long } = l.try_admit(&req(60, 0), &cfg, 1) else {
+            panic!("fits");
+        };
+        l.set_eta(long.id, 10_000);
+        // The front needs 80: refused twice, its claim is active and holds the 40 spare. It
+        // can start at 10 s, when the 60-byte lease is expected to end.
+        for now in [0, 1] {
+            assert!(matches!(
+                l.try_admit(&keyed(80, 1, 0, now), &cfg, 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+        assert_eq!((l.held_for(1), l.free()), (40, 0));
+        // Without a run estimate, or expected to run past 10 s, a newcomer waits its turn.
+        for (key, run_ms) in [(2, 0), (3, 9_500)] {
+            assert!(matches!(
+                l.try_admit(&keyed(30, key, run_ms, 1_000), &cfg, 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+        // Done by 6 s: it goes ahead, into 30 of the 40 the front held, and starts with that
+        // expected end.
+        let AdmitOutcome::Admitted { lease: short } =
+            l.try_admit(&keyed(30, 4, 5_000, 1_000), &cfg, 1)
+        else {
+            panic!("a run that ends before the front can start backfills");
+        };
+        assert_eq!(short.eta_ms, 6_000);
+        assert_eq!(l.lease(short.id).map(|x| x.eta_ms), Some(6_000));
+        assert_eq!((l.committed(), l.held_for(1), l.free()), (90, 10, 0));
+        assert!(
+            l.claims().iter().all(|c| c.key != 4),
+            "its own claim is spent"
+        );
+        // More than what is left uncommitted is never taken, whatever the estimate.
+        assert!(matches!(
+            l.try_admit(&keyed(20, 5, 100, 1_000), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        l.check().unwrap();
+        // The front's start is still 10 s (the backfill ends first): a refused front is told
+        // to come back then.
+        match l.try_admit(&keyed(80, 1, 0, 2_000), &cfg, 1) {
+            AdmitOutcome::Rejected {
+                retry_after: Some(r),
+                ..
+            } => assert_eq!(r.ms, 8_000),
+            other => panic!("{other:?}"),
+        }
+        // Both end: the front takes its 80.
+        l.release(short.id, 6_000);
+        l.release(long.id, 10_000);
+        assert!(matches!(
+            l.try_admit(&keyed(80, 1, 0, 10_000), &cfg, 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        // A front that holds all it needs already is not backfilled past: it starts at once.
+        let mut m = Ledger::new(100, 1);
+        let AdmitOutcome::Admitted { lease: a } = m.try_admit(&req(50, 0), &cfg, 1) else {
+            panic!("fits");
+        };
+        for now in [0, 1] {
+            assert!(matches!(
+                m.try_admit(&keyed(60, 1, 0, now), &cfg, 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+        m.release(a.id, 2);
+        // 40 are free beside the 60 it holds; 50 are not, even for 1 ms.
+        assert!(matches!(
+            m.try_admit(&keyed(50, 2, 1, 3), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert_eq!((m.held_for(1), m.free()), (60, 40));
+        m.check().unwrap();
+    }
+
+    #[test]
     fn a_request_in_line_may_take_back_what_elastic_sequences_borrowed_and_a_newcomer_may_not() {
         let mut l = Ledger::new(100, 1);
         let waiting = |now| AdmitRequest {
             claim: Some(ClaimTicket {
                 key: 7,
                 patience_ms: 1000,
+                run_ms: 0,
             }),
             ..req(30, now)
         };
@@ -980,6 +1125,7 @@ mod tests {
             claim: Some(ClaimTicket {
                 key: 8,
                 patience_ms: 1000,
+                run_ms: 0,
             }),
             ..req(20, now)
         };
@@ -1009,6 +1155,7 @@ mod tests {
             claim: Some(ClaimTicket {
                 key: 7,
                 patience_ms: 1000,
+                run_ms: 0,
             }),
             ..req(90, now)
         };
@@ -1053,6 +1200,7 @@ mod tests {
             claim: Some(ClaimTicket {
                 key,
                 patience_ms: 1000,
+                run_ms: 0,
             }),
             ..req(bytes, now)
         };
@@ -1094,6 +1242,7 @@ mod tests {
             claim: Some(ClaimTicket {
                 key,
                 patience_ms: 10_000,
+                run_ms: 0,
             }),
             ..req(bytes, now)
         };
@@ -1147,6 +1296,7 @@ mod tests {
             claim: Some(ClaimTicket {
                 key: 7,
                 patience_ms: 500,
+                run_ms: 0,
             }),
             ..req(90, 1)
         };
@@ -1291,7 +1441,7 @@ mod tests {
                         let before = l.committed();
                         let r = AdmitRequest {
                             ttl_ms: 30,
-                            claim: Some(ClaimTicket { key, patience_ms: 20 }),
+                            claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 }),
                             ..req(b, now)
                         };
                         if let AdmitOutcome::Admitted { .. } = l.try_admit(&r, &retry(), now) {

@@ -81,6 +81,18 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
     if deficit == 0 {
         return 0;
     }
+    wait_to_free(ledger, deficit, now_ms, cfg).unwrap_or(cfg.max_ms)
+}
+
+/// How long until the live leases, ending in the order they are expected to, have freed
+/// `bytes`: the expected remaining time of the lease that completes it. `None`: all of them
+/// together hold less.
+pub(crate) fn wait_to_free(
+    ledger: &Ledger,
+    bytes: u64,
+    now_ms: u64,
+    cfg: &RetryAfterConfig,
+) -> Option<u64> {
     let mean = match ledger.mean_lease_ms() {
         0 => cfg.default_lease_ms,
         m => m,
@@ -101,13 +113,13 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
         .collect();
     ends.sort_unstable();
     let mut freed: u64 = 0;
-    for (wait, bytes) in ends {
-        freed = freed.saturating_add(bytes);
-        if freed >= deficit {
-            return wait;
+    for (wait, b) in ends {
+        freed = freed.saturating_add(b);
+        if freed >= bytes {
+            return Some(wait);
         }
     }
-    cfg.max_ms
+    None
 }
 
 #[cfg(test)]

@@ -21,6 +21,8 @@ use crate::CAS_ATTEMPTS;
 
 /// The tick: fast enough for queued requests to move when budget frees.
 const TICK: Duration = Duration::from_millis(100);
+/// Most queued requests behind the front tried as backfills on one tick (each try is a CAS).
+const BACKFILL_TRIES: usize = 8;
 
 /// What retrying a queued request came to (see `Root::retry_queued`).
 enum Retried {
@@ -358,6 +360,41 @@ impl Root {
                 self.worker.unqueue(ticket.context_id);
             }
         }
+        // Behind a front that waits, a request expected to be done before the front could
+        // start goes ahead of it (a backfill, see the ledger), where the bytes the line holds
+        // would cover it at all. The others keep their places: a refused try changes nothing.
+        let room = self
+            .worker
+            .endpoints()
+            .iter()
+            .map(|e| {
+                let v = e.view.get();
+                v.room.saturating_add(v.claimed)
+            })
+            .max()
+            .unwrap_or(0);
+        let behind: Vec<Rc<Ticket>> = self
+            .worker
+            .queue
+            .borrow()
+            .items()
+            .skip(1)
+            .filter(|t| !t.claim_active.get() && t.priced.reserve_bytes() <= room)
+            .filter(|t| t.run_ms(&self.worker) > 0)
+            .take(BACKFILL_TRIES)
+            .cloned()
+            .collect();
+        for ticket in behind {
+            if hostcalls::set_effective_context(ticket.context_id).is_err() {
+                continue;
+            }
+            if let Attempt::Admitted { ready } = ticket.attempt_backfill(&self.worker, rt) {
+                if ready {
+                    let _ = hostcalls::resume_http_request();
+                }
+                self.worker.unqueue(ticket.context_id);
+            }
+        }
     }
 
     fn poll_backends(&mut self, rt: &Runtime, now: u64) {
@@ -472,6 +509,9 @@ impl Root {
             .get_mut(i)
             .and_then(|p| p.progress.observe(&report, now))
             .filter(|_| rt.cfg.retry_from_progress);
+        if let Some(p) = &progress {
+            e.tokens_per_s.set(p.tokens_per_s);
+        }
         let done = store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
             if let Some(c) = capacity {
                 l.set_capacity(c);

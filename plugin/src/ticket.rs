@@ -69,6 +69,28 @@ impl Ticket {
     /// load balancer, and the preempted leases are cancelled at that endpoint. The effective
     /// context must be this ticket's stream.
     pub fn attempt(self: &Rc<Self>, worker: &Worker, rt: &Runtime) -> Attempt {
+        self.try_admit(worker, rt, false)
+    }
+
+    /// Try a queued request that is not at the front as a backfill: admitted only where the
+    /// ledger lets it go ahead of the line (it is expected to be done before the line's front
+    /// could start) or where it simply fits; a refusal changes nothing (no claim taken or
+    /// activated, no refusal counted or logged), since its turn comes at the front. No degrade,
+    /// no preemption.
+    pub fn attempt_backfill(self: &Rc<Self>, worker: &Worker, rt: &Runtime) -> Attempt {
+        self.try_admit(worker, rt, true)
+    }
+
+    /// How long this request is expected to decode once admitted (0: unknown).
+    pub fn run_ms(&self, worker: &Worker) -> u64 {
+        let output = self
+            .priced
+            .elastic
+            .map_or(self.priced.price.cap.cap, |e| e.output_tokens);
+        worker.run_ms(output)
+    }
+
+    fn try_admit(self: &Rc<Self>, worker: &Worker, rt: &Runtime, backfill: bool) -> Attempt {
         let now = host::now_ms();
         let seed = splitmix64(host::now_nanos() ^ self.lease_id);
         let endpoints = worker.endpoints();
@@ -78,10 +100,11 @@ impl Ticket {
             .backend
             .as_ref()
             .map_or_else(Default::default, |b| b.endpoint_choice);
+        let run_ms = self.run_ms(worker);
         let holder = gate::Holder {
             lease_id: Some(self.lease_id),
             owner: crate::worker::owner_id(),
-            claim: self.claim,
+            claim: self.claim.map(|c| kvgate_core::ClaimTicket { run_ms, ..c }),
         };
         // The plain pass: no degrade, no preemption; a request that does not fit changes nothing.
         let plain_class = ClassPolicy {
@@ -119,13 +142,37 @@ impl Ticket {
                     }
                 }
             },
-            |l| decide(l, &rt.cfg, &self.class, &self.priced, holder, now, seed),
+            |l| {
+                if !backfill {
+                    return decide(l, &rt.cfg, &self.class, &self.priced, holder, now, seed);
+                }
+                let before = l.clone();
+                let d = decide(l, &rt.cfg, &plain_class, &self.priced, holder, now, seed);
+                if let Decision::Rejected(_) = d {
+                    *l = before;
+                }
+                d
+            },
         );
         for (e, v) in endpoints.iter().zip(&views) {
             e.view.set(View {
                 eligible: e.view.get().eligible,
                 ..*v
             });
+        }
+        if backfill
+            && !matches!(
+                decided,
+                Ok(Placed::At {
+                    out: Decision::Admitted { .. },
+                    ..
+                })
+            )
+        {
+            return Attempt::Rejected(ApiError::new(
+                ErrorKind::KvCapacityExceeded,
+                "not admitted ahead of the line",
+            ));
         }
         let level = worker.level(&rt.cfg);
         self.level.set(Some(level));
@@ -202,6 +249,11 @@ impl Ticket {
                 worker.metrics.admitted.inc();
                 if let Some(m) = &endpoint.metrics {
                     m.admitted.inc();
+                }
+                // The ledger starts a lease with an expected end only when it let the request
+                // go ahead of the line (a backfill).
+                if lease.eta_ms > 0 {
+                    worker.metrics.backfilled.inc();
                 }
                 if degraded_from.is_some() {
                     worker.metrics.degraded.inc();

@@ -106,6 +106,9 @@ pub struct Endpoint {
     /// lends and reclaims past elastic reservations. Elastic classes apply only while every
     /// endpoint does.
     pub lends: Cell<bool>,
+    /// Output tokens a second of one decoding sequence there, from this worker's polls (0:
+    /// not known yet, or Retry-After is not estimated from progress).
+    pub tokens_per_s: Cell<f64>,
     pub metrics: Option<EndpointMetrics>,
 }
 
@@ -127,6 +130,7 @@ impl Endpoint {
             view: Cell::new(View::default()),
             grown: Cell::new(0),
             lends: Cell::new(false),
+            tokens_per_s: Cell::new(0.0),
             metrics,
         };
         e.update_view(|_| ());
@@ -457,6 +461,21 @@ impl Worker {
         self.endpoints.borrow().clone()
     }
 
+    /// How long a request reserving `output_tokens` per sequence is expected to decode, at the
+    /// slowest endpoint's rate; 0 (unknown) until every endpoint has one.
+    pub fn run_ms(&self, output_tokens: u64) -> u64 {
+        let eps = self.endpoints.borrow();
+        let slowest = eps
+            .iter()
+            .map(|e| e.tokens_per_s.get())
+            .fold(f64::INFINITY, f64::min);
+        if eps.is_empty() || !(slowest > 0.0 && slowest.is_finite()) {
+            return 0;
+        }
+        // Saturates at u64::MAX for an absurd cap (`as` on a float never panics).
+        ((output_tokens as f64 * 1000.0 / slowest).ceil() as u64).max(1)
+    }
+
     /// The endpoint at `address` (`None`: the single backend), if configured.
     pub fn endpoint(&self, address: Option<&str>) -> Option<Rc<Endpoint>> {
         self.endpoints
@@ -575,6 +594,8 @@ pub struct Metrics {
     pub backend_refused: Metric,
     pub upstream_mismatch: Metric,
     pub elastic_admitted: Metric,
+    /// Admitted ahead of the fair-retry line: expected to be done before its front could start.
+    pub backfilled: Metric,
     pub grown_bytes: Metric,
 }
 
@@ -630,6 +651,7 @@ impl Metrics {
             backend_refused: Metric::counter("kvgate.backend_refused"),
             upstream_mismatch: Metric::counter("kvgate.upstream_mismatch"),
             elastic_admitted: Metric::counter("kvgate.elastic_admitted"),
+            backfilled: Metric::counter("kvgate.backfilled"),
             grown_bytes: Metric::gauge("kvgate.grown_bytes"),
         }
     }

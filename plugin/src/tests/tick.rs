@@ -347,6 +347,121 @@ fn a_retry_with_an_active_claim_behind_the_front_is_admitted_with_what_it_holds(
     assert_eq!(ledger().committed(), 0);
 }
 
+/// A backfill: behind a front that needs most of the pool, a request expected to be done
+/// before the front could start goes ahead, both from the queue (once the polls give a decode
+/// rate) and on arrival; one that would still run when the front could start waits its turn.
+#[test]
+fn a_request_done_before_the_queue_front_could_start_goes_ahead_of_it() {
+    let mut config = json!({ "policy": vip_and_batch_queued("vip", 60_000) });
+    config["backend"] = json!({"cluster": "kvgate_backend", "poll_ms": 200,
+                               "lost_grace_ms": 600_000});
+    let mut vm = start(10_000, config);
+    put_lease(21, 6_000, "vip", 9, owner_id());
+    // The front: 9,000 tokens, refused twice (arrival, then a tick): its claim is active and
+    // holds the 4,000 free.
+    let (front, action) = vm.post("/v1/completions", &[], &completion(500, Some(8_500)));
+    assert_eq!(action, Action::Pause, "queued");
+    vm.advance_ms(100);
+    vm.tick();
+    let l = ledger();
+    assert_eq!((l.free(), l.claimed()), (0, 4_000 * PER_TOKEN));
+    // No decode rate known yet: a short batch request queues behind the front like any other.
+    let batch = |prompt: usize, cap: u64| completion(prompt, Some(cap));
+    let (early, action) = vm.post("/v1/completions", &[("x-class", "batch")], &batch(100, 200));
+    assert_eq!(action, Action::Pause, "queued: its run is not known");
+
+    // Two polls: lease 21 decodes 30 tokens in 300 ms (100 tokens/s) and outputs have been
+    // stopping at 2,000 tokens, so it is expected to end in about 19.6 s.
+    let mut answered = Vec::new();
+    let mut poll = |vm: &mut Vm, generated: u64, finished: Value| {
+        vm.advance_ms(300);
+        vm.tick();
+        let call = Vm::calls()
+            .into_iter()
+            .filter(|c| {
+                c.header(":path")
+                    .is_some_and(|p| p.starts_with("/v1/admission/leases"))
+            })
+            .find(|c| !answered.contains(&c.token))
+            .expect("a poll");
+        answered.push(call.token);
+        let body = json!({
+            "pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 6_000 * PER_TOKEN},
+            "leases": [{"id": "21", "state": "running", "prompt_tokens": 100,
+                        "max_tokens": 5_900, "reserved_tokens": 6_000,
+                        "reserved_bytes": 6_000 * PER_TOKEN, "used_tokens": 100 + generated,
+                        "used_bytes": (100 + generated) * PER_TOKEN}],
+            "finished": finished, "cursor": 1,
+        });
+        vm.answer_call(call.token, 200, body.to_string().as_bytes());
+    };
+    let outputs: Vec<Value> = (0..5)
+        .map(|i| json!({"id": format!("internal-{i}"), "reason": "stop", "completion_tokens": 2_000}))
+        .collect();
+    poll(&mut vm, 10, Value::Array(outputs));
+    poll(&mut vm, 40, json!([]));
+    let eta = ledger().lease(21).map(|l| l.eta_ms).unwrap();
+    assert!(
+        (Vm::now_ms() + 15_000..Vm::now_ms() + 25_000).contains(&eta),
+        "lease 21 expected to end in about 19.6 s: {}",
+        eta.saturating_sub(Vm::now_ms())
+    );
+    let admitted = |s: Stream| ledger().lease(lease_of(s)).cloned();
+    // That poll's tick came before the rate: the next one backfills the queued request (200
+    // tokens: 2 s), and its lease starts with that expected end.
+    assert!(admitted(early).is_none());
+    vm.advance_ms(100);
+    vm.tick();
+    let lease = admitted(early).expect("backfilled from the queue");
+    assert_eq!(lease.eta_ms, Vm::now_ms() + 2_000);
+    assert!(Vm::resumed(early));
+    assert!(admitted(front).is_none(), "the front still waits");
+    assert_eq!(Vm::metric("kvgate.backfilled"), 1);
+    assert_eq!(Vm::metric("kvgate.queued"), 1);
+    // 3,500 tokens would run 35 s, past the front's start: it queues and stays queued.
+    let (long, action) = vm.post(
+        "/v1/completions",
+        &[("x-class", "batch")],
+        &batch(100, 3_500),
+    );
+    assert_eq!(action, Action::Pause, "queued");
+    vm.advance_ms(100);
+    vm.tick();
+    assert!(admitted(long).is_none(), "it would delay the front");
+    // A newcomer done in 1 s goes ahead on arrival.
+    let (quick, action) = vm.post("/v1/completions", &[("x-class", "batch")], &batch(100, 100));
+    assert_eq!(action, Action::Continue, "admitted at once");
+    assert!(admitted(quick).is_some());
+    assert_eq!(Vm::metric("kvgate.backfilled"), 2);
+    assert_eq!(Vm::metric("kvgate.queued"), 2);
+    let l = ledger();
+    assert_eq!(l.committed(), (6_000 + 300 + 200) * PER_TOKEN);
+    l.check().unwrap();
+
+    // Lease 21 ends: the front takes its 9,000 beside the two backfills (their 500 end first in
+    // a real run); the long one still waits behind it.
+    for s in [early, quick] {
+        vm.respond(s);
+        vm.finish(s);
+    }
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(21, Vm::now_ms())).unwrap();
+    vm.advance_ms(100);
+    vm.tick();
+    assert!(
+        admitted(front).is_some(),
+        "the front goes first once it fits"
+    );
+    assert!(admitted(long).is_none());
+    vm.respond(front);
+    vm.finish(front);
+    vm.tick();
+    assert!(admitted(long).is_some());
+    vm.respond(long);
+    vm.finish(long);
+    assert_eq!(ledger().committed(), 0);
+    assert_eq!(Vm::metric("kvgate.queued"), 0);
+}
+
 // ---- 5. the backend poll -------------------------------------------------------------------
 
 fn report(used: u64, live: &[u64], finished: &[u64], cursor: u64) -> Vec<u8> {
