@@ -315,6 +315,51 @@ def test_a_queued_request_pushed_back_by_a_higher_class_is_admitted_when_its_cla
     assert gw.stats()["kvgate.queued"] == 0
 
 
+def test_a_short_request_goes_ahead_of_a_queue_front_that_cannot_start_yet(stack):
+    # A vip front that needs most of the pool waits for a long stream to end; a short request
+    # that will be done well before then is admitted at once into the bytes the front holds (a
+    # backfill), instead of waiting behind it. One worker: its polls measure the decode rate.
+    policy = shipped_classes()
+    for c in ("interactive", "vip"):
+        policy["classes"][c]["max_wait_ms"] = 120_000
+    gw, b = stack(64, {"policy": policy}, concurrency=1)
+    inter, vip = {"authorization": "Bearer kvgate-demo-interactive"}, {"authorization": "Bearer kvgate-demo-vip"}
+    # Outputs for the polls to learn from, then a long stream whose progress gives the rate.
+    for _ in range(5):
+        r = requests.post(gw.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": COUNTING, "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+    t_long, r_long = long_stream(gw, 450, headers=inter)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    time.sleep(1.5)  # several polls of it decoding
+    front = {}
+
+    def send_front():
+        r = requests.post(gw.url + "/v1/completions", stream=True, timeout=180, headers=vip, json={
+            "model": MODEL, "prompt": COUNTING, "max_tokens": 600, "temperature": 0, "stream": True})
+        front["admitted_at"], front["status"] = time.time(), r.status_code
+        front["events"] = sse(r) if r.status_code == 200 else r.json()
+    t_front = threading.Thread(target=send_front)
+    t_front.start()
+    gw.wait_for(lambda s: s["queued"] == 1, what="the front to queue")
+    time.sleep(0.6)  # refused again on ticks: its place in line is active and holds the free bytes
+    assert gw.status()["claimed_bytes"] > 0
+    short = requests.post(gw.url + "/v1/completions", timeout=60, headers=inter, json={
+        "model": MODEL, "prompt": COUNTING, "max_tokens": 16, "temperature": 0})
+    short_done = time.time()
+    assert short.status_code == 200, short.text
+    assert short.json()["usage"]["completion_tokens"] == 16
+    assert "front" not in front or front["admitted_at"] > short_done
+    assert gw.stats()["kvgate.backfilled"] >= 1
+    t_long.join()
+    t_front.join()
+    assert r_long["status"] == 200 and front["status"] == 200, front
+    assert front["admitted_at"] > short_done, "the short request was done before the front started"
+    assert front["events"][-1]["choices"][0]["finish_reason"] == "length"
+    drained(gw, b)
+    assert gw.stats()["kvgate.queued"] == 0
+
+
 def test_degrade_lowers_the_cap_and_says_so(stack):
     policy = {"classes": {"default": {"action": "degrade", "min_output_tokens": 50}}}
     gw, b = stack(64, {"policy": policy})

@@ -95,7 +95,7 @@ use kvgate_core::gate::{self, Decision, Holder, Priced};
 use kvgate_core::ledger::{ClaimTicket, Ledger};
 use kvgate_core::policy::{Action, ClassPolicy, Reservation};
 use kvgate_core::queue::{AdmissionQueue, Waiting};
-use kvgate_core::reconcile::{self, BackendReport, LiveEntry};
+use kvgate_core::reconcile::{self, BackendReport, LiveEntry, ProgressTracker};
 use kvgate_core::retry::splitmix64;
 use kvgate_core::{price_request, ErrorKind};
 
@@ -557,6 +557,8 @@ struct Seq {
     elastic: bool,
     prompt: u64,
     generated: u64,
+    /// Its output cap (what the backend reports; the gateway sees nothing of `target`).
+    max_tokens: u64,
     /// Tokens it will produce: min(true length, max_tokens).
     target: u64,
     /// It ends at its cap, not by itself (a censored output length for elastic classes).
@@ -649,6 +651,9 @@ struct Backend {
     stepping: bool,
     arrivals: u64,
     finished_leases: Vec<u64>,
+    /// Outputs that ended by themselves or at their cap since the last report (what engine.rs
+    /// reports as `finished` with `completion_tokens` and the reason).
+    finished_outputs: Vec<reconcile::Output>,
     /// Σ used blocks × step µs.
     used_area: f64,
     recomputed_tokens: u64,
@@ -656,8 +661,6 @@ struct Backend {
     /// Times `reclaim_borrowed` found nothing more to free (engine.rs stops there too, and the
     /// backend refuses the reservation: a 429 the gateway counts as drift).
     stuck: u64,
-    /// How long its last step that decoded took (ms): one token per running sequence.
-    last_decode_ms: f64,
 }
 
 struct StepOut {
@@ -732,6 +735,7 @@ impl Backend {
                         elastic: output < max_tokens,
                         prompt,
                         generated: 0,
+                        max_tokens,
                         target: true_len.min(max_tokens).max(1),
                         to_cap: true_len >= max_tokens,
                         kv: None,
@@ -818,6 +822,13 @@ impl Backend {
     fn end(&mut self, mut seq: Seq, note: Note, notes: &mut Vec<(usize, Note)>) {
         release(&mut seq, &mut self.free);
         self.finished_leases.extend(seq.lease);
+        if let (Note::Done(tokens, at_cap), Some(_)) = (note, seq.lease) {
+            self.finished_outputs.push(reconcile::Output {
+                tokens,
+                at_cap,
+                prompt_tokens: seq.prompt,
+            });
+        }
         notes.push((seq.req, note));
     }
 
@@ -939,11 +950,9 @@ impl Backend {
         decoded
     }
 
-    /// What `GET /v1/admission/leases` would say, for `reconcile`: only the entries that can
-    /// change its outcome (grown past their lease, or not in the ledger) are listed, which
-    /// keeps a poll linear; the others add nothing to grown or foreign bytes.
-    fn report(&mut self, p: &Preset, ledger: &Ledger) -> BackendReport {
-        let held: HashMap<u64, u64> = ledger.leases().iter().map(|l| (l.id, l.bytes)).collect();
+    /// What `GET /v1/admission/leases` would say, for `reconcile` and the gateway's
+    /// `ProgressTracker`: every live sequence and the outputs finished since the last one.
+    fn report(&mut self, p: &Preset) -> BackendReport {
         let bb = p.block_bytes();
         let mut live = Vec::new();
         let mut entries = Vec::new();
@@ -959,7 +968,10 @@ impl Backend {
                 0
             };
             let bytes = s.blocks.max(resume) * bb;
-            if held.get(&id).is_none_or(|b| bytes > *b) {
+            // Every live sequence, as engine.rs publishes them: the gateway reads decode
+            // progress from the running ones (own leases within their reservation add nothing
+            // to what reconcile holds back).
+            {
                 entries.push(LiveEntry {
                     id: Some(id),
                     bytes,
@@ -967,7 +979,7 @@ impl Backend {
                     resuming: resume > s.blocks,
                     elastic: s.elastic,
                     prompt_tokens: s.prompt,
-                    max_tokens: s.target,
+                    max_tokens: s.max_tokens,
                     used_tokens: s.kv.unwrap_or(0),
                 });
             }
@@ -985,6 +997,7 @@ impl Backend {
             used_bytes: (self.total - self.free) * bb,
             live,
             finished: std::mem::take(&mut self.finished_leases),
+            finished_outputs: std::mem::take(&mut self.finished_outputs),
             entries,
             ..BackendReport::default()
         }
@@ -1003,8 +1016,10 @@ struct Gateway {
     /// Live lease id → (request, endpoint).
     leases: HashMap<u64, (usize, usize)>,
     /// Per backend, output tokens a second of one decoding sequence as the polls see it (the
-    /// filter's `ProgressTracker` rate: a moving average; 0 until the first poll that decoded).
+    /// filter's `Endpoint::tokens_per_s`; 0 until its tracker has a model).
     tokens_per_s: Vec<f64>,
+    /// Per backend, the filter's `ProgressTracker`.
+    progress: Vec<ProgressTracker>,
     /// Requests carry their expected run (`ClaimTicket::run_ms`) and the queue is tried behind
     /// its front (`--backfill`).
     backfill: bool,
@@ -1052,6 +1067,7 @@ impl Gateway {
             queue,
             learned: HashMap::new(),
             tokens_per_s: vec![0.0; backends],
+            progress: vec![ProgressTracker::default(); backends],
             backfill,
             next_lease: 1,
             leases: HashMap::new(),
@@ -1062,31 +1078,12 @@ impl Gateway {
         self.cfg.policy.resolve(Some(name)).clone()
     }
 
-    /// One try of request `r` (as the filter's `finish` and `Ticket::attempt`).
-    fn attempt(
-        &mut self,
-        r: &ReqState,
-        idx: usize,
-        now_ms: u64,
-        jitter_seed: u64,
-        from_queue: bool,
-        behind: bool,
-    ) -> Attempt {
+    /// What request `r` reserves now (the filter prices once per stream; the allowance of an
+    /// elastic class moves as it learns, so this is as of this try).
+    fn priced(&self, r: &ReqState) -> Result<(ClassPolicy, Priced), kvgate_core::ApiError> {
         let cfg = &self.cfg;
         let prompt = vec![r.req.prompt];
-        let price = match price_request(&cfg.pricing, &prompt, r.cap, 1) {
-            Ok(p) => p,
-            Err(e) => {
-                let status = match e.kind {
-                    ErrorKind::ContextLengthExceeded => cfg.context_error_status,
-                    _ => e.status,
-                };
-                return Attempt::Refused {
-                    status,
-                    retry_ms: None,
-                };
-            }
-        };
+        let price = price_request(&cfg.pricing, &prompt, r.cap, 1)?;
         let class = self.class(r.req.class);
         let mut priced = Priced {
             prompt_tokens: prompt,
@@ -1100,19 +1097,60 @@ impl Gateway {
                 priced = priced.with_allowance(cfg, a);
             }
         }
+        Ok((class, priced))
+    }
+
+    /// The filter's `Ticket::claim_active`: request `r`'s place in line at some endpoint is
+    /// active (the ledger sets bytes aside for it).
+    fn claim_active(&self, r: &ReqState) -> bool {
+        let key = splitmix64(r.req.id).max(1);
+        self.ledgers
+            .iter()
+            .any(|l| l.claims().iter().any(|c| c.key == key && c.active))
+    }
+
+    /// `Ticket::run_ms`: how long request `r` is expected to decode (0: unknown).
+    fn run_ms_of(&self, r: &ReqState) -> u64 {
+        match self.priced(r) {
+            Ok((_, p)) if self.backfill => run_ms(
+                &self.tokens_per_s,
+                p.elastic.map_or(p.price.cap.cap, |e| e.output_tokens),
+            ),
+            _ => 0,
+        }
+    }
+
+    /// One try of request `r` (as the filter's `finish` and `Ticket::attempt`).
+    fn attempt(
+        &mut self,
+        r: &ReqState,
+        idx: usize,
+        now_ms: u64,
+        jitter_seed: u64,
+        from_queue: bool,
+        behind: bool,
+    ) -> Attempt {
+        let (class, priced) = match self.priced(r) {
+            Ok(v) => v,
+            Err(e) => {
+                let status = match e.kind {
+                    ErrorKind::ContextLengthExceeded => self.cfg.context_error_status,
+                    _ => e.status,
+                };
+                return Attempt::Refused {
+                    status,
+                    retry_ms: None,
+                };
+            }
+        };
+        let run_ms = self.run_ms_of(r);
+        let cfg = &self.cfg;
         let lease_id = (GATEWAY << GATEWAY_SHIFT) | self.next_lease;
         self.next_lease += 1;
         let claim = (cfg.fair_retry_patience_ms > 0).then(|| ClaimTicket {
             key: splitmix64(r.req.id).max(1),
             patience_ms: cfg.fair_retry_patience_ms,
-            run_ms: if self.backfill {
-                let output = priced
-                    .elastic
-                    .map_or(priced.price.cap.cap, |e| e.output_tokens);
-                run_ms(&self.tokens_per_s, output)
-            } else {
-                0
-            },
+            run_ms,
         });
         let holder = Holder {
             lease_id: Some(lease_id),
@@ -1132,7 +1170,13 @@ impl Gateway {
         let claim_key = claim.map(|c| c.key);
         let home = claim_key.and_then(|k| fleet::home(&self.views, need, k));
         let mut placed = None;
-        for index in fleet::plan(&self.views, need, fleet::Choice::MostRoom) {
+        // A backfill try keeps only a backfill, which the plain pass never is.
+        let plain = if behind {
+            Vec::new()
+        } else {
+            fleet::plan(&self.views, need, fleet::Choice::MostRoom)
+        };
+        for index in plain {
             let Some(l) = self.ledgers.get_mut(index) else {
                 continue;
             };
@@ -1173,19 +1217,16 @@ impl Gateway {
                     };
                 };
                 if behind {
-                    // Ticket::attempt_backfill: without the class's policy, and a refusal
-                    // changes nothing.
-                    let before = l.clone();
-                    let d =
-                        gate::decide(l, cfg, &plain_class, &priced, holder, now_ms, jitter_seed);
-                    if let Decision::Rejected(_) = d {
-                        *l = before;
-                        return Attempt::Refused {
-                            status: 429,
-                            retry_ms: None,
-                        };
+                    // Ticket::attempt_backfill: only what the ledger admits ahead of the line.
+                    match gate::backfill(l, cfg, &class, &priced, holder, now_ms) {
+                        Some(d) => (index, d),
+                        None => {
+                            return Attempt::Refused {
+                                status: 429,
+                                retry_ms: None,
+                            }
+                        }
                     }
-                    (index, d)
                 } else {
                     let d = gate::decide(l, cfg, &class, &priced, holder, now_ms, jitter_seed);
                     (index, d)
@@ -1696,9 +1737,38 @@ impl<'a> Sim<'a> {
                 gw.queue.pop_front();
             }
         }
-        // The filter's backfill tries behind a front that waits (at most BACKFILL_TRIES).
+        // The filter's retries of queued requests behind the front whose claim is active (the
+        // ledger sets bytes aside for them), then its backfill tries (at most BACKFILL_TRIES).
+        let served: Vec<usize> = match self.gw.as_ref() {
+            Some(g) => g
+                .queue
+                .items()
+                .skip(1)
+                .copied()
+                .filter(|&r| self.reqs.get(r).is_some_and(|s| g.claim_active(s)))
+                .collect(),
+            None => Vec::new(),
+        };
+        for r in served {
+            if self.gateway_try(r, true) {
+                if let Some(gw) = self.gw.as_mut() {
+                    gw.queue.remove_where(|i| *i == r);
+                }
+            }
+        }
         let behind: Vec<usize> = match self.gw.as_ref() {
-            Some(g) if g.backfill => g.queue.items().skip(1).take(8).copied().collect(),
+            Some(g) if g.backfill => {
+                let mut b: Vec<(u64, usize)> = g
+                    .queue
+                    .items()
+                    .skip(1)
+                    .filter(|&&r| self.reqs.get(r).is_some_and(|s| !g.claim_active(s)))
+                    .filter_map(|&r| Some((g.run_ms_of(self.reqs.get(r)?), r)))
+                    .filter(|(run_ms, _)| *run_ms > 0)
+                    .collect();
+                b.sort_by_key(|(run_ms, _)| *run_ms);
+                b.into_iter().take(8).map(|(_, r)| r).collect()
+            }
             _ => Vec::new(),
         };
         for r in behind {
@@ -1718,9 +1788,6 @@ impl<'a> Sim<'a> {
             return;
         };
         let out = be.step(p, arm);
-        if !be.running.is_empty() && out.ms > 0.0 {
-            be.last_decode_ms = out.ms;
-        }
         let d = ms(out.ms);
         be.used_area += ((be.total - be.free) as f64) * d as f64;
         let busy = be.busy();
@@ -1804,22 +1871,21 @@ impl<'a> Sim<'a> {
         let o = self.o;
         let p = &o.preset;
         if let Some(gw) = self.gw.as_mut() {
-            for ((be, ledger), rate) in self
+            for (((be, ledger), rate), tracker) in self
                 .backends
                 .iter_mut()
                 .zip(gw.ledgers.iter_mut())
                 .zip(gw.tokens_per_s.iter_mut())
+                .zip(gw.progress.iter_mut())
             {
-                if be.last_decode_ms > 0.0 && gw.cfg.retry_from_progress {
-                    let seen = 1000.0 / be.last_decode_ms;
-                    *rate = if *rate > 0.0 {
-                        0.7 * *rate + 0.3 * seen
-                    } else {
-                        seen
-                    };
-                }
-                let report = be.report(p, ledger);
-                reconcile::reconcile(ledger, &report, now_ms, 30_000, None, GATEWAY);
+                // As the filter's poll: the decode rate and typical outputs from the report,
+                // lease ends estimated from them, the rate kept for run estimates.
+                let report = be.report(p);
+                let progress = tracker
+                    .observe(&report, now_ms)
+                    .filter(|_| gw.cfg.retry_from_progress);
+                *rate = progress.as_ref().map_or(0.0, |p| p.tokens_per_s);
+                reconcile::reconcile(ledger, &report, now_ms, 30_000, progress.as_ref(), GATEWAY);
             }
         }
         self.drain();

@@ -236,6 +236,28 @@ pub fn decide(
     ))
 }
 
+/// Only a backfill ([`Ledger::try_backfill`]): for a request waiting in a gateway's queue
+/// behind its front, admitted only if it is expected to be done before anyone in line could
+/// start; `None` changes nothing.
+pub fn backfill(
+    ledger: &mut Ledger,
+    cfg: &Config,
+    class: &ClassPolicy,
+    priced: &Priced,
+    holder: Holder,
+    now_ms: u64,
+) -> Option<Decision> {
+    let cap = priced.price.cap.cap;
+    let req = admit_request(cfg, class, holder, priced.reserve_bytes(), cap, now_ms);
+    let lease = ledger.try_backfill(&req, &cfg.retry_after)?;
+    Some(Decision::Admitted {
+        lease,
+        cap,
+        degraded_from: None,
+        preempted: Vec::new(),
+    })
+}
+
 /// Shadow mode: what [`decide`] would do, decided on a copy of the ledger; the ledger itself
 /// records the request at its full worst case whatever the decision (it goes through
 /// unchanged, so that is what the backend may come to hold).

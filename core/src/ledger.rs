@@ -483,7 +483,8 @@ impl Ledger {
             };
         }
         if req.bytes > free {
-            if let Some(lease) = self.backfill(req, own, retry) {
+            let before_own = own.unwrap_or(self.claims.len());
+            if let Some(lease) = self.backfill(req, own, |i| i < before_own, retry) {
                 return AdmitOutcome::Admitted { lease };
             }
             self.counters.rejected = self.counters.rejected.saturating_add(1);
@@ -547,48 +548,126 @@ impl Ledger {
     }
 
     /// Backfill: admit `req`, which does not fit beside what the line ahead of it holds, into
-    /// those bytes when it is expected to end before the line's front could start anyway (as
-    /// in a batch scheduler's EASY backfilling). Without it a front that needs most of the pool
-    /// leaves what is free idle, and everyone behind it waiting, until enough leases end; with
-    /// it, what is free runs requests that are done by then. The front's start is when what is
-    /// spare or lendable now and what the live leases free as they are expected to end (the
-    /// Retry-After estimate's order) cover its need. Only spare bytes are taken, never lent
-    /// ones. The lease starts with that expected end (`eta_ms`), so the next decision counts
-    /// it as freeing its bytes then; the backend's reports refine it.
-    ///
-    /// The line's bound on a front's wait holds while runs end as expected: one that runs
-    /// longer than its estimate delays the front by the difference (its cap bounds it).
+    /// those bytes when it is expected to be done before anyone ahead of it in line could start
+    /// anyway (as in a batch scheduler's EASY backfilling). Without it a front that needs most
+    /// of the pool leaves what is free idle, and everyone behind it waiting, until enough
+    /// leases end; with it, what is free runs requests that are done by then. Only spare bytes
+    /// are taken, never lent ones. The lease starts with that expected end (`eta_ms`), so the
+    /// next decision counts it as freeing its bytes then; the backend's reports refine it.
+    /// `ahead`: the claims it must not delay (those before its own place in line, or all but
+    /// its own for [`Ledger::try_backfill`]).
     fn backfill(
         &mut self,
         req: &AdmitRequest<'_>,
         own: Option<usize>,
+        ahead: impl Fn(usize) -> bool,
         retry: &RetryAfterConfig,
     ) -> Option<Lease> {
-        let run_ms = req.claim.map_or(0, |t| t.run_ms);
-        if run_ms == 0 || req.bytes > self.unclaimed() {
+        let t = req.claim?;
+        if t.run_ms == 0 || req.bytes > self.unclaimed() {
             return None;
         }
-        let front = self
-            .claims
-            .iter()
-            .take(own.unwrap_or(self.claims.len()))
-            .find(|c| c.active)?;
-        let have = self.unclaimed().saturating_add(self.lendable_now());
-        let start_ms = match front.bytes.checked_sub(have) {
-            None | Some(0) => 0,
-            Some(short) => {
-                crate::retry::wait_to_free(self, short, req.now_ms, retry).unwrap_or(u64::MAX)
-            }
-        };
-        if run_ms > start_ms {
+        if !self.delays_nobody(&ahead, req.bytes, t, req.now_ms, retry) {
             return None;
         }
         // bytes ≤ unclaimed ≤ capacity − committed: committed stays within the capacity.
         let mut lease = self.grant(req, own);
-        lease.eta_ms = req.now_ms.saturating_add(run_ms);
+        lease.eta_ms = req.now_ms.saturating_add(t.run_ms);
         self.set_eta(lease.id, lease.eta_ms);
         // What the claims hold came from the bytes it took: pour again from what is left.
         self.settle_claims(req.now_ms);
+        Some(lease)
+    }
+
+    /// Whether `bytes` held for `t.run_ms` from now leave every claim `ahead` (by index) to
+    /// start when it could have without them: each is done with by then, or there is still
+    /// room for it then beside them (as EASY backfilling's "extra" nodes). `false` when there
+    /// is no claim ahead: a backfill goes ahead of someone.
+    ///
+    /// When a claim could start, a lower bound: not before what is not committed now (all of
+    /// it, as if what is held back cleared at once), plus what the live leases free as they
+    /// are expected to end (the Retry-After estimate's order), covers its need and that of the
+    /// active claims before it (served first; past what the live leases hold, not before they
+    /// have all ended), and not before its client is back: a claim whose client has not come
+    /// back yet was told to retry no earlier than its expiry less the patience.
+    fn delays_nobody(
+        &self,
+        ahead: &impl Fn(usize) -> bool,
+        bytes: u64,
+        t: ClaimTicket,
+        now_ms: u64,
+        retry: &RetryAfterConfig,
+    ) -> bool {
+        let uncommitted = self.capacity.saturating_sub(self.committed);
+        let ends = crate::retry::expected_ends(self, now_ms, retry);
+        let freed_by = |at: u64| {
+            ends.iter()
+                .take_while(|(wait, _)| *wait <= at)
+                .map(|(_, b)| *b)
+                .fold(0, u64::saturating_add)
+        };
+        let mut served_first: u64 = 0;
+        let mut any = false;
+        for (i, c) in self.claims.iter().enumerate() {
+            let need = served_first.saturating_add(c.bytes);
+            if c.active {
+                served_first = need;
+            }
+            if !ahead(i) {
+                continue;
+            }
+            any = true;
+            let mut room = uncommitted;
+            let mut fits_ms = ends.last().map_or(0, |(wait, _)| *wait);
+            if room >= need {
+                fits_ms = 0;
+            } else {
+                for (wait, b) in &ends {
+                    room = room.saturating_add(*b);
+                    if room >= need {
+                        fits_ms = *wait;
+                        break;
+                    }
+                }
+            }
+            let back_ms = match c.active {
+                true => 0,
+                false => c
+                    .expires_ms
+                    .saturating_sub(t.patience_ms)
+                    .saturating_sub(now_ms),
+            };
+            let start_ms = fits_ms.max(back_ms);
+            let done_by_then = t.run_ms <= start_ms;
+            let room_beside =
+                need.saturating_add(bytes) <= uncommitted.saturating_add(freed_by(start_ms));
+            if !(done_by_then || room_beside) {
+                return false;
+            }
+        }
+        any
+    }
+
+    /// Only a backfill (see `backfill`), for a request waiting somewhere else (a gateway
+    /// queue) that must not pass anyone in line by any other rule: ahead of it are all the
+    /// claims but its own, which is neither activated nor served first, and a refusal changes
+    /// nothing (no claim is left or refreshed, no refusal counted). Admitted, its own claim is
+    /// spent.
+    pub fn try_backfill(
+        &mut self,
+        req: &AdmitRequest<'_>,
+        retry: &RetryAfterConfig,
+    ) -> Option<Lease> {
+        if req.id.is_some_and(|id| id == 0 || self.lease(id).is_some()) {
+            return None;
+        }
+        let mut next = self.clone();
+        next.settle_claims(req.now_ms);
+        let own = req
+            .claim
+            .and_then(|t| next.claims.iter().position(|c| c.key == t.key));
+        let lease = next.backfill(req, own, |i| Some(i) != own, retry)?;
+        *self = next;
         Some(lease)
     }
 
@@ -1024,10 +1103,12 @@ mod tests {
                 AdmitOutcome::Rejected { .. }
             ));
         }
-        // Done by 6 s: it goes ahead, into 30 of the 40 the front held, and starts with that
-        // expected end.
+        // The second one's retry, done by 6 s: it goes ahead (of the front, and of the first
+        // one's claim, waiting for its client), into 30 of the 40 the front held, and starts
+        // with that expected end.
+        assert_eq!(l.claims().len(), 3);
         let AdmitOutcome::Admitted { lease: short } =
-            l.try_admit(&keyed(30, 4, 5_000, 1_000), &cfg, 1)
+            l.try_admit(&keyed(30, 3, 5_000, 1_000), &cfg, 1)
         else {
             panic!("a run that ends before the front can start backfills");
         };
@@ -1035,9 +1116,10 @@ mod tests {
         assert_eq!(l.lease(short.id).map(|x| x.eta_ms), Some(6_000));
         assert_eq!((l.committed(), l.held_for(1), l.free()), (90, 10, 0));
         assert!(
-            l.claims().iter().all(|c| c.key != 4),
+            l.claims().iter().all(|c| c.key != 3),
             "its own claim is spent"
         );
+        assert_eq!(l.claims().len(), 2);
         // More than what is left uncommitted is never taken, whatever the estimate.
         assert!(matches!(
             l.try_admit(&keyed(20, 5, 100, 1_000), &cfg, 1),
@@ -1079,6 +1161,180 @@ mod tests {
         ));
         assert_eq!((m.held_for(1), m.free()), (60, 40));
         m.check().unwrap();
+    }
+
+    #[test]
+    fn a_backfill_delays_no_claim_ahead_even_one_whose_client_has_not_come_back() {
+        let cfg = exact_retry();
+        let keyed = |bytes, key, run_ms, now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key,
+                patience_ms: 60_000,
+                run_ms,
+            }),
+            ttl_ms: 600_000,
+            ..req(bytes, now)
+        };
+        let lease = |l: &mut Ledger, bytes, eta| {
+            let AdmitOutcome::Admitted { lease } = l.try_admit(&req(bytes, 0), &cfg, 1) else {
+                panic!("fits");
+            };
+            l.set_eta(lease.id, eta);
+        };
+        let mut l = Ledger::new(100, 1);
+        lease(&mut l, 30, 3_000);
+        lease(&mut l, 40, 10_000);
+        // A needs 50: refused once, its claim waits for its client (it holds nothing). Then the
+        // front F needs 90: active, it holds the 30 spare; alone it could start at 10 s.
+        assert!(matches!(
+            l.try_admit(&keyed(50, 1, 0, 0), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        for now in [1, 2] {
+            assert!(matches!(
+                l.try_admit(&keyed(90, 2, 0, now), &cfg, 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+        assert_eq!((l.held_for(1), l.held_for(2)), (0, 30));
+        // A, back at 3 s, fits once the 30-byte lease ends: a 9 s run would still hold its
+        // bytes then, a 2 s run would not.
+        assert!(matches!(
+            l.try_admit(&keyed(30, 3, 9_000, 5), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert!(matches!(
+            l.try_admit(&keyed(30, 4, 2_000, 5), &cfg, 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        l.check().unwrap();
+
+        // 15 are held back (use nobody reported), which may clear at any time: the front's
+        // start counts them as free already. It needs 90 and the 60-byte lease ends at 10 s:
+        // it cannot start before then, whenever they clear.
+        let mut m = Ledger::new(100, 1);
+        lease(&mut m, 60, 10_000);
+        m.set_held_back(15);
+        for now in [0, 1] {
+            assert!(matches!(
+                m.try_admit(&keyed(90, 1, 0, now), &cfg, 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+        assert_eq!(m.held_for(1), 25);
+        assert!(matches!(
+            m.try_admit(&keyed(20, 2, 10_500, 2), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert!(matches!(
+            m.try_admit(&keyed(20, 3, 9_500, 2), &cfg, 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        m.check().unwrap();
+    }
+
+    #[test]
+    fn a_backfill_try_from_a_queue_passes_nobody_by_any_other_rule_and_changes_nothing_refused() {
+        let cfg = exact_retry();
+        let keyed = |bytes, key, run_ms, now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key,
+                patience_ms: 60_000,
+                run_ms,
+            }),
+            ttl_ms: 600_000,
+            ..req(bytes, now)
+        };
+        let mut l = Ledger::new(100, 1);
+        let lease = |l: &mut Ledger, bytes, eta| {
+            let AdmitOutcome::Admitted { lease } = l.try_admit(&req(bytes, 0), &cfg, 1) else {
+                panic!("fits");
+            };
+            l.set_eta(lease.id, eta);
+            lease.id
+        };
+        let short = lease(&mut l, 20, 1_000);
+        lease(&mut l, 60, 10_000);
+        // Nobody in line: a request that fits is not admitted by a backfill try.
+        assert_eq!(l.try_backfill(&keyed(10, 9, 1_000, 0), &cfg), None);
+        // B (30) is refused once; then F (80) takes the front of a gateway's queue, and its
+        // claim, younger than B's, is active and holds the 40 spare.
+        assert!(matches!(
+            l.try_admit(&keyed(30, 1, 5_000, 0), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        l.release(short, 1);
+        for now in [2, 3] {
+            assert!(matches!(
+                l.try_admit(&keyed(80, 2, 0, now), &cfg, 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+        assert_eq!((l.held_for(1), l.held_for(2)), (0, 40));
+        // B's own retry would activate its older claim and take the bytes F holds; queued
+        // behind F, it may only go ahead of F by a backfill.
+        let mut retried = l.clone();
+        assert!(matches!(
+            retried.try_admit(&keyed(30, 1, 0, 4), &cfg, 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        // A run past F's start (10 s): refused, and nothing changed.
+        let before = l.clone();
+        assert_eq!(l.try_backfill(&keyed(30, 1, 12_000, 4), &cfg), None);
+        assert_eq!(l, before);
+        // Done by 9 s: admitted ahead of F, its own claim spent.
+        let b = l.try_backfill(&keyed(30, 1, 9_000, 4), &cfg).unwrap();
+        assert_eq!(b.eta_ms, 9_004);
+        assert_eq!(l.held_for(2), 10);
+        assert!(l.claims().iter().all(|c| c.key != 1));
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_long_backfill_goes_ahead_when_the_front_has_room_beside_it_at_its_start() {
+        let cfg = exact_retry();
+        let keyed = |bytes, key, run_ms, now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key,
+                patience_ms: 60_000,
+                run_ms,
+            }),
+            ttl_ms: 600_000,
+            ..req(bytes, now)
+        };
+        let mut l = Ledger::new(100, 1);
+        let AdmitOutcome::Admitted { lease } = l.try_admit(&req(70, 0), &cfg, 1) else {
+            panic!("fits");
+        };
+        l.set_eta(lease.id, 10_000);
+        // The front needs 80 and holds the 30 spare: it starts at 10 s, when 100 are free.
+        for now in [0, 1] {
+            assert!(matches!(
+                l.try_admit(&keyed(80, 1, 0, now), &cfg, 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+        // For a minute, 25 would leave it 75 at 10 s; 20 leave it its 80.
+        assert!(matches!(
+            l.try_admit(&keyed(25, 2, 60_000, 2), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        let AdmitOutcome::Admitted { lease: long } = l.try_admit(&keyed(20, 3, 60_000, 2), &cfg, 1)
+        else {
+            panic!("room beside the front at its start");
+        };
+        assert_eq!(long.eta_ms, 60_002);
+        assert_eq!((l.committed(), l.held_for(1)), (90, 10));
+        // 5 more for a minute would leave it 75; for a second, they are gone by then.
+        assert!(matches!(
+            l.try_admit(&keyed(5, 4, 60_000, 3), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert!(matches!(
+            l.try_admit(&keyed(5, 5, 1_000, 3), &cfg, 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        l.check().unwrap();
     }
 
     #[test]

@@ -87,12 +87,24 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
 /// How long until the live leases, ending in the order they are expected to, have freed
 /// `bytes`: the expected remaining time of the lease that completes it. `None`: all of them
 /// together hold less.
-pub(crate) fn wait_to_free(
+fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig) -> Option<u64> {
+    let mut freed: u64 = 0;
+    for (wait, b) in expected_ends(ledger, now_ms, cfg) {
+        freed = freed.saturating_add(b);
+        if freed >= bytes {
+            return Some(wait);
+        }
+    }
+    None
+}
+
+/// Each live lease's expected remaining time and its bytes, soonest first: its `eta_ms` when
+/// it has one, else when it reaches the running mean lifetime (or its deadline, if sooner).
+pub(crate) fn expected_ends(
     ledger: &Ledger,
-    bytes: u64,
     now_ms: u64,
     cfg: &RetryAfterConfig,
-) -> Option<u64> {
+) -> Vec<(u64, u64)> {
     let mean = match ledger.mean_lease_ms() {
         0 => cfg.default_lease_ms,
         m => m,
@@ -112,14 +124,7 @@ pub(crate) fn wait_to_free(
         })
         .collect();
     ends.sort_unstable();
-    let mut freed: u64 = 0;
-    for (wait, b) in ends {
-        freed = freed.saturating_add(b);
-        if freed >= bytes {
-            return Some(wait);
-        }
-    }
-    None
+    ends
 }
 
 #[cfg(test)]

@@ -373,19 +373,23 @@ impl Root {
             })
             .max()
             .unwrap_or(0);
-        let behind: Vec<Rc<Ticket>> = self
+        // The shortest runs first: they are the likeliest to be done in time.
+        let mut behind: Vec<(u64, Rc<Ticket>)> = self
             .worker
             .queue
             .borrow()
             .items()
             .skip(1)
-            .filter(|t| !t.claim_active.get() && t.priced.reserve_bytes() <= room)
-            .filter(|t| t.run_ms(&self.worker) > 0)
-            .take(BACKFILL_TRIES)
-            .cloned()
+            .filter(|t| t.claim.is_some() && !t.claim_active.get())
+            .filter(|t| t.priced.reserve_bytes() <= room)
+            .map(|t| (t.run_ms(&self.worker), Rc::clone(t)))
+            .filter(|(run_ms, _)| *run_ms > 0)
             .collect();
-        for ticket in behind {
+        behind.sort_by_key(|(run_ms, _)| *run_ms);
+        for (_, ticket) in behind.into_iter().take(BACKFILL_TRIES) {
             if hostcalls::set_effective_context(ticket.context_id).is_err() {
+                // Its stream is gone.
+                self.worker.unqueue(ticket.context_id);
                 continue;
             }
             if let Attempt::Admitted { ready } = ticket.attempt_backfill(&self.worker, rt) {
@@ -509,9 +513,10 @@ impl Root {
             .get_mut(i)
             .and_then(|p| p.progress.observe(&report, now))
             .filter(|_| rt.cfg.retry_from_progress);
-        if let Some(p) = &progress {
-            e.tokens_per_s.set(p.tokens_per_s);
-        }
+        // No rate (too few outputs seen yet, or Retry-After not estimated from progress): no
+        // run estimates, so no backfills.
+        e.tokens_per_s
+            .set(progress.as_ref().map_or(0.0, |p| p.tokens_per_s));
         let done = store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
             if let Some(c) = capacity {
                 l.set_capacity(c);

@@ -116,6 +116,12 @@ impl Ticket {
         let claim_key = self.claim.map(|c| c.key);
         let shadow = rt.cfg.mode == Mode::Shadow;
         let decide = if shadow { gate::shadow } else { gate::decide };
+        // A backfill try: only what the ledger admits ahead of the line; a refusal changes
+        // nothing, so a queued request never takes a place in line that way.
+        let probe = |l: &mut kvgate_core::Ledger| -> Decision {
+            gate::backfill(l, &rt.cfg, &self.class, &self.priced, holder, now)
+                .unwrap_or_else(|| Decision::Rejected(not_ahead()))
+        };
         let decided = fleet::admit(
             &EnvoyStore,
             |i| {
@@ -129,6 +135,12 @@ impl Ticket {
             claim_key,
             CAS_ATTEMPTS,
             |l| {
+                if backfill {
+                    return match probe(l) {
+                        d @ Decision::Admitted { .. } => Some(d),
+                        Decision::Rejected(_) => None,
+                    };
+                }
                 let own = claim_key.map_or(0, |k| l.held_for(k));
                 if l.free().saturating_add(own) < need {
                     return None;
@@ -143,15 +155,10 @@ impl Ticket {
                 }
             },
             |l| {
-                if !backfill {
-                    return decide(l, &rt.cfg, &self.class, &self.priced, holder, now, seed);
+                if backfill {
+                    return probe(l);
                 }
-                let before = l.clone();
-                let d = decide(l, &rt.cfg, &plain_class, &self.priced, holder, now, seed);
-                if let Decision::Rejected(_) = d {
-                    *l = before;
-                }
-                d
+                decide(l, &rt.cfg, &self.class, &self.priced, holder, now, seed)
             },
         );
         for (e, v) in endpoints.iter().zip(&views) {
@@ -169,10 +176,11 @@ impl Ticket {
                 })
             )
         {
-            return Attempt::Rejected(ApiError::new(
-                ErrorKind::KvCapacityExceeded,
-                "not admitted ahead of the line",
-            ));
+            if let Err((_, e)) = &decided {
+                worker.metrics.ledger_errors.inc();
+                host::warn(&format!("kvgate: backfill try: {e}"));
+            }
+            return Attempt::Rejected(not_ahead());
         }
         let level = worker.level(&rt.cfg);
         self.level.set(Some(level));
@@ -250,9 +258,7 @@ impl Ticket {
                 if let Some(m) = &endpoint.metrics {
                     m.admitted.inc();
                 }
-                // The ledger starts a lease with an expected end only when it let the request
-                // go ahead of the line (a backfill).
-                if lease.eta_ms > 0 {
+                if went_ahead(&lease) {
                     worker.metrics.backfilled.inc();
                 }
                 if degraded_from.is_some() {
@@ -464,4 +470,18 @@ pub fn ledger_error(e: &store::StoreError, rt: &Runtime) -> ApiError {
             .with_retry_after_ms(rt.cfg.retry_after.min_ms)
         }
     }
+}
+
+/// The ledger starts a lease with an expected end only when it let the request go ahead of the
+/// line (a backfill: see `kvgate_core::ledger`).
+fn went_ahead(lease: &Lease) -> bool {
+    lease.eta_ms > 0
+}
+
+/// A backfill try that did not go ahead (never answered to a client: the request stays queued).
+fn not_ahead() -> ApiError {
+    ApiError::new(
+        ErrorKind::KvCapacityExceeded,
+        "not admitted ahead of the line",
+    )
 }
