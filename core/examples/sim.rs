@@ -5,7 +5,8 @@
 //! [--workload mix|live] [--seed S] [--jobs N] [--clients C | --rate R] [--give-up-s S]
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
-//! [--dump FILE]` prints one markdown table (`make bench-sim` runs the defaults).
+//! [--backfill on|off] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
+//! defaults).
 //!
 //! **The gateway arms decide with kvgate-core's own code, not a re-implementation:** the filter
 //! configuration is parsed by `Config::from_json` from envoy/kvgate-filter.yaml (the shipped
@@ -15,7 +16,11 @@
 //! `gate::decide` on a `Ledger` (two passes as `fleet::admit`, with `fleet::plan` / `fleet::home`),
 //! queued in `queue::AdmissionQueue`, released with `Ledger::release`, and reconciled every poll
 //! with `reconcile::reconcile` from a `BackendReport` built from the simulated backend (what
-//! holds back elastic growth and block rounding). What the simulator writes itself is the
+//! holds back elastic growth and block rounding), with the progress model the filter's
+//! `ProgressTracker` learns from the same reports (lease ends for Retry-After and backfills,
+//! the decode rate for run estimates); queued requests behind the front are retried when their
+//! place in line is active and tried as backfills (`gate::backfill`) as the filter's tick does
+//! (`--backfill off`: no run estimates, no such tries). What the simulator writes itself is the
 //! backend engine (a transcription of backend/src/engine.rs's rules: it cannot link the real
 //! one, which owns a model and threads), the clients and the clock.
 //!
