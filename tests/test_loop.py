@@ -25,13 +25,16 @@ def sse(resp):
 
 
 def long_stream(gw, max_tokens, headers=None, result=None):
-    """Start a streaming completion that runs to max_tokens; returns (thread, result)."""
+    """Start a streaming completion that runs to max_tokens; returns (thread, result).
+
+    result["admitted_at"]: when its response headers came (it was admitted, or refused)."""
     result = {} if result is None else result
 
     def run():
-        r = requests.post(gw.url + "/v1/completions", stream=True, timeout=120, headers=headers or {},
+        r = requests.post(gw.url + "/v1/completions", stream=True, timeout=180, headers=headers or {},
                           json={"model": MODEL, "prompt": COUNTING, "max_tokens": max_tokens,
                                 "temperature": 0, "stream": True})
+        result["admitted_at"] = time.time()
         result["status"] = r.status_code
         result["headers"] = dict(r.headers)
         try:
@@ -269,31 +272,30 @@ def test_queue_then_preempt_with_the_shipped_classes(stack):
     assert b.metrics()["kvgate_backend_preempted_total"] == 1
 
 
+def one_worker_that_queues(stack):
+    """The shipped classes with 2 minutes of queueing for interactive and vip, one Envoy worker
+    (one queue, one decode-rate estimate), 64 blocks; (gateway, backend, interactive's and
+    vip's headers)."""
+    policy = shipped_classes()
+    for c in ("interactive", "vip"):
+        policy["classes"][c]["max_wait_ms"] = 120_000
+    gw, b = stack(64, {"policy": policy}, concurrency=1)
+    return gw, b, {"authorization": "Bearer kvgate-demo-interactive"}, {"authorization": "Bearer kvgate-demo-vip"}
+
+
 def test_a_queued_request_pushed_back_by_a_higher_class_is_admitted_when_its_claim_is_full(stack):
     # One worker, one queue. R_low (interactive) waits at the front until its place in the
     # fair-retry line is served; then a vip request R_high, too big to fit before L2 ends, is
     # queued ahead of it. When L1 ends, its bytes go to R_low's claim (the older one), which
     # nobody else may take: R_low must be admitted then, not left waiting behind R_high until
     # L2 ends (the pool idle meanwhile).
-    policy = shipped_classes()
-    for c in ("interactive", "vip"):
-        policy["classes"][c]["max_wait_ms"] = 120_000
     # 64 blocks: 921 tokens usable. L1 and L2 hold about 276 and 476; R_low needs about 276
     # (it waits), R_high about 426 (it does not fit beside R_low's claim until L2 ends).
-    gw, b = stack(64, {"policy": policy}, concurrency=1)
-    inter, vip = {"authorization": "Bearer kvgate-demo-interactive"}, {"authorization": "Bearer kvgate-demo-vip"}
+    gw, b, inter, vip = one_worker_that_queues(stack)
     t1, r1 = long_stream(gw, 250, headers=inter)
     t2, r2 = long_stream(gw, 450, headers=inter)
     gw.wait_for(lambda s: s["leases"] == 2)
-    low = {}
-
-    def send_low():
-        r = requests.post(gw.url + "/v1/completions", stream=True, timeout=180, headers=inter, json={
-            "model": MODEL, "prompt": COUNTING, "max_tokens": 250, "temperature": 0, "stream": True})
-        low["admitted_at"], low["status"] = time.time(), r.status_code
-        low["events"] = sse(r) if r.status_code == 200 else r.json()
-    tl = threading.Thread(target=send_low)
-    tl.start()
+    tl, low = long_stream(gw, 250, headers=inter)
     gw.wait_for(lambda s: s["queued"] == 1, what="R_low to queue")
     time.sleep(0.6)  # several ticks at the front: refused again there, its claim is served
     high = {}
@@ -319,11 +321,7 @@ def test_a_short_request_goes_ahead_of_a_queue_front_that_cannot_start_yet(stack
     # A vip front that needs most of the pool waits for a long stream to end; a short request
     # that will be done well before then is admitted at once into the bytes the front holds (a
     # backfill), instead of waiting behind it. One worker: its polls measure the decode rate.
-    policy = shipped_classes()
-    for c in ("interactive", "vip"):
-        policy["classes"][c]["max_wait_ms"] = 120_000
-    gw, b = stack(64, {"policy": policy}, concurrency=1)
-    inter, vip = {"authorization": "Bearer kvgate-demo-interactive"}, {"authorization": "Bearer kvgate-demo-vip"}
+    gw, b, inter, vip = one_worker_that_queues(stack)
     # Outputs for the polls to learn from, then a long stream whose progress gives the rate.
     for _ in range(5):
         r = requests.post(gw.url + "/v1/completions", timeout=60, json={
@@ -332,15 +330,7 @@ def test_a_short_request_goes_ahead_of_a_queue_front_that_cannot_start_yet(stack
     t_long, r_long = long_stream(gw, 450, headers=inter)
     gw.wait_for(lambda s: s["leases"] == 1)
     time.sleep(1.5)  # several polls of it decoding
-    front = {}
-
-    def send_front():
-        r = requests.post(gw.url + "/v1/completions", stream=True, timeout=180, headers=vip, json={
-            "model": MODEL, "prompt": COUNTING, "max_tokens": 600, "temperature": 0, "stream": True})
-        front["admitted_at"], front["status"] = time.time(), r.status_code
-        front["events"] = sse(r) if r.status_code == 200 else r.json()
-    t_front = threading.Thread(target=send_front)
-    t_front.start()
+    t_front, front = long_stream(gw, 600, headers=vip)
     gw.wait_for(lambda s: s["queued"] == 1, what="the front to queue")
     time.sleep(0.6)  # refused again on ticks: its place in line is active and holds the free bytes
     assert gw.status()["claimed_bytes"] > 0
@@ -349,7 +339,7 @@ def test_a_short_request_goes_ahead_of_a_queue_front_that_cannot_start_yet(stack
     short_done = time.time()
     assert short.status_code == 200, short.text
     assert short.json()["usage"]["completion_tokens"] == 16
-    assert "front" not in front or front["admitted_at"] > short_done
+    assert "admitted_at" not in front or front["admitted_at"] > short_done
     assert gw.stats()["kvgate.backfilled"] >= 1
     t_long.join()
     t_front.join()

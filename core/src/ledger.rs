@@ -883,6 +883,29 @@ mod tests {
         }
     }
 
+    /// A request that keeps its place in line (key `key`) and is expected to run `run_ms`.
+    fn keyed(bytes: u64, key: u64, run_ms: u64, now_ms: u64) -> AdmitRequest<'static> {
+        AdmitRequest {
+            claim: Some(ClaimTicket {
+                key,
+                patience_ms: 60_000,
+                run_ms,
+            }),
+            ttl_ms: 600_000,
+            ..req(bytes, now_ms)
+        }
+    }
+
+    /// Admit a lease of `bytes` at 0 that is expected to end at `eta_ms`; its id.
+    fn lease_ending_at(l: &mut Ledger, bytes: u64, eta_ms: u64) -> u64 {
+        let AdmitOutcome::Admitted { lease } = l.try_admit(&req(bytes, 0), &exact_retry(), 1)
+        else {
+            panic!("fits");
+        };
+        l.set_eta(lease.id, eta_ms);
+        lease.id
+    }
+
     fn req(bytes: u64, now_ms: u64) -> AdmitRequest<'static> {
         AdmitRequest {
             id: None,
@@ -1073,20 +1096,8 @@ mod tests {
     #[test]
     fn a_request_done_before_the_front_could_start_backfills_what_the_front_holds() {
         let mut l = Ledger::new(100, 1);
-        let keyed = |bytes, key, run_ms, now| AdmitRequest {
-            claim: Some(ClaimTicket {
-                key,
-                patience_ms: 60_000,
-                run_ms,
-            }),
-            ttl_ms: 600_000,
-            ..req(bytes, now)
-        };
         let cfg = exact_retry();
-        let AdmitOutcome::Admitted { lease: long } = l.try_admit(&req(60, 0), &cfg, 1) else {
-            panic!("fits");
-        };
-        l.set_eta(long.id, 10_000);
+        let long = lease_ending_at(&mut l, 60, 10_000);
         // The front needs 80: refused twice, its claim is active and holds the 40 spare. It
         // can start at 10 s, when the 60-byte lease is expected to end.
         for now in [0, 1] {
@@ -1137,7 +1148,7 @@ mod tests {
         }
         // Both end: the front takes its 80.
         l.release(short.id, 6_000);
-        l.release(long.id, 10_000);
+        l.release(long, 10_000);
         assert!(matches!(
             l.try_admit(&keyed(80, 1, 0, 10_000), &cfg, 1),
             AdmitOutcome::Admitted { .. }
@@ -1166,24 +1177,9 @@ mod tests {
     #[test]
     fn a_backfill_delays_no_claim_ahead_even_one_whose_client_has_not_come_back() {
         let cfg = exact_retry();
-        let keyed = |bytes, key, run_ms, now| AdmitRequest {
-            claim: Some(ClaimTicket {
-                key,
-                patience_ms: 60_000,
-                run_ms,
-            }),
-            ttl_ms: 600_000,
-            ..req(bytes, now)
-        };
-        let lease = |l: &mut Ledger, bytes, eta| {
-            let AdmitOutcome::Admitted { lease } = l.try_admit(&req(bytes, 0), &cfg, 1) else {
-                panic!("fits");
-            };
-            l.set_eta(lease.id, eta);
-        };
         let mut l = Ledger::new(100, 1);
-        lease(&mut l, 30, 3_000);
-        lease(&mut l, 40, 10_000);
+        lease_ending_at(&mut l, 30, 3_000);
+        lease_ending_at(&mut l, 40, 10_000);
         // A needs 50: refused once, its claim waits for its client (it holds nothing). Then the
         // front F needs 90: active, it holds the 30 spare; alone it could start at 10 s.
         assert!(matches!(
@@ -1213,7 +1209,7 @@ mod tests {
         // start counts them as free already. It needs 90 and the 60-byte lease ends at 10 s:
         // it cannot start before then, whenever they clear.
         let mut m = Ledger::new(100, 1);
-        lease(&mut m, 60, 10_000);
+        lease_ending_at(&mut m, 60, 10_000);
         m.set_held_back(15);
         for now in [0, 1] {
             assert!(matches!(
@@ -1236,25 +1232,9 @@ mod tests {
     #[test]
     fn a_backfill_try_from_a_queue_passes_nobody_by_any_other_rule_and_changes_nothing_refused() {
         let cfg = exact_retry();
-        let keyed = |bytes, key, run_ms, now| AdmitRequest {
-            claim: Some(ClaimTicket {
-                key,
-                patience_ms: 60_000,
-                run_ms,
-            }),
-            ttl_ms: 600_000,
-            ..req(bytes, now)
-        };
         let mut l = Ledger::new(100, 1);
-        let lease = |l: &mut Ledger, bytes, eta| {
-            let AdmitOutcome::Admitted { lease } = l.try_admit(&req(bytes, 0), &cfg, 1) else {
-                panic!("fits");
-            };
-            l.set_eta(lease.id, eta);
-            lease.id
-        };
-        let short = lease(&mut l, 20, 1_000);
-        lease(&mut l, 60, 10_000);
+        let short = lease_ending_at(&mut l, 20, 1_000);
+        lease_ending_at(&mut l, 60, 10_000);
         // Nobody in line: a request that fits is not admitted by a backfill try.
         assert_eq!(l.try_backfill(&keyed(10, 9, 1_000, 0), &cfg), None);
         // B (30) is refused once; then F (80) takes the front of a gateway's queue, and its
@@ -1293,20 +1273,8 @@ mod tests {
     #[test]
     fn a_long_backfill_goes_ahead_when_the_front_has_room_beside_it_at_its_start() {
         let cfg = exact_retry();
-        let keyed = |bytes, key, run_ms, now| AdmitRequest {
-            claim: Some(ClaimTicket {
-                key,
-                patience_ms: 60_000,
-                run_ms,
-            }),
-            ttl_ms: 600_000,
-            ..req(bytes, now)
-        };
         let mut l = Ledger::new(100, 1);
-        let AdmitOutcome::Admitted { lease } = l.try_admit(&req(70, 0), &cfg, 1) else {
-            panic!("fits");
-        };
-        l.set_eta(lease.id, 10_000);
+        lease_ending_at(&mut l, 70, 10_000);
         // The front needs 80 and holds the 30 spare: it starts at 10 s, when 100 are free.
         for now in [0, 1] {
             assert!(matches!(
