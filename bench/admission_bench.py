@@ -36,6 +36,7 @@ Arms (a fresh backend, and gateway where there is one, per arm and round; same p
            `queue_aging_ms`, claims across workers) instead of refused or degraded: clients wait
            in Envoy rather than retry
   queued-strict  as queued with `queue_aging_ms: 0` (strict priority: no aging)
+  queued-nobf    as queued with `fair_retry_backfill: false` (nobody goes ahead of the line)
   oracle   as kvgate, but every request's max_tokens is its true output length, learned by a
            first greedy pass (temperature 0) against a backend with a large pool
   vllm     backend --admission none --on-kv-exhaustion recompute (only when the built backend
@@ -277,7 +278,7 @@ def drive(url, workload, a, run, caps=None, progress=None):
 # ----- the arms ---------------------------------------------------------------------------------
 
 def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.9, aging_ms=None,
-                  safety=None):
+                  safety=None, backfill=True):
     """The shipped filter config (envoy/kvgate-filter.yaml: from_backend, the demo classes and
     keys) priced against this pool; with `elastic_prior`, every class reserves elastically; with
     `queue_ms`, every class waits in the gateway's queue up to that long instead of a 429."""
@@ -298,6 +299,8 @@ def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.
         cfg["policy"]["queue_aging_ms"] = aging_ms
     if safety is not None:
         cfg["safety_fraction"] = safety
+    if not backfill:
+        cfg["fair_retry_backfill"] = False
     return cfg
 
 
@@ -351,18 +354,19 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
               "cap": ["--admission", "none", "--max-batch", a.cap],
               "kvgate": ["--admission", "reserve"], "oracle": ["--admission", "reserve"],
               "elastic": ["--admission", "reserve"], "queued": ["--admission", "reserve"],
-              "queued-strict": ["--admission", "reserve"],
+              "queued-strict": ["--admission", "reserve"], "queued-nobf": ["--admission", "reserve"],
               "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm.removesuffix("-envoy")]
     b = Backend(d, *flags).start(timeout=120)
     gw = None
     try:
-        if arm in ("kvgate", "oracle", "elastic", "queued", "queued-strict"):
-            queue = arm in ("queued", "queued-strict")
+        if arm in ("kvgate", "oracle", "elastic", "queued", "queued-strict", "queued-nobf"):
+            queue = arm in ("queued", "queued-strict", "queued-nobf")
             prior = a.elastic_prior if arm == "elastic" or queue else None
             queue_ms = a.queue_wait_ms if queue else None
             aging = 0 if arm == "queued-strict" else None
             gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile,
-                                                aging, a.safety_fraction)).start()
+                                                aging, a.safety_fraction,
+                                                backfill=arm != "queued-nobf")).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
         elif arm == "vllm-envoy":
@@ -517,7 +521,7 @@ def table(rows, arms):
 
 
 COLOURS = {"none": "#999999", "prompt": "#d62728", "cap": "#ff7f0e", "reserve": "#8c564b", "kvgate": "#1f77b4",
-           "elastic": "#2ca02c", "queued": "#17becf", "queued-strict": "#bcbd22", "oracle": "#000000", "vllm": "#9467bd",
+           "elastic": "#2ca02c", "queued": "#17becf", "queued-strict": "#bcbd22", "queued-nobf": "#8c564b", "oracle": "#000000", "vllm": "#9467bd",
            "vllm-envoy": "#e377c2"}
 
 

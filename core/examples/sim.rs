@@ -1049,6 +1049,7 @@ enum Attempt {
 impl Gateway {
     fn new(cfg: Config, backends: usize, backfill: bool) -> Self {
         let cap = cfg.pricing.capacity_bytes;
+        let on = cfg.backfill;
         let ledgers: Vec<Ledger> = (0..backends)
             .map(|i| Ledger::new(cap, ((i as u64 + 1) << 32) | (GATEWAY << GATEWAY_SHIFT)))
             .collect();
@@ -1073,7 +1074,7 @@ impl Gateway {
             learned: HashMap::new(),
             tokens_per_s: vec![0.0; backends],
             progress: vec![ProgressTracker::default(); backends],
-            backfill,
+            backfill: backfill && on,
             next_lease: 1,
             leases: HashMap::new(),
         }

@@ -59,6 +59,10 @@ pub struct RawConfig {
     /// long after the advertised Retry-After. 0 turns fair retries off.
     #[serde(default = "d_patience")]
     pub fair_retry_patience_ms: u64,
+    /// Backfills: a request expected to be done before the requests in line ahead of it could
+    /// start (or that leaves them room then) may take what the line holds (see `ledger`).
+    #[serde(default = "d_true")]
+    pub fair_retry_backfill: bool,
     /// `enforce` (default): admit, queue, degrade, preempt and refuse. `shadow`: decide exactly
     /// as `enforce` would and count it (`kvgate.shadow.*` stats, an `x-kvgate-shadow` response
     /// header), but let every request through unchanged; every forwarded request is reserved at
@@ -155,6 +159,10 @@ fn d_owner_timeout() -> u64 {
 }
 fn d_patience() -> u64 {
     2_000
+}
+
+fn d_true() -> bool {
+    true
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -264,6 +272,8 @@ pub struct Config {
     pub tick_ms: u64,
     pub owner_timeout_ms: u64,
     pub fair_retry_patience_ms: u64,
+    /// Backfills (`fair_retry_backfill`); off with fair retries off.
+    pub backfill: bool,
     pub mode: Mode,
     pub gateway_id: Option<u16>,
     pub backend: Option<BackendCallout>,
@@ -512,6 +522,7 @@ impl TryFrom<RawConfig> for Config {
             } else {
                 raw.fair_retry_patience_ms
             },
+            backfill: raw.fair_retry_backfill && raw.mode != Mode::Shadow,
             mode: raw.mode,
             gateway_id: raw.gateway_id,
             backend: raw.backend,
@@ -705,7 +716,12 @@ mod tests {
         assert_eq!(c.gateway_id, None);
         assert_eq!(c.mode, Mode::Enforce);
         let c = with(r#""mode":"shadow""#).unwrap();
-        assert_eq!((c.mode, c.fair_retry_patience_ms), (Mode::Shadow, 0));
+        assert_eq!(
+            (c.mode, c.fair_retry_patience_ms, c.backfill),
+            (Mode::Shadow, 0, false)
+        );
+        assert!(Config::from_json(MIN.as_bytes()).unwrap().backfill);
+        assert!(!with(r#""fair_retry_backfill":false"#).unwrap().backfill);
         assert!(with(r#""mode":"dry""#).is_err());
     }
 

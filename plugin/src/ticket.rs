@@ -81,8 +81,12 @@ impl Ticket {
         self.try_admit(worker, rt, true)
     }
 
-    /// How long this request is expected to decode once admitted (0: unknown).
-    pub fn run_ms(&self, worker: &Worker) -> u64 {
+    /// How long this request is expected to decode once admitted (0: unknown, or backfills
+    /// are off).
+    pub fn run_ms(&self, worker: &Worker, cfg: &kvgate_core::config::Config) -> u64 {
+        if !cfg.backfill {
+            return 0;
+        }
         let output = self
             .priced
             .elastic
@@ -100,7 +104,7 @@ impl Ticket {
             .backend
             .as_ref()
             .map_or_else(Default::default, |b| b.endpoint_choice);
-        let run_ms = self.run_ms(worker);
+        let run_ms = self.run_ms(worker, &rt.cfg);
         let holder = gate::Holder {
             lease_id: Some(self.lease_id),
             owner: crate::worker::owner_id(),

@@ -347,14 +347,16 @@ fn a_retry_with_an_active_claim_behind_the_front_is_admitted_with_what_it_holds(
     assert_eq!(ledger().committed(), 0);
 }
 
-/// A backfill: behind a front that needs most of the pool, a request expected to be done
-/// before the front could start goes ahead, both from the queue (once the polls give a decode
-/// rate) and on arrival; one that would still run when the front could start waits its turn.
-#[test]
-fn a_request_done_before_the_queue_front_could_start_goes_ahead_of_it() {
+/// Behind a 9,000-token front that waits for a 6,000-token lease expected to end in about
+/// 19.6 s (of a 10,000-token pool), a 300-token batch request queued before the polls gave a
+/// decode rate; then two polls give one (100 tokens/s). `extra`: more filter configuration.
+fn a_queue_front_blocked_for_20_s(extra: Value) -> (Vm, Stream, Stream) {
     let mut config = json!({ "policy": vip_and_batch_queued("vip", 60_000) });
     config["backend"] = json!({"cluster": "kvgate_backend", "poll_ms": 200,
                                "lost_grace_ms": 600_000});
+    if let (Some(c), Some(e)) = (config.as_object_mut(), extra.as_object()) {
+        c.extend(e.clone());
+    }
     let mut vm = start(10_000, config);
     put_lease(21, 6_000, "vip", 9, owner_id());
     // The front: 9,000 tokens, refused twice (arrival, then a tick): its claim is active and
@@ -406,6 +408,16 @@ fn a_request_done_before_the_queue_front_could_start_goes_ahead_of_it() {
         "lease 21 expected to end in about 19.6 s: {}",
         eta.saturating_sub(Vm::now_ms())
     );
+    (vm, front, early)
+}
+
+/// A backfill: behind a front that needs most of the pool, a request expected to be done
+/// before the front could start goes ahead, both from the queue (once the polls give a decode
+/// rate) and on arrival; one that would still run when the front could start waits its turn.
+#[test]
+fn a_request_done_before_the_queue_front_could_start_goes_ahead_of_it() {
+    let (mut vm, front, early) = a_queue_front_blocked_for_20_s(json!({}));
+    let batch = |prompt: usize, cap: u64| completion(prompt, Some(cap));
     let admitted = |s: Stream| ledger().lease(lease_of(s)).cloned();
     // That poll's tick came before the rate: the next one backfills the queued request (200
     // tokens: 2 s), and its lease starts with that expected end.
@@ -460,6 +472,38 @@ fn a_request_done_before_the_queue_front_could_start_goes_ahead_of_it() {
     vm.finish(long);
     assert_eq!(ledger().committed(), 0);
     assert_eq!(Vm::metric("kvgate.queued"), 0);
+}
+
+/// `fair_retry_backfill: false`: nobody goes ahead of the line, from the queue or on arrival.
+#[test]
+fn with_backfills_off_nothing_goes_ahead_of_the_queue_front() {
+    let (mut vm, front, early) =
+        a_queue_front_blocked_for_20_s(json!({"fair_retry_backfill": false}));
+    vm.advance_ms(100);
+    vm.tick();
+    let (quick, action) = vm.post(
+        "/v1/completions",
+        &[("x-class", "batch")],
+        &completion(100, Some(100)),
+    );
+    assert_eq!(action, Action::Pause, "queued");
+    vm.tick();
+    let admitted = |s: Stream| ledger().lease(lease_of(s)).is_some();
+    assert!(!admitted(early) && !admitted(quick) && !admitted(front));
+    assert_eq!(Vm::metric("kvgate.backfilled"), 0);
+    assert_eq!(Vm::metric("kvgate.queued"), 3);
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(21, Vm::now_ms())).unwrap();
+    vm.tick();
+    assert!(admitted(front), "the front first");
+    vm.respond(front);
+    vm.finish(front);
+    vm.tick();
+    for s in [early, quick] {
+        assert!(admitted(s));
+        vm.respond(s);
+        vm.finish(s);
+    }
+    assert_eq!(ledger().committed(), 0);
 }
 
 // ---- 5. the backend poll -------------------------------------------------------------------
