@@ -173,7 +173,8 @@ def test_preempt_cancels_the_youngest_lower_class_stream(stack):
     gw, b = stack(64, {"policy": policy})
     t, res = long_stream(gw, 700, headers={"x-tenant-class": "batch"})
     gw.wait_for(lambda s: s["classes"]["batch"]["leases"] == 1)
-    r = requests.post(gw.url + "/v1/completions", timeout=60, headers={"x-tenant-class": "vip"},
+    # Unstreamed: 500 tokens on 2 shared cores can take a minute.
+    r = requests.post(gw.url + "/v1/completions", timeout=180, headers={"x-tenant-class": "vip"},
                       json={"model": MODEL, "prompt": COUNTING, "max_tokens": 500, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 500
@@ -272,14 +273,13 @@ def test_queue_then_preempt_with_the_shipped_classes(stack):
     assert b.metrics()["kvgate_backend_preempted_total"] == 1
 
 
-def one_worker_that_queues(stack):
+def one_worker_that_queues(stack, blocks=64):
     """The shipped classes with 2 minutes of queueing for interactive and vip, one Envoy worker
-    (one queue, one decode-rate estimate), 64 blocks; (gateway, backend, interactive's and
-    vip's headers)."""
+    (one queue, one decode-rate estimate); (gateway, backend, interactive's and vip's headers)."""
     policy = shipped_classes()
     for c in ("interactive", "vip"):
         policy["classes"][c]["max_wait_ms"] = 120_000
-    gw, b = stack(64, {"policy": policy}, concurrency=1)
+    gw, b = stack(blocks, {"policy": policy}, concurrency=1)
     return gw, b, {"authorization": "Bearer kvgate-demo-interactive"}, {"authorization": "Bearer kvgate-demo-vip"}
 
 
@@ -321,16 +321,17 @@ def test_a_short_request_goes_ahead_of_a_queue_front_that_cannot_start_yet(stack
     # A vip front that needs most of the pool waits for a long stream to end; a short request
     # that will be done well before then is admitted at once into the bytes the front holds (a
     # backfill), instead of waiting behind it. One worker: its polls measure the decode rate.
-    gw, b, inter, vip = one_worker_that_queues(stack)
+    # 32 blocks: 460 tokens usable. The stream holds about 327, the front needs about 177.
+    gw, b, inter, vip = one_worker_that_queues(stack, 32)
     # Outputs for the polls to learn from, then a long stream whose progress gives the rate.
     for _ in range(5):
         r = requests.post(gw.url + "/v1/completions", timeout=60, json={
             "model": MODEL, "prompt": COUNTING, "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text
-    t_long, r_long = long_stream(gw, 450, headers=inter)
+    t_long, r_long = long_stream(gw, 300, headers=inter)
     gw.wait_for(lambda s: s["leases"] == 1)
     time.sleep(1.5)  # several polls of it decoding
-    t_front, front = long_stream(gw, 600, headers=vip)
+    t_front, front = long_stream(gw, 150, headers=vip)
     gw.wait_for(lambda s: s["queued"] == 1, what="the front to queue")
     time.sleep(0.6)  # refused again on ticks: its place in line is active and holds the free bytes
     assert gw.status()["claimed_bytes"] > 0
