@@ -1030,16 +1030,6 @@ struct Gateway {
     backfill: bool,
 }
 
-/// The filter's `Worker::run_ms`: `output_tokens` at the slowest backend's rate; 0 (unknown)
-/// until every backend has one.
-fn run_ms(tokens_per_s: &[f64], output_tokens: u64) -> u64 {
-    let slowest = tokens_per_s.iter().copied().fold(f64::INFINITY, f64::min);
-    if tokens_per_s.is_empty() || !(slowest > 0.0 && slowest.is_finite()) {
-        return 0;
-    }
-    ((output_tokens as f64 * 1000.0 / slowest).ceil() as u64).max(1)
-}
-
 enum Attempt {
     Forward { cmds: Vec<(usize, Cmd)> },
     Queued { deadline_ms: u64 },
@@ -1118,8 +1108,8 @@ impl Gateway {
     /// `Ticket::run_ms`: how long request `r` is expected to decode (0: unknown).
     fn run_ms_of(&self, r: &ReqState) -> u64 {
         match self.priced(r) {
-            Ok((_, p)) if self.backfill => run_ms(
-                &self.tokens_per_s,
+            Ok((_, p)) if self.backfill => reconcile::run_ms(
+                self.tokens_per_s.iter().copied(),
                 p.elastic.map_or(p.price.cap.cap, |e| e.output_tokens),
             ),
             _ => 0,

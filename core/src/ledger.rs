@@ -609,6 +609,9 @@ impl Ledger {
         let mut served_first: u64 = 0;
         let mut any = false;
         for (i, c) in self.claims.iter().enumerate() {
+            if c.expires_ms <= now_ms {
+                continue; // dropped at the next transition
+            }
             let need = served_first.saturating_add(c.bytes);
             if c.active {
                 served_first = need;
@@ -617,19 +620,11 @@ impl Ledger {
                 continue;
             }
             any = true;
-            let mut room = uncommitted;
-            let mut fits_ms = ends.last().map_or(0, |(wait, _)| *wait);
-            if room >= need {
-                fits_ms = 0;
-            } else {
-                for (wait, b) in &ends {
-                    room = room.saturating_add(*b);
-                    if room >= need {
-                        fits_ms = *wait;
-                        break;
-                    }
-                }
-            }
+            let fits_ms = match need.checked_sub(uncommitted).filter(|s| *s > 0) {
+                None => 0,
+                Some(short) => crate::retry::wait_for(&ends, short)
+                    .unwrap_or_else(|| ends.last().map_or(0, |(wait, _)| *wait)),
+            };
             let back_ms = match c.active {
                 true => 0,
                 false => c
@@ -661,14 +656,12 @@ impl Ledger {
         if req.id.is_some_and(|id| id == 0 || self.lease(id).is_some()) {
             return None;
         }
-        let mut next = self.clone();
-        next.settle_claims(req.now_ms);
+        // Nothing is changed until it is admitted: the check reads no claim's holdings and
+        // passes over expired claims, and the grant settles the claims afterwards.
         let own = req
             .claim
-            .and_then(|t| next.claims.iter().position(|c| c.key == t.key));
-        let lease = next.backfill(req, own, |i| Some(i) != own, retry)?;
-        *self = next;
-        Some(lease)
+            .and_then(|t| self.claims.iter().position(|c| c.key == t.key));
+        self.backfill(req, own, |i| Some(i) != own, retry)
     }
 
     /// Reserve for `req`, whose bytes the caller found room for (within capacity − committed):

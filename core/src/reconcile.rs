@@ -135,6 +135,17 @@ pub struct Progress {
     pub outputs: Vec<Output>,
 }
 
+/// How long a request reserving `output_tokens` per sequence is expected to decode, at the
+/// slowest of the backends' rates (output tokens a second of one sequence); 0 (unknown) until
+/// every one has a rate. Saturates for an absurd cap (a float `as` never panics).
+pub fn run_ms(tokens_per_s: impl IntoIterator<Item = f64>, output_tokens: u64) -> u64 {
+    let slowest = tokens_per_s.into_iter().fold(f64::INFINITY, f64::min);
+    if !(slowest > 0.0 && slowest.is_finite()) {
+        return 0;
+    }
+    ((output_tokens as f64 * 1000.0 / slowest).ceil() as u64).max(1)
+}
+
 /// Learns [`Progress`] from successive reports of one backend: the decode rate from how far its
 /// running sequences moved between two reports, the typical output from what finished.
 #[derive(Debug, Clone, Default)]

@@ -88,11 +88,17 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
 /// `bytes`: the expected remaining time of the lease that completes it. `None`: all of them
 /// together hold less.
 fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig) -> Option<u64> {
+    wait_for(&expected_ends(ledger, now_ms, cfg), bytes)
+}
+
+/// Over `ends` ([`expected_ends`]), the wait until they have freed `bytes`; `None`: they
+/// hold less.
+pub(crate) fn wait_for(ends: &[(u64, u64)], bytes: u64) -> Option<u64> {
     let mut freed: u64 = 0;
-    for (wait, b) in expected_ends(ledger, now_ms, cfg) {
-        freed = freed.saturating_add(b);
+    for (wait, b) in ends {
+        freed = freed.saturating_add(*b);
         if freed >= bytes {
-            return Some(wait);
+            return Some(*wait);
         }
     }
     None

@@ -465,15 +465,7 @@ impl Worker {
     /// slowest endpoint's rate; 0 (unknown) until every endpoint has one.
     pub fn run_ms(&self, output_tokens: u64) -> u64 {
         let eps = self.endpoints.borrow();
-        let slowest = eps
-            .iter()
-            .map(|e| e.tokens_per_s.get())
-            .fold(f64::INFINITY, f64::min);
-        if eps.is_empty() || !(slowest > 0.0 && slowest.is_finite()) {
-            return 0;
-        }
-        // Saturates at u64::MAX for an absurd cap (`as` on a float never panics).
-        ((output_tokens as f64 * 1000.0 / slowest).ceil() as u64).max(1)
+        kvgate_core::reconcile::run_ms(eps.iter().map(|e| e.tokens_per_s.get()), output_tokens)
     }
 
     /// The endpoint at `address` (`None`: the single backend), if configured.
