@@ -186,6 +186,11 @@ def send(url, r, a, run, cap_override=None):
             n429 += resp.status_code == 429
             ra = resp.headers.get("retry-after-ms")
             wait = int(ra) / 1000 if ra else float(resp.headers.get("retry-after", 1))
+            # Every refusal: when the try was sent and answered (s from the first try), the
+            # status, the error code and the wait advertised.
+            code = resp.json().get("error", {}).get("code") if "json" in resp.headers.get("content-type", "") else None
+            res.setdefault("refusals", []).append([round(ts - t0, 2), round(time.monotonic() - t0, 2),
+                                                   resp.status_code, code, wait])
             resp.close()
             if (a.max_tries and tries >= a.max_tries) or time.monotonic() + wait - t0 > a.give_up_s:
                 res["outcome"] = "gave up"
@@ -375,6 +380,7 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
         url = gw.url if gw else b.url
         run = Run()
         samples = []  # (used/capacity, reserved - used, claimed, held back, t s, committed/capacity)
+        trace = []  # with --trace: the gateway's status and the backend's lease report per sample
         stop = threading.Event()
 
         def sample():
@@ -392,6 +398,8 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
                                     None if st is None else st.get("held_back_bytes", 0),
                                     time.monotonic() - t0,
                                     None if st is None else st["committed_bytes"] / cap))
+                    if a.trace:
+                        trace.append({"t": time.monotonic() - t0, "gateway": st, "backend": b.leases()})
                 except (requests.RequestException, KeyError):
                     pass
 
@@ -432,6 +440,8 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
             # committed / capacity), bytes where not a share.
             fh.write(json.dumps({"arm": arm, "round": rnd, "series": [[s[4], s[0], s[1], s[2], s[3], s[5]]
                                                                        for s in samples]}) + "\n")
+            if trace:
+                fh.write(json.dumps({"arm": arm, "round": rnd, "trace": trace}) + "\n")
     row = summarise(arm, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None)
     row["backend_cpu_s"], row["gateway_cpu_s"] = cpu
     # For the plots: the KV series and every completed request's latency and TTFT.
@@ -643,6 +653,8 @@ def main():
     p.add_argument("--safety-fraction", type=float,
                    help="the gateway arms: the filter's safety_fraction (default: the shipped config's)")
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
+    p.add_argument("--trace", action="store_true",
+                   help="with --dump: also the gateway's /kvgate/status and the backend's lease report, every 0.5 s")
     p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
     p.add_argument("--plots", help="write the PNG plots to this folder (default, when writing BENCHMARKS.md: "
                                    "bench/results/)")

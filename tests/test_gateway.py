@@ -7,6 +7,8 @@ import time
 
 import requests
 
+from harness import http_connection_manager, shipped_bootstrap
+
 PER_TOKEN = 46_080  # SmolLM2-135M, f32 KV: 2 x 30 x 3 x 64 x 4
 
 
@@ -314,6 +316,29 @@ def test_a_body_shorter_than_its_content_length_gets_408_or_a_prompt_close(gatew
     assert waited < 5
     gw.assert_drained()
     assert upstream.requests() == []
+
+
+def test_a_queue_wait_longer_than_envoys_request_timeout_still_ends_in_admission(gateway, upstream):
+    """Envoy's request_timeout bounds how long a client takes to send its request, and stops once
+    the body is in: a queue class may hold a request past it (here 3 s against a 6 s wait) and
+    still admit it, and nothing is left in the queue or the ledger after."""
+    boot = shipped_bootstrap()
+    http_connection_manager(boot)["request_timeout"] = "3s"
+    queue = {"classes": {"default": {"action": "queue", "max_wait_ms": 20_000, "max_depth": 4}}}
+    gw = gateway(budget(5000, policy=queue), bootstrap=boot)
+    t, res = stream_in_background(gw, {"prompt": tokens(200), "max_tokens": 4000}, chunks=60, delay_ms=100)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    t0 = time.time()
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(200), "max_tokens": 4000}, timeout=30)
+    waited = time.time() - t0
+    assert r.status_code == 200, (waited, r.text)
+    assert waited > 4, waited
+    t.join()
+    assert res["status"] == 200
+    gw.assert_drained()
+    st = gw.stats()
+    assert st["kvgate.admitted"] == 2 and st["kvgate.queued"] == 0
+    assert st.get("kvgate.rejected.kv_queue_timeout", 0) == 0
 
 
 def test_a_client_cannot_pick_its_class(gateway, upstream):
@@ -647,13 +672,12 @@ def jwt_hs256(secret, claims):
 
 def test_the_class_comes_from_a_verified_jwt_claim_or_the_route(gateway, upstream):
     import base64
-    from harness import shipped_bootstrap, wasm_filter  # noqa: F401
 
     secret = b"kvgate-test-hs256-secret-of-32-bytes"
     jwks = {"keys": [{"kty": "oct", "alg": "HS256", "kid": "k1",
                       "k": base64.urlsafe_b64encode(secret).rstrip(b"=").decode()}]}
     boot = shipped_bootstrap()
-    hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    hcm = http_connection_manager(boot)
     # Envoy's own JWT filter verifies the token before kvgate and puts its payload in dynamic
     # metadata; a request without a token passes (allow_missing), a bad one gets 401 there.
     hcm["http_filters"].insert(0, {
