@@ -59,6 +59,13 @@ latency and TTFT CDFs.
 
 Usage: .venv/bin/python bench/admission_bench.py [--full] [--rounds N] [--jobs N] [--arms a,b]
        [--no-write]
+
+To see why a request waited: `--dump FILE` writes every request's outcome, with each refusal
+(sent and answered at, status, code, advertised wait), and `--trace` adds the gateway's
+/kvgate/status (claims, held back, lendable) and the backend's lease report (every sequence:
+reserved, used, running / preempted) every 0.5 s. To compare two builds of the filter on the
+same machine state: `--alt-wasm OTHER.wasm --arms queued,queued+alt` (arms ending in `+alt` run
+with the other build, interleaved by round like any arms).
 """
 
 import argparse
@@ -350,8 +357,11 @@ def learn_lengths(workload, a, work):
     return caps
 
 
-def run_arm(arm, rnd, workload, a, work, oracle_caps):
-    d = Path(work) / f"{arm}{rnd}"
+def run_arm(label, rnd, workload, a, work, oracle_caps):
+    # `ARM+alt`: the arm ARM with the filter built as --alt-wasm (an A/B of two builds of the
+    # filter, interleaved in one run so that the machine's drift falls on both alike).
+    arm, alt = label.removesuffix("+alt"), label.endswith("+alt")
+    d = Path(work) / f"{label}{rnd}"
     d.mkdir()
     flags = ["--kv-cache-bytes", a.blocks * BLOCK_BYTES, "--step-delay-ms", a.step_delay_ms]
     flags += {"none": ["--admission", "none"], "reserve": ["--admission", "reserve"],
@@ -369,9 +379,13 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
             prior = a.elastic_prior if arm == "elastic" or queue else None
             queue_ms = a.queue_wait_ms if queue else None
             aging = 0 if arm == "queued-strict" else None
-            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile,
-                                                aging, a.safety_fraction,
-                                                backfill=arm != "queued-nobf")).start()
+            built, harness.WASM = harness.WASM, (a.alt_wasm if alt else harness.WASM)
+            try:
+                gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile,
+                                                    aging, a.safety_fraction,
+                                                    backfill=arm != "queued-nobf")).start()
+            finally:
+                harness.WASM = built
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
         elif arm == "vllm-envoy":
@@ -412,7 +426,7 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
                 c = {o: sum(1 for x in rs if x["outcome"] == o) for o in ("ok", "kv oom", "413", "gave up")}
                 r429 = run.r429
             kv = f"{samples[-1][0]:4.0%}" if samples else "  - "
-            print(f"  [{arm} r{rnd} {time.monotonic() - t0:5.1f}s] done {len(rs)}/{n}  ok {c['ok']}  "
+            print(f"  [{label} r{rnd} {time.monotonic() - t0:5.1f}s] done {len(rs)}/{n}  ok {c['ok']}  "
                   f"kv oom {c['kv oom']}  413 {c['413']}  gave up {c['gave up']}  429s {r429}  KV used {kv}",
                   flush=True)
 
@@ -433,16 +447,16 @@ def run_arm(arm, rnd, workload, a, work, oracle_caps):
     if a.dump:
         with open(a.dump, "a") as fh:
             for rid, x in sorted(run.results.items()):
-                fh.write(json.dumps({"arm": arm, "round": rnd, "id": rid, **{k: v for k, v in x.items()
+                fh.write(json.dumps({"arm": label, "round": rnd, "id": rid, **{k: v for k, v in x.items()
                                      if k not in ("first_try", "end")},
                                      "start_s": x["first_try"] - t0, "end_s": x["end"] - t0}) + "\n")
             # The KV series: (t s, written / capacity, reserved - written, claimed, held back,
             # committed / capacity), bytes where not a share.
-            fh.write(json.dumps({"arm": arm, "round": rnd, "series": [[s[4], s[0], s[1], s[2], s[3], s[5]]
+            fh.write(json.dumps({"arm": label, "round": rnd, "series": [[s[4], s[0], s[1], s[2], s[3], s[5]]
                                                                        for s in samples]}) + "\n")
             if trace:
-                fh.write(json.dumps({"arm": arm, "round": rnd, "trace": trace}) + "\n")
-    row = summarise(arm, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None)
+                fh.write(json.dumps({"arm": label, "round": rnd, "trace": trace}) + "\n")
+    row = summarise(label, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None)
     row["backend_cpu_s"], row["gateway_cpu_s"] = cpu
     # For the plots: the KV series and every completed request's latency and TTFT.
     row["series"] = [(s[4], s[0], s[5], None if s[2] is None else s[2] / m["kvgate_backend_kv_capacity_bytes"])
@@ -653,6 +667,8 @@ def main():
     p.add_argument("--safety-fraction", type=float,
                    help="the gateway arms: the filter's safety_fraction (default: the shipped config's)")
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
+    p.add_argument("--alt-wasm", type=Path,
+                   help="a second build of the filter: an arm named ARM+alt runs ARM with it (an A/B)")
     p.add_argument("--trace", action="store_true",
                    help="with --dump: also the gateway's /kvgate/status and the backend's lease report, every 0.5 s")
     p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
@@ -677,6 +693,11 @@ def main():
             dst = Path(work) / src.name
             shutil.copy2(src, dst)
             setattr(harness, attr, dst)
+        if a.alt_wasm:
+            dst = Path(work) / f"alt-{a.alt_wasm.name}"
+            built.append(f"--alt-wasm {a.alt_wasm} built {datetime.datetime.fromtimestamp(a.alt_wasm.stat().st_mtime, datetime.timezone.utc):%H:%M} UTC")
+            shutil.copy2(a.alt_wasm, dst)
+            a.alt_wasm = dst
         help_text = subprocess.run([str(harness.BACKEND), "--help"], capture_output=True, text=True).stdout
         arms = [x for x in a.arms.split(",") if not x.startswith("vllm") or "--on-kv-exhaustion" in help_text]
         if "vllm" in a.arms and "vllm" not in arms:

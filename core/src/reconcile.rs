@@ -547,10 +547,9 @@ pub struct Reconciled {
     /// drift; held back from admission like any use the ledger does not count.
     pub grown_bytes: u64,
     /// Of what is held back, what elastic sequences hold past their reservations (decoding,
-    /// or part-way through a prefill): the backend gives it back to a reservation on demand, so
-    /// requests waiting in line may be admitted into it (`Ledger::set_lendable`). A preempted
-    /// one's need to resume is not lent, unless that lease was admitted while a request already
-    /// waited in line (see `reconcile`).
+    /// or part-way through a prefill; not a preempted one's need to resume): the backend gives
+    /// it back to a reservation on demand, so requests waiting in line may be admitted into it
+    /// (`Ledger::set_lendable`).
     pub lendable: u64,
 }
 
@@ -593,39 +592,14 @@ pub fn reconcile(
     let mut gateways = BTreeSet::new();
     // What own leases hold or need beyond their reservations: what they hold (running, or
     // part-way through a prefill), all of it; of those waiting to resume, the largest need.
-    // A preempted elastic lease admitted while a request already waited in line (an active
-    // claim first refused before the lease was created) went ahead of it on the strength of
-    // its reservation alone: its growth was never promised, so its need to resume yields to
-    // that request (it is lendable: only the line may take it), instead of holding the line
-    // back while the borrowers take turns. Its reservation stays; it resumes once the line
-    // that was there before it has been served (claims refused later do not outrank it once
-    // the older ones are gone), so its wait is bounded by that line.
-    let oldest_claim_ms = ledger
-        .claims()
-        .iter()
-        .filter(|c| c.active)
-        .map(|c| c.first_ms)
-        .min();
-    let created: HashMap<u64, u64> = ledger
-        .leases()
-        .iter()
-        .map(|l| (l.id, l.created_ms))
-        .collect();
-    let (mut needed, mut resume, mut resume_yields) = (0u64, 0u64, 0u64);
+    let (mut needed, mut resume) = (0u64, 0u64);
     for e in &report.entries {
         match e.id.and_then(|id| reserved.get(&id)) {
             Some(bytes) => {
                 own.push(e);
                 let grown = e.bytes.saturating_sub(*bytes);
                 out.grown_bytes = out.grown_bytes.saturating_add(grown);
-                let overtook = e.elastic
-                    && oldest_claim_ms.is_some_and(|first| {
-                        e.id.and_then(|id| created.get(&id))
-                            .is_some_and(|c| first < *c)
-                    });
-                if e.resuming && overtook {
-                    resume_yields = resume_yields.max(grown);
-                } else if e.resuming {
+                if e.resuming {
                     resume = resume.max(grown);
                 } else {
                     needed = needed.saturating_add(grown);
@@ -668,7 +642,7 @@ pub fn reconcile(
     let base = report.used_bytes.saturating_sub(ledger.committed()).max(
         out.foreign_bytes
             .saturating_add(needed)
-            .saturating_add(resume.max(resume_yields)),
+            .saturating_add(resume),
     );
     // Lendable: the part of that the borrowers' growth makes up. Without the growth, what would
     // still be held back (the firm part) stays held back.
@@ -831,77 +805,6 @@ mod tests {
         assert_eq!(r.held_back, 600);
         assert_eq!(l.free(), 10_000 - 3_000 - 600);
         assert_eq!(drift(&l, &report) + i128::from(r.grown_bytes), 500);
-    }
-
-    #[test]
-    fn a_preempted_lease_yields_its_resume_need_to_a_request_that_waited_before_it_came() {
-        // Lease 1 (elastic, 1,000 reserved) was admitted at t = 100, lease 2 (2,000) at 0; the
-        // backend preempted lease 1, which needs 900 past its reservation to resume.
-        let report = BackendReport {
-            live: vec![1, 2],
-            used_bytes: 1_000 + 2_000,
-            entries: vec![
-                LiveEntry {
-                    id: Some(1),
-                    bytes: 1_900,
-                    resuming: true,
-                    elastic: true,
-                    ..Default::default()
-                },
-                LiveEntry {
-                    id: Some(2),
-                    bytes: 2_000,
-                    running: true,
-                    ..Default::default()
-                },
-            ],
-            ..Default::default()
-        };
-        // A request of 7,000 waits in line since `first` (refused twice: its claim is active).
-        let after_a_request_in_line_since = |first: u64| {
-            let mut l = Ledger::new(10_000, 1);
-            admit(&mut l, 2, 2_000, 0);
-            admit(&mut l, 1, 1_000, 100);
-            // With nobody in line, the need to resume is held back and lent to no one.
-            let r = reconcile(&mut l, &report, first, 5_000, None, 0);
-            assert_eq!((r.held_back, r.lendable), (900, 0));
-            let waiting = AdmitRequest {
-                id: Some(3),
-                bytes: 7_000,
-                class: "c",
-                priority: 0,
-                fingerprint: 0,
-                now_ms: first,
-                ttl_ms: 1_000_000,
-                owner: 1,
-                claim: Some(crate::ledger::ClaimTicket {
-                    key: 33,
-                    patience_ms: 60_000,
-                    run_ms: 0,
-                }),
-            };
-            for _ in 0..2 {
-                let refused = l.try_admit(&waiting, &RetryAfterConfig::default(), 0);
-                assert!(matches!(refused, AdmitOutcome::Rejected { .. }));
-            }
-            assert!(l.claims().iter().any(|c| c.active && c.first_ms == first));
-            let r = reconcile(&mut l, &report, first + 10, 5_000, None, 0);
-            let retried = AdmitRequest {
-                now_ms: first + 20,
-                ..waiting
-            };
-            let admitted = matches!(
-                l.try_admit(&retried, &RetryAfterConfig::default(), 0),
-                AdmitOutcome::Admitted { .. }
-            );
-            (r.held_back, r.lendable, admitted)
-        };
-        // Waiting since 50, before lease 1 was admitted: lease 1 went ahead of it on its
-        // reservation alone, so its growth does not hold the request back: the need is lent
-        // (only to the line), and the request is admitted into it.
-        assert_eq!(after_a_request_in_line_since(50), (900, 900, true));
-        // Waiting only since 150: lease 1 was there first, and its room to resume stays its own.
-        assert_eq!(after_a_request_in_line_since(150), (900, 0, false));
     }
 
     #[test]
