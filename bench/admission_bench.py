@@ -195,7 +195,10 @@ def send(url, r, a, run, cap_override=None):
             wait = int(ra) / 1000 if ra else float(resp.headers.get("retry-after", 1))
             # Every refusal: when the try was sent and answered (s from the first try), the
             # status, the error code and the wait advertised.
-            code = resp.json().get("error", {}).get("code") if "json" in resp.headers.get("content-type", "") else None
+            try:
+                code = resp.json().get("error", {}).get("code")
+            except (ValueError, AttributeError):
+                code = None  # not an OpenAI-shaped body
             res.setdefault("refusals", []).append([round(ts - t0, 2), round(time.monotonic() - t0, 2),
                                                    resp.status_code, code, wait])
             resp.close()
@@ -379,13 +382,9 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
             prior = a.elastic_prior if arm == "elastic" or queue else None
             queue_ms = a.queue_wait_ms if queue else None
             aging = 0 if arm == "queued-strict" else None
-            built, harness.WASM = harness.WASM, (a.alt_wasm if alt else harness.WASM)
-            try:
-                gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile,
-                                                    aging, a.safety_fraction,
-                                                    backfill=arm != "queued-nobf")).start()
-            finally:
-                harness.WASM = built
+            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile,
+                                                aging, a.safety_fraction, backfill=arm != "queued-nobf"),
+                       wasm=a.alt_wasm if alt else None).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
         elif arm == "vllm-envoy":
@@ -412,7 +411,7 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
                                     None if st is None else st.get("held_back_bytes", 0),
                                     time.monotonic() - t0,
                                     None if st is None else st["committed_bytes"] / cap))
-                    if a.trace:
+                    if a.trace and a.dump:
                         trace.append({"t": time.monotonic() - t0, "gateway": st, "backend": b.leases()})
                 except (requests.RequestException, KeyError):
                     pass

@@ -126,11 +126,12 @@ class Envoy(Process):
     name = "envoy"
 
     def __init__(self, workdir, upstream_port, plugin_config, concurrency=2, ecds=False, bootstrap=None,
-                 plain=False):
+                 plain=False, wasm=None):
         """`upstream_port`: one port, or a list of them (every host of the backend cluster, as in
         envoy/fleet.yaml). `bootstrap`: the shipped envoy/envoy.yaml unless given (e.g.
         `fleet_bootstrap()`). `plain`: the same Envoy without the kvgate filter (what a mesh
-        in front of another server runs)."""
+        in front of another server runs). `wasm`: the filter module (the built one, WASM, unless
+        given)."""
         self.plain = plain
         self.workdir = Path(workdir)
         self.port = free_port()
@@ -151,7 +152,7 @@ class Envoy(Process):
             {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
             for p in ports]
         f = wasm_filter(boot)
-        f["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(WASM)
+        f["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm or WASM)
         self.filter_template = copy.deepcopy(f)
         if ecds:
             self.write_filter_config(plugin_config)
