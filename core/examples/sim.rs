@@ -59,17 +59,17 @@
 //! - Workload (`make_workload`): bench/admission_bench.py's mix, seeded with SplitMix64 (so not
 //!   the same draws as Python's `random`): every kind once, then draws by weight; one agent
 //!   fan-out burst of 10–20 batch branches per 12 jobs; one prompt over the context. Caps scale
-//!   with the served context as there. Prompt tokens are *estimates* (no tokenizer runs here):
-//!   ChatML adds 8 tokens to a chat; questions 12–16 tokens with it, stories 20, the counting
-//!   prompt 11, the long prompt 32 tokens per filler sentence + 14. True output lengths are the
-//!   greedy outputs the live bench's oracle pass measured (dumps of bench/admission_bench.py
-//!   --dump, seed 11, at 640 and 1,024 tokens of context): France 7 tokens, colours 11 (2 with
-//!   the fan-out's stop strings), 2 + 2 6, Spanish 21 (4 with stops), planet 16, spider 18, the
-//!   sky question runs to its cap in every pass (up to 617 tokens: assumed 1,000), "a fruit"
-//!   never occurred (assumed 5); stories, counting and the long prompt run to their caps.
+//!   with the served context as there. Prompt tokens and true output lengths were measured
+//!   against the live backend (SmolLM2-135M with its own chat template, greedy, a 900-token cap;
+//!   2026-12-03): France 37 prompt tokens / 7 output tokens (7 with the fan-out's stop strings
+//!   "\n" and "."), colours 34 / 137 (2), 2 + 2 38 / 11 (11), Spanish 35 / to the cap (to the
+//!   cap), sky 36 / 53 (9), a fruit 34 / 9 (9), planet 36 / to the cap (22), spider 38 / 154
+//!   (13); stories 42 prompt tokens, the counting prompt 11, the long prompt about 30 tokens per
+//!   filler sentence + 37 (367 for 11); stories, counting and the long prompt run to their caps.
 //!   `--workload live` replays instead the exact 25 requests of the live bench at seed 11 and 12
-//!   jobs with a 640-token context (kinds, classes and caps from make_workload, true lengths from
-//!   its oracle pass, prompts estimated as above).
+//!   jobs with a 640-token context (kinds, classes and caps from make_workload, prompt tokens as
+//!   the backend counted them, true lengths from vLLM's-behaviour arm of a live run, 20:45 UTC
+//!   on 2026-12-02, where nothing was cut short).
 //! - Clients: `--clients C` closed-loop clients take jobs in order (a fan-out job sends its
 //!   branches at once and waits for all), or `--rate R` open-loop Poisson arrivals of jobs at
 //!   R / (mean requests per job) jobs/s, i.e. R requests/s offered. Every request honours the
@@ -163,14 +163,14 @@ struct Question(u64, u64, u64);
 
 /// bench/admission_bench.py's QUESTIONS, in order (see the header for where the lengths come from).
 const QUESTIONS: [Question; 8] = [
-    Question(15, 7, 7),       // What is the capital of France?
-    Question(13, 11, 2),      // Name three colours.
-    Question(16, 6, 6),       // What is 2 + 2?
-    Question(13, 21, 4),      // Say hello in Spanish.
-    Question(14, 1000, 1000), // What colour is the sky? (ran to every cap, up to 617)
-    Question(12, 5, 5),       // Name a fruit. (never drawn live: assumed)
-    Question(14, 16, 16),     // What is the largest planet?
-    Question(16, 18, 18),     // How many legs does a spider have?
+    Question(37, 7, 7),       // What is the capital of France?
+    Question(34, 137, 2),     // Name three colours.
+    Question(38, 11, 11),     // What is 2 + 2?
+    Question(35, 1000, 1000), // Say hello in Spanish. (ran to a 900-token cap, stops or not)
+    Question(36, 53, 9),      // What colour is the sky?
+    Question(34, 9, 9),       // Name a fruit.
+    Question(36, 1000, 22),   // What is the largest planet? (ran to a 900-token cap)
+    Question(38, 154, 13),    // How many legs does a spider have?
 ];
 
 struct Kind {
@@ -204,7 +204,7 @@ const FALLBACK_KIND: Kind = kind("long story", 1, "standard");
 fn question(rng: &mut Rng) -> &'static Question {
     QUESTIONS
         .get(rng.index(QUESTIONS.len()))
-        .unwrap_or(&Question(15, 7, 7))
+        .unwrap_or(&Question(37, 7, 7))
 }
 
 fn make_request(kind: usize, rng: &mut Rng, context: u64, id: u64) -> Req {
@@ -223,9 +223,9 @@ fn make_request(kind: usize, rng: &mut Rng, context: u64, id: u64) -> Req {
             let q = question(rng);
             (q.0, Some(128), q.1)
         }
-        5 => (32 * rng.range(8, 14) + 14, Some(40), TO_CAP),
+        5 => (30 * rng.range(8, 14) + 37, Some(40), TO_CAP),
         6 => (11, Some(rng.range(100, 200)), TO_CAP),
-        _ => (20, Some(rng.range(150, 250)), TO_CAP),
+        _ => (42, Some(rng.range(150, 250)), TO_CAP),
     };
     Req {
         id,
@@ -305,36 +305,36 @@ fn make_workload(seed: u64, jobs: usize, context: u64) -> Vec<Vec<Req>> {
 }
 
 /// The live bench's 25 requests at seed 11, 12 jobs, 640 tokens of context: (job, kind, class,
-/// prompt tokens (estimated), cap, tokens its oracle pass produced).
+/// prompt tokens, cap, tokens it produced greedily).
 type LiveRow = (usize, &'static str, &'static str, u64, Option<u64>, u64);
 
 #[rustfmt::skip]
 const LIVE_SEED11_640: [LiveRow; 25] = [
-    (0, "long story", "standard", 20, Some(230), 230),
+    (0, "long story", "standard", 42, Some(230), 230),
     (1, "counting, to its cap", "batch", 11, Some(178), 178),
-    (2, "vip chat", "vip", 16, Some(128), 6),
-    (3, "chat", "interactive", 13, Some(128), 11),
+    (2, "vip chat", "vip", 38, Some(128), 11),
+    (3, "chat", "interactive", 34, Some(128), 128),
     (4, "prompt over the context", "standard", 704, Some(16), 16),
-    (5, "long prompt, small cap", "interactive", 32 * 11 + 14, Some(40), 40),
-    (6, "agent fan-out branch", "batch", 16, Some(223), 6),
-    (6, "agent fan-out branch", "batch", 15, Some(352), 7),
-    (6, "agent fan-out branch", "batch", 14, Some(315), 16),
-    (6, "agent fan-out branch", "batch", 16, Some(359), 6),
-    (6, "agent fan-out branch", "batch", 15, Some(335), 7),
-    (6, "agent fan-out branch", "batch", 13, Some(215), 2),
-    (6, "agent fan-out branch", "batch", 15, Some(248), 7),
-    (6, "agent fan-out branch", "batch", 13, Some(353), 4),
-    (6, "agent fan-out branch", "batch", 15, Some(399), 7),
-    (6, "agent fan-out branch", "batch", 16, Some(283), 18),
-    (6, "agent fan-out branch", "batch", 16, Some(351), 18),
-    (6, "agent fan-out branch", "batch", 13, Some(332), 4),
-    (6, "agent fan-out branch", "batch", 13, Some(363), 4),
-    (6, "agent fan-out branch", "batch", 14, Some(327), 327),
-    (7, "unset cap", "standard", 15, None, 7),
-    (8, "short prompt, big cap", "batch", 13, Some(373), 11),
-    (9, "short prompt, big cap (strict)", "standard", 14, Some(360), 360),
-    (10, "long story", "standard", 20, Some(240), 240),
-    (11, "short prompt, big cap (strict)", "standard", 13, Some(387), 21),
+    (5, "long prompt, small cap", "interactive", 367, Some(40), 40),
+    (6, "agent fan-out branch", "batch", 38, Some(223), 11),
+    (6, "agent fan-out branch", "batch", 37, Some(352), 7),
+    (6, "agent fan-out branch", "batch", 36, Some(315), 22),
+    (6, "agent fan-out branch", "batch", 38, Some(359), 11),
+    (6, "agent fan-out branch", "batch", 37, Some(335), 7),
+    (6, "agent fan-out branch", "batch", 34, Some(215), 2),
+    (6, "agent fan-out branch", "batch", 37, Some(248), 7),
+    (6, "agent fan-out branch", "batch", 35, Some(353), 353),
+    (6, "agent fan-out branch", "batch", 37, Some(399), 7),
+    (6, "agent fan-out branch", "batch", 38, Some(283), 13),
+    (6, "agent fan-out branch", "batch", 38, Some(351), 13),
+    (6, "agent fan-out branch", "batch", 35, Some(332), 332),
+    (6, "agent fan-out branch", "batch", 35, Some(363), 363),
+    (6, "agent fan-out branch", "batch", 36, Some(327), 9),
+    (7, "unset cap", "standard", 37, None, 7),
+    (8, "short prompt, big cap", "batch", 34, Some(373), 137),
+    (9, "short prompt, big cap (strict)", "standard", 36, Some(360), 53),
+    (10, "long story", "standard", 42, Some(240), 240),
+    (11, "short prompt, big cap (strict)", "standard", 35, Some(387), 387),
 ];
 
 fn live_workload() -> Vec<Vec<Req>> {
