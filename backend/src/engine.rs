@@ -289,8 +289,11 @@ impl<M: Forward> Engine<M> {
             Admission::None => 0,
         };
         let blocks = self.pool.blocks_for(reserve_tokens);
-        // Blocks lent to elastic sequences come back first: the gateway admitted this one.
-        if self.pool.stats().blocks_free < blocks {
+        // Blocks lent to elastic sequences come back first: the gateway admitted this one. Only
+        // when that makes room: a borrower preempted for a reservation refused anyway would be
+        // recomputed for nothing (and again at every retry of the same request).
+        let free = self.pool.stats().blocks_free;
+        if free < blocks && free.saturating_add(self.borrowed_blocks()) >= blocks {
             self.reclaim_borrowed(blocks);
         }
         let Some(alloc) = self.pool.allocate(blocks) else {
@@ -371,6 +374,17 @@ impl<M: Forward> Engine<M> {
                 return;
             }
         }
+    }
+
+    /// Blocks elastic sequences (running or waiting) hold past their reservations: what
+    /// `reclaim_borrowed` can free at most.
+    fn borrowed_blocks(&self) -> u32 {
+        self.running
+            .iter()
+            .chain(self.waiting.iter())
+            .filter(|s| s.overgrown())
+            .map(|s| s.alloc.blocks().saturating_sub(s.promised_blocks))
+            .fold(0, u32::saturating_add)
     }
 
     /// The running sequence to give borrowed blocks back first: the youngest grown past its

@@ -848,6 +848,49 @@ fn a_reservation_takes_borrowed_blocks_back_and_the_elastic_sequence_is_only_del
 }
 
 #[test]
+fn a_reservation_that_borrowed_blocks_cannot_make_room_for_is_refused_without_preempting() {
+    let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
+    let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
+    let mut ea = Vec::new();
+    // A grows to 70 tokens: 5 blocks, 4 of them borrowed; 3 free.
+    while e.running.first().map_or(0, |s| s.used_tokens()) < 70 {
+        e.step();
+        ea.extend(events(&mut a));
+    }
+    assert_eq!(e.pool.stats().blocks_free, 3);
+    // B needs 8 blocks (prompt 10 + cap 110): the 3 free and the 4 borrowed are 7. Taking A's
+    // borrowed blocks back would not admit B, so A keeps them and keeps running.
+    let mut b = submit(&mut e, "b", 10, 110);
+    let eb = events(&mut b);
+    assert!(
+        matches!(eb.first(), Some(Event::Rejected(err)) if err.kind == ErrorKind::KvCapacityExceeded),
+        "refused: {eb:?}"
+    );
+    assert_eq!(
+        e.metrics.recompute_preemptions.get(),
+        0,
+        "A was not preempted"
+    );
+    assert_eq!(e.pool.stats().blocks_free, 3);
+    assert_eq!(e.running.first().map(|s| s.alloc.blocks()), Some(5));
+    // One block less (prompt 10 + cap 94 = 104 tokens, 7 blocks) and it is admitted: the
+    // borrowed blocks come back.
+    let mut c = submit(&mut e, "c", 10, 94);
+    assert!(matches!(
+        events(&mut c).first(),
+        Some(Event::Admitted { .. })
+    ));
+    assert_eq!(e.metrics.recompute_preemptions.get(), 1);
+    for _ in 0..400 {
+        e.step();
+        ea.extend(events(&mut a));
+    }
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
+    assert_eq!(text(&ea), solo(10, greedy(100)).0);
+    e.pool.check().unwrap();
+}
+
+#[test]
 fn two_elastic_sequences_outgrowing_the_pool_take_turns_and_both_finish() {
     // Each reserves one block and wants 7 (10 + 100 tokens): together they cannot fit, so the
     // younger makes way each time the pool runs dry, and both end with their full output.
