@@ -37,6 +37,9 @@ Arms (a fresh backend, and gateway where there is one, per arm and round; same p
            in Envoy rather than retry
   queued-strict  as queued with `queue_aging_ms: 0` (strict priority: no aging)
   queued-nobf    as queued with `fair_retry_backfill: false` (nobody goes ahead of the line)
+  queued-lean    as queued with smaller elastic reservations: the --lean-quantile (0.5) of the
+           learned outputs and a prior of --lean-prior (16) tokens (more sequences at once, more
+           of them preempted and recomputed)
   oracle   as kvgate, but every request's max_tokens is its true output length, learned by a
            first greedy pass (temperature 0) against a backend with a large pool
   vllm     backend --admission none --on-kv-exhaustion recompute (only when the built backend
@@ -373,16 +376,19 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
               "kvgate": ["--admission", "reserve"], "oracle": ["--admission", "reserve"],
               "elastic": ["--admission", "reserve"], "queued": ["--admission", "reserve"],
               "queued-strict": ["--admission", "reserve"], "queued-nobf": ["--admission", "reserve"],
+              "queued-lean": ["--admission", "reserve"],
               "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm.removesuffix("-envoy")]
     b = Backend(d, *flags).start(timeout=120)
     gw = None
     try:
-        if arm in ("kvgate", "oracle", "elastic", "queued", "queued-strict", "queued-nobf"):
-            queue = arm in ("queued", "queued-strict", "queued-nobf")
-            prior = a.elastic_prior if arm == "elastic" or queue else None
+        if arm in ("kvgate", "oracle", "elastic", "queued", "queued-strict", "queued-nobf", "queued-lean"):
+            queue = arm in ("queued", "queued-strict", "queued-nobf", "queued-lean")
+            lean = arm == "queued-lean"
+            prior = (a.lean_prior if lean else a.elastic_prior) if arm == "elastic" or queue else None
+            quantile = a.lean_quantile if lean else a.elastic_quantile
             queue_ms = a.queue_wait_ms if queue else None
             aging = 0 if arm == "queued-strict" else None
-            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, a.elastic_quantile,
+            gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, quantile,
                                                 aging, a.safety_fraction, backfill=arm != "queued-nobf"),
                        wasm=a.alt_wasm if alt else None).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
@@ -544,7 +550,7 @@ def table(rows, arms):
 
 
 COLOURS = {"none": "#999999", "prompt": "#d62728", "cap": "#ff7f0e", "reserve": "#8c564b", "kvgate": "#1f77b4",
-           "elastic": "#2ca02c", "queued": "#17becf", "queued-strict": "#bcbd22", "queued-nobf": "#8c564b", "oracle": "#000000", "vllm": "#9467bd",
+           "elastic": "#2ca02c", "queued": "#17becf", "queued-strict": "#bcbd22", "queued-nobf": "#8c564b", "queued-lean": "#7f7f7f", "oracle": "#000000", "vllm": "#9467bd",
            "vllm-envoy": "#e377c2"}
 
 
@@ -661,6 +667,10 @@ def main():
                    help="output tokens an elastic class reserves until it has learned its outputs")
     p.add_argument("--elastic-quantile", type=float, default=0.9,
                    help="the elastic and queued arms: the quantile of learned outputs each class reserves")
+    p.add_argument("--lean-quantile", type=float, default=0.5,
+                   help="the queued-lean arm: the quantile of learned outputs each class reserves")
+    p.add_argument("--lean-prior", type=int, default=16,
+                   help="the queued-lean arm: output tokens reserved until a class has learned its outputs")
     p.add_argument("--queue-wait-ms", type=int, default=20000,
                    help="the queued arm: how long a request may wait in the gateway's queue")
     p.add_argument("--safety-fraction", type=float,

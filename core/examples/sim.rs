@@ -5,8 +5,16 @@
 //! [--workload mix|live] [--seed S] [--jobs N] [--clients C | --rate R] [--give-up-s S]
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
-//! [--backfill on|off] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
-//! defaults).
+//! [--backfill on|off] [--lazy-blocks] [--dump FILE]` prints one markdown table (`make
+//! bench-sim` runs the defaults).
+//!
+//! `--lazy-blocks` is a what-if, not engine.rs: under `--admission reserve` a reservation is a
+//! promise of blocks, admitted while the promises of the live sequences fit the pool, and its
+//! blocks are taken only as the sequence grows into them (from free blocks, else back from the
+//! youngest sequence grown past its own reservation, which the promises fitting the pool
+//! guarantees is there). So an admission never preempts a borrower, and a borrower is preempted
+//! only when a reservation really needs its blocks. The backend's report counts what each
+//! sequence holds or was promised, which may exceed the pool.
 //!
 //! **The gateway arms decide with kvgate-core's own code, not a re-implementation:** the filter
 //! configuration is parsed by `Config::from_json` from envoy/kvgate-filter.yaml (the shipped
@@ -652,6 +660,8 @@ enum Cmd {
 struct Backend {
     total: u64,
     free: u64,
+    /// `--lazy-blocks`: a reservation is a promise of blocks, taken as the sequence grows.
+    lazy: bool,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     inbox: Vec<Cmd>,
@@ -674,10 +684,11 @@ struct StepOut {
 }
 
 impl Backend {
-    fn new(blocks: u64) -> Self {
+    fn new(blocks: u64, lazy: bool) -> Self {
         Backend {
             total: blocks,
             free: blocks,
+            lazy,
             ..Backend::default()
         }
     }
@@ -722,7 +733,16 @@ impl Backend {
                         _ => max_tokens,
                     };
                     let reserve_tokens = arm.reserve_tokens(prompt, output);
-                    let blocks = blocks_for(reserve_tokens);
+                    let mut blocks = blocks_for(reserve_tokens);
+                    if self.lazy && arm.reserve() {
+                        // Admitted when the promises fit the pool; no block is taken (nor any
+                        // borrower preempted) until the sequence grows into them.
+                        if self.promised_blocks() + blocks > self.total {
+                            out.now.push((req, Note::Refused));
+                            continue;
+                        }
+                        blocks = 0;
+                    }
                     // engine.rs: borrowed blocks come back only when that makes room.
                     if self.free < blocks && self.free + self.borrowed_blocks() >= blocks {
                         self.reclaim_borrowed(blocks);
@@ -757,6 +777,15 @@ impl Backend {
         let decoded = self.decode_step(arm, &mut out.later);
         out.ms = p.step_a_ms + p.step_b_ms * decoded as f64 + p.prefill_ms * prefilled as f64;
         out
+    }
+
+    /// What the live sequences' reservations cover, in blocks (`--lazy-blocks` admits against it).
+    fn promised_blocks(&self) -> u64 {
+        self.running
+            .iter()
+            .chain(self.waiting.iter())
+            .map(|s| blocks_for(s.promised))
+            .sum()
     }
 
     /// `Engine::borrowed_blocks`: what `reclaim_borrowed` can free at most.
@@ -863,6 +892,25 @@ impl Backend {
                 break;
             }
             let mut room = ensure(front, len, &mut self.free);
+            if !room && self.lazy && blocks_for(len) <= blocks_for(front.promised) {
+                // `--lazy-blocks`: within its reservation it takes borrowed blocks back now (the
+                // promises fit the pool, so what it lacks is borrowed).
+                let (need, order) = (blocks_for(len) - front.blocks, front.order);
+                self.reclaim_borrowed(need);
+                // A preempted sequence goes to the front of the queue: find this one again.
+                passed = self
+                    .waiting
+                    .iter()
+                    .position(|s| s.order == order)
+                    .unwrap_or(passed);
+                room = match self.waiting.get_mut(passed) {
+                    Some(f) => ensure(f, len, &mut self.free),
+                    None => false,
+                };
+            }
+            let Some(front) = self.waiting.get_mut(passed) else {
+                break;
+            };
             if !room && front.elastic {
                 if others_can_free {
                     passed += 1;
@@ -980,7 +1028,13 @@ impl Backend {
             } else {
                 0
             };
-            let bytes = s.blocks.max(resume) * bb;
+            // `--lazy-blocks`: what it holds or was promised (the ledger's view of it).
+            let held = if self.lazy {
+                s.blocks.max(blocks_for(s.promised))
+            } else {
+                s.blocks
+            };
+            let bytes = held.max(resume) * bb;
             // Every live sequence, as engine.rs publishes them: the gateway reads decode
             // progress from the running ones (own leases within their reservation add nothing
             // to what reconcile holds back).
@@ -1007,7 +1061,18 @@ impl Backend {
         }
         BackendReport {
             capacity_bytes: self.total * bb,
-            used_bytes: (self.total - self.free) * bb,
+            // `--lazy-blocks`: what is held or promised, as the ledger counts (it may exceed the
+            // pool while borrowers hold blocks promised to sequences that have not grown yet).
+            used_bytes: if self.lazy {
+                self.running
+                    .iter()
+                    .chain(self.waiting.iter())
+                    .map(|s| s.blocks.max(blocks_for(s.promised)))
+                    .sum::<u64>()
+                    * bb
+            } else {
+                (self.total - self.free) * bb
+            },
             live,
             finished: std::mem::take(&mut self.finished_leases),
             finished_outputs: std::mem::take(&mut self.finished_outputs),
@@ -1384,6 +1449,8 @@ struct Opts {
     max_tries: Option<u64>,
     seed: u64,
     poll_ms: u64,
+    /// `--lazy-blocks`: a what-if, not engine.rs (see the header).
+    lazy_blocks: bool,
 }
 
 struct Sim<'a> {
@@ -1477,7 +1544,7 @@ impl<'a> Sim<'a> {
             next_job: 0,
             resolved: 0,
             backends: (0..o.backends)
-                .map(|_| Backend::new(o.preset.blocks))
+                .map(|_| Backend::new(o.preset.blocks, o.lazy_blocks))
                 .collect(),
             gw,
             rr: 0,
@@ -2029,6 +2096,7 @@ fn main() -> Res<()> {
     let mut queue_wait_ms: u64 = 20_000;
     let mut quantile: f64 = 0.9;
     let mut backfill = true;
+    let mut lazy_blocks = false;
     let mut cap = None;
     let mut blocks = None;
     let mut elastic_prior = 64u64;
@@ -2063,6 +2131,7 @@ fn main() -> Res<()> {
                 }
             }
             "--filter-config" => filter_path = parse(&a, args.next())?,
+            "--lazy-blocks" => lazy_blocks = true,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
             "--prefill-ms" => prefill_ms = Some(parse(&a, args.next())?),
@@ -2139,6 +2208,7 @@ fn main() -> Res<()> {
         max_tries,
         seed,
         poll_ms: 500,
+        lazy_blocks,
     };
     let n: usize = workload.iter().map(Vec::len).sum();
     let load = match (clients, rate) {
