@@ -443,6 +443,7 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
         sampler.join()
         progress()
         m = b.metrics()
+        gstats = gw.stats() if gw else {}
         cpu = [None if x0 is None or x1 is None else x1 - x0
                for x0, x1 in zip(cpu0, (b.cpu_seconds(), gw.cpu_seconds() if gw else None))]
     finally:
@@ -461,7 +462,7 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
                                                                        for s in samples]}) + "\n")
             if trace:
                 fh.write(json.dumps({"arm": label, "round": rnd, "trace": trace}) + "\n")
-    row = summarise(label, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None)
+    row = summarise(label, rnd, run, makespan, samples, m, oracle_caps if arm == "oracle" else None, gstats)
     row["backend_cpu_s"], row["gateway_cpu_s"] = cpu
     # For the plots: the KV series and every completed request's latency and TTFT.
     row["series"] = [(s[4], s[0], s[5], None if s[2] is None else s[2] / m["kvgate_backend_kv_capacity_bytes"])
@@ -478,7 +479,7 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, max(0, int(round(p / 100 * len(xs) + 0.5)) - 1))]
 
 
-def summarise(arm, rnd, run, makespan, samples, m, oracle_caps):
+def summarise(arm, rnd, run, makespan, samples, m, oracle_caps, gstats):
     rs = list(run.results.values())
     ok = [x for x in rs if x["outcome"] == "ok"]
     count = lambda o: sum(1 for x in rs if x["outcome"] == o)  # noqa: E731
@@ -508,6 +509,9 @@ def summarise(arm, rnd, run, makespan, samples, m, oracle_caps):
         "recompute_preemptions": int(m.get("kvgate_backend_recompute_preemptions_total", 0)),
         "recomputed_tokens": int(m.get("kvgate_backend_recomputed_tokens_total", 0)),
         "details": sorted({x.get("detail", "") for x in rs if x["outcome"] in ("other", "kv oom")} - {""})[:4],
+        # Behind kvgate: admissions ahead of the line, those that ran past their expected end,
+        # and by how much in all.
+        **{k: gstats.get(f"kvgate.{k}") for k in ("backfilled", "backfill_overran", "backfill_overrun_ms")},
     }
     if oracle_caps is not None:
         # Batching may change greedy outputs: completed requests whose output differs from the

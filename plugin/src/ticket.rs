@@ -25,6 +25,8 @@ pub struct Granted {
     pub lease: u64,
     pub cap: u64,
     pub degraded_from: Option<u64>,
+    /// Admitted ahead of the fair-retry line (a backfill): when it was expected to end.
+    pub went_ahead_until: Option<u64>,
 }
 
 pub struct Ticket {
@@ -256,6 +258,7 @@ impl Ticket {
                     lease: lease.id,
                     cap,
                     degraded_from,
+                    went_ahead_until: went_ahead(&lease).then_some(lease.eta_ms),
                 }));
                 *self.endpoint.borrow_mut() = Some(Rc::clone(&endpoint));
                 worker.metrics.admitted.inc();
@@ -336,6 +339,7 @@ impl Ticket {
             lease: self.lease_id,
             cap: self.priced.price.cap.cap,
             degraded_from: None,
+            went_ahead_until: None,
         }));
         *self.endpoint.borrow_mut() = Some(Rc::clone(endpoint));
         worker.metrics.admitted.inc();
@@ -387,6 +391,12 @@ impl Ticket {
             return;
         };
         let now = host::now_ms();
+        // A backfill that ran past its expected end kept the line's front waiting longer than
+        // the decision counted on (an elastic allowance is a quantile, not a limit).
+        if let Some(end) = g.went_ahead_until.filter(|end| now > *end) {
+            worker.metrics.backfill_overran.inc();
+            worker.metrics.backfill_overrun_ms.add(now - end);
+        }
         match store::transact(&EnvoyStore, &endpoint.ledger_key, CAS_ATTEMPTS, |l| {
             l.release(g.lease, now)
         }) {

@@ -588,6 +588,9 @@ pub struct Metrics {
     pub elastic_admitted: Metric,
     /// Admitted ahead of the fair-retry line: expected to be done before its front could start.
     pub backfilled: Metric,
+    /// Backfills that ended after their expected end, and by how much in all (ms).
+    pub backfill_overran: Metric,
+    pub backfill_overrun_ms: Metric,
     pub grown_bytes: Metric,
 }
 
@@ -644,6 +647,8 @@ impl Metrics {
             upstream_mismatch: Metric::counter("kvgate.upstream_mismatch"),
             elastic_admitted: Metric::counter("kvgate.elastic_admitted"),
             backfilled: Metric::counter("kvgate.backfilled"),
+            backfill_overran: Metric::counter("kvgate.backfill_overran"),
+            backfill_overrun_ms: Metric::counter("kvgate.backfill_overrun_ms"),
             grown_bytes: Metric::gauge("kvgate.grown_bytes"),
         }
     }

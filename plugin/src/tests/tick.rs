@@ -456,6 +456,11 @@ fn a_request_done_before_the_queue_front_could_start_goes_ahead_of_it() {
         vm.respond(s);
         vm.finish(s);
     }
+    assert_eq!(
+        Vm::metric("kvgate.backfill_overran"),
+        0,
+        "both ended in time"
+    );
     store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(21, Vm::now_ms())).unwrap();
     vm.advance_ms(100);
     vm.tick();
@@ -472,6 +477,36 @@ fn a_request_done_before_the_queue_front_could_start_goes_ahead_of_it() {
     vm.finish(long);
     assert_eq!(ledger().committed(), 0);
     assert_eq!(Vm::metric("kvgate.queued"), 0);
+}
+
+/// A backfill that runs past its expected end is counted, with by how much: what the estimate
+/// cost the line's front (an elastic allowance is a quantile, not a limit).
+#[test]
+fn a_backfill_that_runs_past_its_expected_end_is_counted() {
+    let (vm, front, early) = a_queue_front_blocked_for_20_s(json!({}));
+    vm.advance_ms(100);
+    vm.tick();
+    let lease = ledger()
+        .lease(lease_of(early))
+        .cloned()
+        .expect("backfilled from the queue");
+    assert_eq!(lease.eta_ms, Vm::now_ms() + 2_000);
+    // It runs 3.5 s, not the 2 s expected.
+    vm.advance_ms(3_500);
+    vm.respond(early);
+    vm.finish(early);
+    assert_eq!(Vm::metric("kvgate.backfilled"), 1);
+    assert_eq!(Vm::metric("kvgate.backfill_overran"), 1);
+    assert_eq!(Vm::metric("kvgate.backfill_overrun_ms"), 1_500);
+    // The front is served once lease 21 ends; nothing else is counted.
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(21, Vm::now_ms())).unwrap();
+    vm.advance_ms(100);
+    vm.tick();
+    assert!(ledger().lease(lease_of(front)).is_some());
+    vm.respond(front);
+    vm.finish(front);
+    assert_eq!(Vm::metric("kvgate.backfill_overran"), 1);
+    assert_eq!(ledger().committed(), 0);
 }
 
 /// `fair_retry_backfill: false`: nobody goes ahead of the line, from the queue or on arrival.
