@@ -796,18 +796,26 @@ fn borrowed_blocks_come_back_from_a_decoding_sequence_before_one_part_way_throug
     );
 }
 
-#[test]
-fn a_reservation_takes_borrowed_blocks_back_and_the_elastic_sequence_is_only_delayed() {
-    // In error mode too: borrowed blocks always come back by recompute, never by an error.
+/// 8 blocks; A (elastic, prompt 10 + an allowance of 6: one block reserved, cap 100) grown to
+/// 70 tokens: 5 blocks, 4 of them borrowed; 3 free. Returns the engine, A's events and what
+/// A streamed so far.
+fn an_elastic_sequence_grown_past_its_reservation(
+) -> (Engine<Fake>, UnboundedReceiver<Event>, Vec<Event>) {
     let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
     let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
     let mut ea = Vec::new();
-    // Let A grow to 70 tokens: 5 blocks, 4 of them borrowed; 3 free.
     while e.running.first().map_or(0, |s| s.used_tokens()) < 70 {
         e.step();
         ea.extend(events(&mut a));
     }
     assert_eq!(e.pool.stats().blocks_free, 3);
+    (e, a, ea)
+}
+
+#[test]
+fn a_reservation_takes_borrowed_blocks_back_and_the_elastic_sequence_is_only_delayed() {
+    // In error mode too: borrowed blocks always come back by recompute, never by an error.
+    let (mut e, mut a, mut ea) = an_elastic_sequence_grown_past_its_reservation();
     // B, worst case (prompt 10 + cap 60 = 70 tokens, 5 blocks): the gateway admitted it, so
     // the borrowed blocks come back. A keeps its own block and waits to be recomputed.
     let mut b = submit(&mut e, "b", 10, 60);
@@ -849,15 +857,7 @@ fn a_reservation_takes_borrowed_blocks_back_and_the_elastic_sequence_is_only_del
 
 #[test]
 fn a_reservation_that_borrowed_blocks_cannot_make_room_for_is_refused_without_preempting() {
-    let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
-    let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
-    let mut ea = Vec::new();
-    // A grows to 70 tokens: 5 blocks, 4 of them borrowed; 3 free.
-    while e.running.first().map_or(0, |s| s.used_tokens()) < 70 {
-        e.step();
-        ea.extend(events(&mut a));
-    }
-    assert_eq!(e.pool.stats().blocks_free, 3);
+    let (mut e, mut a, mut ea) = an_elastic_sequence_grown_past_its_reservation();
     // B needs 8 blocks (prompt 10 + cap 110): the 3 free and the 4 borrowed are 7. Taking A's
     // borrowed blocks back would not admit B, so A keeps them and keeps running.
     let mut b = submit(&mut e, "b", 10, 110);
