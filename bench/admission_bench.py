@@ -390,7 +390,7 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
             aging = 0 if arm == "queued-strict" else None
             gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, quantile,
                                                 aging, a.safety_fraction, backfill=arm != "queued-nobf"),
-                       wasm=a.alt_wasm if alt else None).start()
+                       wasm=a.alt_wasm if alt else None, concurrency=a.gateway_workers).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
         elif arm == "vllm-envoy":
@@ -677,6 +677,8 @@ def main():
                    help="the queued-lean arm: output tokens reserved until a class has learned its outputs")
     p.add_argument("--queue-wait-ms", type=int, default=20000,
                    help="the queued arm: how long a request may wait in the gateway's queue")
+    p.add_argument("--gateway-workers", type=int, default=2,
+                   help="the gateway arms: Envoy's --concurrency (each worker keeps its own queue)")
     p.add_argument("--safety-fraction", type=float,
                    help="the gateway arms: the filter's safety_fraction (default: the shipped config's)")
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
