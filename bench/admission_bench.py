@@ -68,7 +68,9 @@ To see why a request waited: `--dump FILE` writes every request's outcome, with 
 /kvgate/status (claims, held back, lendable) and the backend's lease report (every sequence:
 reserved, used, running / preempted) every 0.5 s. To compare two builds of the filter on the
 same machine state: `--alt-wasm OTHER.wasm --arms queued,queued+alt` (arms ending in `+alt` run
-with the other build, interleaved by round like any arms).
+with the other build, interleaved by round like any arms). Arms ending in `+lazy` run with the
+backend's `--lazy-blocks` (a reservation is a promise of blocks, taken as the sequence grows):
+`--arms queued,queued+lazy,vllm`.
 """
 
 import argparse
@@ -366,7 +368,9 @@ def learn_lengths(workload, a, work):
 def run_arm(label, rnd, workload, a, work, oracle_caps):
     # `ARM+alt`: the arm ARM with the filter built as --alt-wasm (an A/B of two builds of the
     # filter, interleaved in one run so that the machine's drift falls on both alike).
-    arm, alt = label.removesuffix("+alt"), label.endswith("+alt")
+    # `ARM+lazy`: ARM with the backend's --lazy-blocks (reservations are promises of blocks).
+    suffixes = label.split("+")[1:]
+    arm, alt, lazy = label.split("+")[0], "alt" in suffixes, "lazy" in suffixes
     d = Path(work) / f"{label}{rnd}"
     d.mkdir()
     flags = ["--kv-cache-bytes", a.blocks * BLOCK_BYTES, "--step-delay-ms", a.step_delay_ms]
@@ -378,6 +382,8 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
               "queued-strict": ["--admission", "reserve"], "queued-nobf": ["--admission", "reserve"],
               "queued-lean": ["--admission", "reserve"],
               "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm.removesuffix("-envoy")]
+    if lazy:
+        flags += ["--lazy-blocks"]
     b = Backend(d, *flags).start(timeout=120)
     gw = None
     try:

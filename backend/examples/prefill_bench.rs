@@ -136,6 +136,7 @@ fn stall_arm(o: &Opts, chunk: usize) {
             on_kv_exhaustion: OnKvExhaustion::Error,
             max_batch: 16,
             prefill_token_budget: chunk,
+            lazy_blocks: false,
             step_delay: Duration::ZERO,
         },
         Arc::new(kvgate_backend::metrics::Metrics::default()),

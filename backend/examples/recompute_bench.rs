@@ -103,6 +103,7 @@ fn run_arm(
             on_kv_exhaustion: on,
             max_batch: 16,
             prefill_token_budget: 2048,
+            lazy_blocks: false,
             step_delay: Duration::ZERO,
         },
         Arc::new(kvgate_backend::metrics::Metrics::default()),

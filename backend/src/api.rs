@@ -146,7 +146,7 @@ async fn leases(
     Query(q): Query<LeasesQuery>,
 ) -> Result<Json<LeaseReport>, HttpError> {
     st.check_secret(&headers)?;
-    let pool = st.engine.pool_stats();
+    let pool = st.engine.pool_report();
     let (leases, finished, cursor) = st
         .engine
         .published

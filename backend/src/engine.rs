@@ -37,6 +37,17 @@
 //! them are prefilled (one at the end of its reservation with no block free only pauses).
 //! Sequences holding their reservations are prefilled before it.
 //!
+//! Lazy blocks (`--lazy-blocks`, with `--admission reserve`): a reservation is a promise of
+//! blocks, not blocks taken. A request is admitted while the promises of the live sequences
+//! fit the pool (so the gateway's ledger and this backend still agree on what is reserved), and
+//! a sequence takes its blocks as it grows into them. Until then those blocks are free, and an
+//! elastic sequence grown past its own reservation may borrow them; when the sequence they were
+//! promised to needs one, the youngest borrower gives back what it borrowed (the promises fit
+//! the pool, so what is missing is always borrowed). So an admission never preempts a borrower,
+//! and a borrower is preempted only when a reservation really needs its blocks. The lease
+//! report counts each sequence at what it holds or was promised, whichever is more (`pool.
+//! promised_bytes`: the promised blocks not taken yet, counted in `used_bytes`).
+//!
 //! This file schedules and nothing else: the handle and its messages are in `handle.rs`, what
 //! the engine publishes for the lease report in `published.rs` (the report itself is
 //! `kvgate_core::wire`), stop-string hold-back in `tokenizer::TextStream`, metrics in
@@ -95,6 +106,9 @@ pub struct EngineConfig {
     pub on_kv_exhaustion: OnKvExhaustion,
     pub max_batch: usize,
     pub prefill_token_budget: usize,
+    /// A reservation is a promise of blocks, taken as the sequence grows (`--admission reserve`
+    /// only; see the module header).
+    pub lazy_blocks: bool,
     /// Test-only: sleep this long in every scheduler step (a slow backend on demand).
     pub step_delay: Duration,
 }
@@ -289,17 +303,41 @@ impl<M: Forward> Engine<M> {
             Admission::None => 0,
         };
         let blocks = self.pool.blocks_for(reserve_tokens);
-        // Blocks lent to elastic sequences come back first: the gateway admitted this one. Only
-        // when that makes room: a borrower preempted for a reservation refused anyway would be
-        // recomputed for nothing (and again at every retry of the same request).
-        let free = self.pool.stats().blocks_free;
-        if free < blocks && free.saturating_add(self.borrowed_blocks()) >= blocks {
-            self.reclaim_borrowed(blocks);
-        }
-        let Some(alloc) = self.pool.allocate(blocks) else {
+        let alloc = if self.lazy() {
+            // A promise: admitted while the live promises fit the pool; no block is taken (and
+            // no borrower preempted) until the sequence grows into them.
+            let unpromised = self
+                .pool
+                .stats()
+                .blocks_total
+                .saturating_sub(self.promised_blocks());
+            (blocks <= unpromised)
+                .then(|| self.pool.allocate(0))
+                .flatten()
+        } else {
+            // Blocks lent to elastic sequences come back first: the gateway admitted this one.
+            // Only when that makes room: a borrower preempted for a reservation refused anyway
+            // would be recomputed for nothing (and again at every retry of the same request).
+            let free = self.pool.stats().blocks_free;
+            if free < blocks && free.saturating_add(self.borrowed_blocks()) >= blocks {
+                self.reclaim_borrowed(blocks);
+            }
+            self.pool.allocate(blocks)
+        };
+        let Some(alloc) = alloc else {
             self.metrics.rejected_kv.inc();
-            let need = u64::from(self.pool.blocks_for(reserve_tokens)) * self.pool.block_bytes;
-            let free = self.pool.stats().free_bytes;
+            let need = u64::from(blocks) * self.pool.block_bytes;
+            let free = match self.lazy() {
+                true => {
+                    u64::from(
+                        self.pool
+                            .stats()
+                            .blocks_total
+                            .saturating_sub(self.promised_blocks()),
+                    ) * self.pool.block_bytes
+                }
+                false => self.pool.stats().free_bytes,
+            };
             let priced = match self.cfg.admission {
                 Admission::Prompt => format!("its prompt of {prompt_len} tokens"),
                 _ => format!(
@@ -343,6 +381,20 @@ impl<M: Forward> Engine<M> {
             prefilling: false,
             prompt_fed: 0,
         });
+    }
+
+    /// `--lazy-blocks` under `--admission reserve`.
+    fn lazy(&self) -> bool {
+        self.cfg.lazy_blocks && self.cfg.admission == Admission::Reserve
+    }
+
+    /// Blocks the live sequences' reservations cover (what `--lazy-blocks` admits against).
+    fn promised_blocks(&self) -> u32 {
+        self.running
+            .iter()
+            .chain(self.waiting.iter())
+            .map(|s| s.promised_blocks)
+            .fold(0, u32::saturating_add)
     }
 
     /// Take back borrowed blocks (youngest overgrown sequence first, running or waiting) until
@@ -465,14 +517,40 @@ impl<M: Forward> Engine<M> {
         }
         // Elastic sequences waiting for blocks beyond their reservation, passed over.
         let mut passed = 0;
+        let lazy = self.lazy();
         while budget > 0 && self.running.len() < self.cfg.max_batch {
-            let others_can_free = !self.running.is_empty() || self.waiting.len() > passed + 1;
             let Some(front) = self.waiting.get_mut(passed) else {
                 break;
             };
             let len = front.prefill_len();
-            // Room for what it prefills (in reserve mode it holds prompt + cap already).
+            // Room for what it prefills (in reserve mode it holds prompt + cap already, unless
+            // its blocks are lazy).
             let mut room = front.alloc.ensure_tokens(len as u64);
+            let within = self.pool.blocks_for(len as u64) <= front.promised_blocks;
+            if !room && within && lazy {
+                // Lazy blocks: what its reservation promised and the pool lacks is borrowed;
+                // the youngest borrowers give it back now.
+                let order = front.order;
+                let missing = self
+                    .pool
+                    .blocks_for(len as u64)
+                    .saturating_sub(front.alloc.blocks());
+                self.reclaim_borrowed(missing);
+                // A running borrower preempted goes first in line: find this one again.
+                passed = self
+                    .waiting
+                    .iter()
+                    .position(|s| s.order == order)
+                    .unwrap_or(passed);
+                room = self
+                    .waiting
+                    .get_mut(passed)
+                    .is_some_and(|f| f.alloc.ensure_tokens(len as u64));
+            }
+            let others_can_free = !self.running.is_empty() || self.waiting.len() > passed + 1;
+            let Some(front) = self.waiting.get_mut(passed) else {
+                break;
+            };
             if !room && front.elastic {
                 if others_can_free {
                     // Sequences holding their reservations go first; blocks come back as
@@ -622,7 +700,10 @@ impl<M: Forward> Engine<M> {
                 Room::Ready => i += 1,
                 Room::NoBlock if self.youngest_overgrown().is_some() => {
                     // Borrowed blocks go back first: the youngest sequence grown past its
-                    // reservation (perhaps this one) is recomputed later.
+                    // reservation (perhaps this one) is recomputed later. With lazy blocks a
+                    // sequence within its reservation always finds some here: the promises fit
+                    // the pool, so what it lacks is borrowed, and only running sequences
+                    // borrow (a waiting one gave back what it borrowed when it was preempted).
                     let victim = self.youngest_overgrown().unwrap_or(i);
                     let seq = self.running.remove(victim);
                     if victim < i {
@@ -853,6 +934,7 @@ impl<M: Forward> Engine<M> {
     fn publish(&self) {
         let per_token = self.pool.block_bytes / u64::from(self.pool.block_tokens.max(1));
         let block_tokens = u64::from(self.pool.block_tokens.max(1));
+        let lazy = self.lazy();
         let view = |s: &Seq<M::Kv>, state: LeaseState, queued: bool| {
             // An elastic sequence preempted to be recomputed counts what it needs to resume
             // (its reservation plus what it borrowed): the gateway holds that back from new
@@ -862,8 +944,16 @@ impl<M: Forward> Engine<M> {
             } else {
                 0
             };
-            let reserved_tokens = s.alloc.tokens().max(resume);
-            let resuming = resume > s.alloc.tokens();
+            // Lazy blocks: what it holds or was promised, whichever is more (the ledger's view).
+            let held = match lazy {
+                true => s
+                    .alloc
+                    .tokens()
+                    .max(u64::from(s.promised_blocks) * block_tokens),
+                false => s.alloc.tokens(),
+            };
+            let reserved_tokens = held.max(resume);
+            let resuming = resume > held;
             LeaseEntry {
                 id: s.id.clone(),
                 state,
@@ -900,8 +990,18 @@ impl<M: Forward> Engine<M> {
         self.metrics
             .kv_written_bytes
             .set(i64::try_from(written).unwrap_or(i64::MAX));
+        let untaken = match lazy {
+            true => self
+                .running
+                .iter()
+                .chain(self.waiting.iter())
+                .map(|s| u64::from(s.promised_blocks.saturating_sub(s.alloc.blocks())))
+                .sum::<u64>(),
+            false => 0,
+        };
         let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
         p.leases = leases;
+        p.promised_bytes = untaken * self.pool.block_bytes;
     }
 }
 

@@ -95,4 +95,21 @@ impl EngineHandle {
     pub fn pool_stats(&self) -> PoolStats {
         self.pool.stats()
     }
+
+    /// The pool as the lease report carries it: what the allocator holds, plus the blocks
+    /// promised to sequences that have not taken them yet (`--lazy-blocks`), as used.
+    pub fn pool_report(&self) -> PoolStats {
+        let promised = self
+            .published
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .promised_bytes;
+        let s = self.pool.stats();
+        PoolStats {
+            used_bytes: s.used_bytes.saturating_add(promised),
+            free_bytes: s.free_bytes.saturating_sub(promised),
+            promised_bytes: promised,
+            ..s
+        }
+    }
 }

@@ -75,6 +75,13 @@ struct Args {
     /// not an error.
     #[arg(long, value_enum, default_value_t = OnKvExhaustion::Error)]
     on_kv_exhaustion: OnKvExhaustion,
+    /// With `--admission reserve`: a reservation is a promise of blocks, taken as the sequence
+    /// grows into them. Requests are admitted while the promises fit the pool, exactly as
+    /// without it, but blocks promised and not taken yet are free for elastic sequences grown
+    /// past their reservations to borrow; the one they were promised to takes them back when it
+    /// needs them. So admitting a request never preempts a borrower.
+    #[arg(long)]
+    lazy_blocks: bool,
     /// Most sequences decoded together in one batched step.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
@@ -226,6 +233,7 @@ async fn main() -> Result<()> {
             on_kv_exhaustion: args.on_kv_exhaustion,
             max_batch: args.max_batch.max(1),
             prefill_token_budget,
+            lazy_blocks: args.lazy_blocks,
             step_delay: std::time::Duration::from_millis(args.step_delay_ms),
         },
         metrics,
@@ -264,7 +272,7 @@ async fn main() -> Result<()> {
         .await
         .with_context(|| format!("binding {addr}"))?;
     eprintln!(
-        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; {} KV in {:?}, weights {:?}; prefill {} tokens a step, scratch at most {} bytes beside the pool (a decode step's: {} bytes); admission {:?}; on KV exhaustion {:?}; loaded in {:.1}s)",
+        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; {} KV in {:?}, weights {:?}; prefill {} tokens a step, scratch at most {} bytes beside the pool (a decode step's: {} bytes); admission {:?}{}; on KV exhaustion {:?}; loaded in {:.1}s)",
         env!("CARGO_PKG_VERSION"),
         model_name,
         listener.local_addr()?,
@@ -284,6 +292,7 @@ async fn main() -> Result<()> {
         prefill_scratch,
         decode_scratch,
         args.admission,
+        if args.lazy_blocks { " (lazy blocks)" } else { "" },
         args.on_kv_exhaustion,
         started.elapsed().as_secs_f64(),
     );

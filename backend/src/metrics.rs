@@ -230,6 +230,7 @@ mod tests {
             capacity_bytes: 64,
             used_bytes: 16,
             free_bytes: 48,
+            promised_bytes: 0,
         };
         let text = m.render(&pool);
         let value = |name: &str| {

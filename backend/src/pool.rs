@@ -84,6 +84,7 @@ impl BlockPool {
             capacity_bytes: u64::from(self.total) * self.block_bytes,
             used_bytes: u64::from(used) * self.block_bytes,
             free_bytes: u64::from(free) * self.block_bytes,
+            promised_bytes: 0,
         }
     }
 

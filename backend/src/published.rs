@@ -20,6 +20,8 @@ pub struct Published {
     pub finished: VecDeque<FinishedEntry>,
     pub cursor: u64,
     pub arrived: HashSet<String>,
+    /// Blocks promised to live sequences and not taken yet (`--lazy-blocks`), in bytes.
+    pub promised_bytes: u64,
 }
 
 impl Published {

@@ -53,6 +53,15 @@ pub struct PoolReport {
     pub used_bytes: u64,
     #[serde(default)]
     pub free_bytes: u64,
+    /// Blocks promised to sequences that have not grown into them yet (a backend with lazy
+    /// blocks), counted in `used_bytes` and not in `free_bytes`: the allocator itself holds
+    /// `used_bytes - promised_bytes`. 0 where every reservation takes its blocks at admission.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub promised_bytes: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The served model: what the filter needs to price and validate exactly as the backend would.
@@ -262,6 +271,7 @@ mod tests {
                 capacity_bytes: 64,
                 used_bytes: 16,
                 free_bytes: 48,
+                promised_bytes: 8,
             },
             admission: "reserve".into(),
             model: Some(ModelReport {

@@ -122,6 +122,7 @@ fn engine_on(
             on_kv_exhaustion,
             max_batch,
             prefill_token_budget: 64,
+            lazy_blocks: false,
             step_delay: Duration::ZERO,
         },
         Arc::new(Metrics::default()),
@@ -940,8 +941,12 @@ fn elastic_sequences_that_all_wait_for_more_than_is_free_do_not_fail_and_all_fin
     // Elastic sequences that each want more than the pool has beside the others'
     // reservations: whenever they have all been preempted, none of them fits and none is
     // running to free blocks. The oldest takes what the younger ones hold (they only wait
-    // longer); none ends in a mid-decode KV OOM, and every output is what it is alone.
-    for blocks in [8u64, 9, 10, 12] {
+    // longer); none ends in a mid-decode KV OOM, and every output is what it is alone. With
+    // lazy blocks too (a reservation taken as the sequence grows).
+    for (lazy, blocks) in [false, true]
+        .into_iter()
+        .flat_map(|l| [8u64, 9, 10, 12].map(|b| (l, b)))
+    {
         for n in 2..=4usize {
             for allowance in [6u64, 22, 38] {
                 let reserved: u64 = (0..n as u64)
@@ -951,6 +956,7 @@ fn elastic_sequences_that_all_wait_for_more_than_is_free_do_not_fail_and_all_fin
                     continue; // the gateway would not admit them all
                 }
                 let mut e = engine(blocks, Admission::Reserve, usize::MAX, 8);
+                e.cfg.lazy_blocks = lazy;
                 let mut rx: Vec<_> = (0..n)
                     .map(|i| submit_elastic(&mut e, &format!("s{i}"), 10 + i, 100, allowance))
                     .collect();
@@ -961,7 +967,8 @@ fn elastic_sequences_that_all_wait_for_more_than_is_free_do_not_fail_and_all_fin
                         ev.extend(events(r));
                     }
                 }
-                let at = format!("{blocks} blocks, {n} sequences, allowance {allowance}");
+                let at =
+                    format!("{blocks} blocks, {n} sequences, allowance {allowance}, lazy {lazy}");
                 assert_eq!(e.metrics.kv_oom.get(), 0, "{at}");
                 for (i, ev) in evs.iter().enumerate() {
                     assert_eq!(
@@ -976,4 +983,123 @@ fn elastic_sequences_that_all_wait_for_more_than_is_free_do_not_fail_and_all_fin
             }
         }
     }
+}
+
+/// An engine over `blocks` blocks whose reservations are promises (`--lazy-blocks`).
+fn lazy_engine(blocks: u64) -> Engine<Fake> {
+    let mut e = engine(blocks, Admission::Reserve, usize::MAX, 8);
+    e.cfg.lazy_blocks = true;
+    e
+}
+
+/// Step until the first running sequence holds `blocks` blocks.
+fn grow_until(e: &mut Engine<Fake>, rx: &mut UnboundedReceiver<Event>, blocks: u32) -> Vec<Event> {
+    let mut evs = Vec::new();
+    while e.running.first().map_or(0, |s| s.alloc.blocks()) < blocks {
+        e.step();
+        evs.extend(events(rx));
+    }
+    evs
+}
+
+#[test]
+fn lazy_blocks_admit_by_promise_and_an_admission_preempts_no_borrower() {
+    // A, elastic, promised one block (prompt 10 + 6 tokens), has grown to 5 blocks (70+
+    // tokens): 4 borrowed, 3 free.
+    let mut e = lazy_engine(8);
+    let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
+    assert_eq!(e.pool.stats().blocks_free, 8, "a promise takes no block");
+    let mut ea = grow_until(&mut e, &mut a, 5);
+    // B, worst case (prompt 10 + cap 60: 5 blocks): the promises (1 + 5) fit the 8 blocks, so
+    // it is admitted, and nobody is preempted for it until it needs the blocks.
+    let mut b = submit(&mut e, "b", 10, 60);
+    let mut eb = events(&mut b);
+    assert!(matches!(eb.first(), Some(Event::Admitted { .. })), "{eb:?}");
+    assert_eq!(e.metrics.recompute_preemptions.get(), 0);
+    assert_eq!(e.pool.stats().blocks_free, 3);
+    // The report counts B at its promise (5 blocks, none taken yet) and A at what it holds.
+    e.publish();
+    {
+        let p = e.published.lock().unwrap();
+        let reserved = |id: &str| {
+            p.leases
+                .iter()
+                .find(|l| l.id == id)
+                .unwrap()
+                .reserved_tokens
+        };
+        assert_eq!((reserved("a"), reserved("b")), (80, 80));
+        assert_eq!(p.promised_bytes, 80, "B's 5 untaken blocks of 16 bytes");
+    }
+    // C (prompt 10 + cap 38: 3 blocks) would fit the 3 free blocks but not beside the
+    // promises (6 + 3 > 8): refused, and the error says what is unpromised (2 blocks).
+    let mut c = submit(&mut e, "c", 10, 38);
+    let ec = events(&mut c);
+    assert!(
+        matches!(ec.first(), Some(Event::Rejected(err))
+            if err.kind == ErrorKind::KvCapacityExceeded && err.message.contains("32 bytes are free")),
+        "{ec:?}"
+    );
+    // B takes its blocks as it grows; when the pool runs dry the borrower A gives back what it
+    // borrowed and resumes later. Both end with exactly their solo outputs.
+    for _ in 0..600 {
+        e.step();
+        ea.extend(events(&mut a));
+        eb.extend(events(&mut b));
+    }
+    assert_eq!(finished(&eb), Some((FinishReason::Length, 60, false)));
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
+    assert_eq!(text(&eb), solo(10, greedy(60)).0);
+    assert_eq!(text(&ea), solo(10, greedy(100)).0);
+    assert_eq!(e.metrics.kv_oom.get(), 0);
+    assert!(
+        e.metrics.recompute_preemptions.get() >= 1,
+        "A made way for B"
+    );
+    e.publish();
+    assert_eq!(e.published.lock().unwrap().promised_bytes, 0);
+    assert_eq!(e.pool.stats().blocks_free, 8);
+    e.pool.check().unwrap();
+}
+
+#[test]
+fn lazy_blocks_a_reservation_takes_its_promised_blocks_back_from_a_borrower_to_prefill() {
+    // A, elastic, promised one block, holds the whole pool (8 blocks); B (prompt 40 + cap 8:
+    // 3 blocks) is admitted on its promise with no block free. To prefill it takes 3 blocks
+    // back from A, which is recomputed later from the block its reservation kept.
+    let mut e = lazy_engine(8);
+    let mut a = submit_elastic(&mut e, "a", 10, 118, 6);
+    let mut ea = grow_until(&mut e, &mut a, 8);
+    assert_eq!(e.pool.stats().blocks_free, 0);
+    let mut b = submit(&mut e, "b", 40, 8);
+    let mut eb = events(&mut b);
+    assert!(matches!(eb.first(), Some(Event::Admitted { .. })), "{eb:?}");
+    assert_eq!(e.metrics.recompute_preemptions.get(), 0);
+    e.step();
+    eb.extend(events(&mut b));
+    assert_eq!(
+        e.metrics.recompute_preemptions.get(),
+        1,
+        "A gave back what it borrowed"
+    );
+    let held = |e: &Engine<Fake>, id: &str| {
+        e.running
+            .iter()
+            .chain(e.waiting.iter())
+            .find(|s| s.id == id)
+            .map(|s| s.alloc.blocks())
+    };
+    assert_eq!((held(&e, "a"), held(&e, "b")), (Some(1), Some(3)));
+    for _ in 0..600 {
+        e.step();
+        ea.extend(events(&mut a));
+        eb.extend(events(&mut b));
+    }
+    assert_eq!(finished(&eb), Some((FinishReason::Length, 8, false)));
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 118, false)));
+    assert_eq!(text(&eb), solo(40, greedy(8)).0);
+    assert_eq!(text(&ea), solo(10, greedy(118)).0);
+    assert_eq!(e.metrics.kv_oom.get(), 0);
+    assert_eq!(e.pool.stats().blocks_free, 8);
+    e.pool.check().unwrap();
 }
