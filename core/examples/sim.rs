@@ -8,13 +8,13 @@
 //! [--backfill on|off] [--lazy-blocks] [--dump FILE]` prints one markdown table (`make
 //! bench-sim` runs the defaults).
 //!
-//! `--lazy-blocks` is a what-if, not engine.rs: under `--admission reserve` a reservation is a
-//! promise of blocks, admitted while the promises of the live sequences fit the pool, and its
-//! blocks are taken only as the sequence grows into them (from free blocks, else back from the
-//! youngest sequence grown past its own reservation, which the promises fitting the pool
-//! guarantees is there). So an admission never preempts a borrower, and a borrower is preempted
-//! only when a reservation really needs its blocks. The backend's report counts what each
-//! sequence holds or was promised, which may exceed the pool.
+//! `--lazy-blocks` is the backend's `--lazy-blocks` (engine.rs since 2504f91): under
+//! `--admission reserve` a reservation is a promise of blocks, admitted while the promises of
+//! the live sequences fit the pool, and its blocks are taken only as the sequence grows into
+//! them (from free blocks, else back from the youngest sequence grown past its own reservation,
+//! which the promises fitting the pool guarantees is there). So an admission never preempts a
+//! borrower, and a borrower is preempted only when a reservation really needs its blocks. The
+//! backend's report counts what each sequence holds or was promised, which may exceed the pool.
 //!
 //! **The gateway arms decide with kvgate-core's own code, not a re-implementation:** the filter
 //! configuration is parsed by `Config::from_json` from envoy/kvgate-filter.yaml (the shipped
@@ -1449,7 +1449,7 @@ struct Opts {
     max_tries: Option<u64>,
     seed: u64,
     poll_ms: u64,
-    /// `--lazy-blocks`: a what-if, not engine.rs (see the header).
+    /// `--lazy-blocks`: the backend's `--lazy-blocks` (see the header).
     lazy_blocks: bool,
 }
 
