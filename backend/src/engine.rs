@@ -306,12 +306,7 @@ impl<M: Forward> Engine<M> {
         let alloc = if self.lazy() {
             // A promise: admitted while the live promises fit the pool; no block is taken (and
             // no borrower preempted) until the sequence grows into them.
-            let unpromised = self
-                .pool
-                .stats()
-                .blocks_total
-                .saturating_sub(self.promised_blocks());
-            (blocks <= unpromised)
+            (blocks <= self.unpromised_blocks())
                 .then(|| self.pool.allocate(0))
                 .flatten()
         } else {
@@ -328,14 +323,7 @@ impl<M: Forward> Engine<M> {
             self.metrics.rejected_kv.inc();
             let need = u64::from(blocks) * self.pool.block_bytes;
             let free = match self.lazy() {
-                true => {
-                    u64::from(
-                        self.pool
-                            .stats()
-                            .blocks_total
-                            .saturating_sub(self.promised_blocks()),
-                    ) * self.pool.block_bytes
-                }
+                true => u64::from(self.unpromised_blocks()) * self.pool.block_bytes,
                 false => self.pool.stats().free_bytes,
             };
             let priced = match self.cfg.admission {
@@ -388,13 +376,15 @@ impl<M: Forward> Engine<M> {
         self.cfg.lazy_blocks && self.cfg.admission == Admission::Reserve
     }
 
-    /// Blocks the live sequences' reservations cover (what `--lazy-blocks` admits against).
-    fn promised_blocks(&self) -> u32 {
-        self.running
+    /// Blocks no live sequence's reservation covers (what `--lazy-blocks` admits into).
+    fn unpromised_blocks(&self) -> u32 {
+        let promised = self
+            .running
             .iter()
             .chain(self.waiting.iter())
             .map(|s| s.promised_blocks)
-            .fold(0, u32::saturating_add)
+            .fold(0, u32::saturating_add);
+        self.pool.stats().blocks_total.saturating_sub(promised)
     }
 
     /// Take back borrowed blocks (youngest overgrown sequence first, running or waiting) until
@@ -526,15 +516,11 @@ impl<M: Forward> Engine<M> {
             // Room for what it prefills (in reserve mode it holds prompt + cap already, unless
             // its blocks are lazy).
             let mut room = front.alloc.ensure_tokens(len as u64);
-            let within = self.pool.blocks_for(len as u64) <= front.promised_blocks;
-            if !room && within && lazy {
+            let blocks = self.pool.blocks_for(len as u64);
+            if !room && lazy && blocks <= front.promised_blocks {
                 // Lazy blocks: what its reservation promised and the pool lacks is borrowed;
                 // the youngest borrowers give it back now.
-                let order = front.order;
-                let missing = self
-                    .pool
-                    .blocks_for(len as u64)
-                    .saturating_sub(front.alloc.blocks());
+                let (order, missing) = (front.order, blocks.saturating_sub(front.alloc.blocks()));
                 self.reclaim_borrowed(missing);
                 // A running borrower preempted goes first in line: find this one again.
                 passed = self

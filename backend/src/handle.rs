@@ -105,7 +105,9 @@ impl EngineHandle {
             .unwrap_or_else(|e| e.into_inner())
             .promised_bytes;
         let s = self.pool.stats();
+        let promised_blocks = u32::try_from(promised / s.block_bytes.max(1)).unwrap_or(u32::MAX);
         PoolStats {
+            blocks_free: s.blocks_free.saturating_sub(promised_blocks),
             used_bytes: s.used_bytes.saturating_add(promised),
             free_bytes: s.free_bytes.saturating_sub(promised),
             promised_bytes: promised,
