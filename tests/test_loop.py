@@ -4,6 +4,7 @@ Every test ends with the ledger's committed bytes at exactly zero and the backen
 """
 
 import json
+import signal
 import threading
 import time
 
@@ -120,7 +121,6 @@ def test_a_hung_backend_gets_no_new_requests_keeps_its_streams_leases_and_comes_
     The stream in flight stalls and keeps its reservation (its request has not ended); new
     requests get a fast 503 with Retry-After instead of hanging with it; the gateway's own status
     answers at once. Resumed (SIGCONT), the stream finishes and everything returns to zero."""
-    import signal
     gw, b = stack(64)
     gw.wait_for(lambda s: s.get("backend", {}).get("up") is True, what="first poll")
     t, res = long_stream(gw, 120)
@@ -398,9 +398,28 @@ def test_model_descriptor_from_the_backend_makes_counts_exact(stack):
     # blocks of 32 tokens, and the gateway is configured with no margin: the descriptor's margin
     # (one such block) applies.
     gw, b = stack(600, {"model": "from_backend", "fallback_model": spec, "kv_budget_bytes": 10 * BLOCK_BYTES,
-                        "fallback_token_multiplier": 1.5, "scratch_margin_bytes": 0}, "--block-size", "32")
+                        "fallback_token_multiplier": 1.5, "scratch_margin_bytes": 0}, "--block-size", "32",
+                  ecds=True)
     s = gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
-    assert s["capacity_bytes"] == int(600 * BLOCK_BYTES * 0.9), "the budget came from the backend's pool"
+    pool = int(600 * BLOCK_BYTES * 0.9)
+    assert s["capacity_bytes"] == pool, "the budget came from the backend's pool"
+    # Each worker configures on its own, some after another has read the pool: a configuration
+    # (here a reload, with the backend frozen so that no poll reads the pool again) keeps the
+    # capacity read from the pool, not the fallback's.
+    b.proc.send_signal(signal.SIGSTOP)
+    try:
+        configured = gw.logs().count(" configured: capacity ")
+        gw.write_filter_config({**gw.plugin_config, "fallback_token_multiplier": 1.4})
+        deadline = time.time() + 20
+        while gw.logs().count(" configured: capacity ") < 2 * configured and time.time() < deadline:
+            time.sleep(0.2)
+        assert gw.logs().count(" configured: capacity ") >= 2 * configured, "every worker reconfigured"
+        assert gw.status()["capacity_bytes"] == pool, "a reload put the fallback's capacity back"
+    finally:
+        b.proc.send_signal(signal.SIGCONT)
+    s = gw.wait_for(lambda s: s.get("backend", {}).get("up") is True and s["model"]["tokenizer"] == "custom",
+                    timeout=30, what="the backend back, its descriptor read again")
+    assert s["capacity_bytes"] == pool
     assert s["model"]["fingerprint"] == b.leases()["model"]["fingerprint"]
     assert b.leases()["model"]["scratch_margin_bytes"] == 2 * BLOCK_BYTES
     assert f"scratch margin {2 * BLOCK_BYTES} B per reservation" in gw.logs()

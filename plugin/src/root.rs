@@ -104,9 +104,12 @@ impl Root {
             // Lease ids are drawn by the filter, so the ledger's own counter is unused. An
             // unreadable ledger is kept as it is (it may hold live leases): the configuration is
             // accepted, and admission there answers 503 kvgate_ledger_unavailable.
-            match store::seed(&EnvoyStore, &e.ledger_key, || Ledger::new(capacity, 1)) {
-                Ok(true) => created += 1,
-                Ok(false) => {}
+            let fresh = match store::seed(&EnvoyStore, &e.ledger_key, || Ledger::new(capacity, 1)) {
+                Ok(true) => {
+                    created += 1;
+                    true
+                }
+                Ok(false) => false,
                 Err(err @ StoreError::Corrupt(_)) => {
                     self.worker.metrics.ledger_errors.inc();
                     host::log(
@@ -116,11 +119,21 @@ impl Root {
                     continue;
                 }
                 Err(err) => return Err(err.to_string()),
-            }
-            match store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
-                l.set_capacity(capacity)
-            }) {
-                Ok((_, ledger)) => {
+            };
+            // A model from the backend: the fallback's capacity only seeds a new ledger. An
+            // existing one may already hold the capacity another worker read from the backend's
+            // pool (workers configure one after another), and it stays until a poll reads the
+            // pool again.
+            let ledger = if cfg.from_backend && !fresh {
+                store::read(&EnvoyStore, &e.ledger_key)
+            } else {
+                store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
+                    l.set_capacity(capacity)
+                })
+                .map(|(_, l)| l)
+            };
+            match ledger {
+                Ok(ledger) => {
                     e.observe(&ledger);
                     kept += ledger.leases().len();
                 }
