@@ -219,10 +219,14 @@ fn text(evs: &[Event]) -> String {
 fn solo(prompt: usize, params: GenParams) -> (String, Option<(FinishReason, u64, bool)>) {
     let mut e = engine(64, Admission::None, usize::MAX, 8);
     let mut rx = submit_with(&mut e, "solo", prompt, params);
-    for _ in 0..200 {
+    let mut evs = Vec::new();
+    for _ in 0..2000 {
         e.step();
+        evs.extend(events(&mut rx));
+        if finished(&evs).is_some() {
+            break;
+        }
     }
-    let evs = events(&mut rx);
     (text(&evs), finished(&evs))
 }
 
@@ -1102,4 +1106,105 @@ fn lazy_blocks_a_reservation_takes_its_promised_blocks_back_from_a_borrower_to_p
     assert_eq!(e.metrics.kv_oom.get(), 0);
     assert_eq!(e.pool.stats().blocks_free, 8);
     e.pool.check().unwrap();
+}
+
+#[test]
+fn a_sustained_mix_of_worst_case_and_elastic_arrivals_never_fails_and_never_preempts_a_reservation()
+{
+    // Many more requests than fit, arriving while others run: worst-case ones (prompt + cap
+    // reserved) and elastic ones whose reservations are far too small (they all run to their
+    // caps), long prompts and big caps. A refused request is submitted again later (a gateway's
+    // queue). Eager and lazy blocks, several seeds. Every step: the pool is consistent, the
+    // promises fit it, and no worst-case sequence ever loses cached tokens. At the end every
+    // request has finished at its cap with exactly its solo output, nothing failed mid-decode,
+    // and the pool is empty.
+    const BLOCKS: u64 = 24;
+    const REQUESTS: usize = 40;
+    for lazy in [false, true] {
+        for seed in 1..=4u64 {
+            let at = format!("seed {seed}, lazy {lazy}");
+            let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let mut draw = |n: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % n
+            };
+            // (prompt, cap, elastic allowance), each fitting the pool alone at its reservation.
+            let reqs: Vec<(usize, u64, Option<u64>)> = (0..REQUESTS)
+                .map(|_| {
+                    let prompt = 5 + draw(120) as usize;
+                    let cap = 10 + draw(200);
+                    let cap = cap.min(BLOCKS * 16 - prompt as u64);
+                    let elastic = (draw(3) > 0).then(|| draw(cap.min(24)));
+                    (prompt, cap, elastic)
+                })
+                .collect();
+            let mut e = engine(BLOCKS, Admission::Reserve, usize::MAX, 8);
+            e.cfg.lazy_blocks = lazy;
+            let mut rx: Vec<Option<UnboundedReceiver<Event>>> =
+                (0..REQUESTS).map(|_| None).collect();
+            let mut evs: Vec<Vec<Event>> = (0..REQUESTS).map(|_| Vec::new()).collect();
+            let mut cached = vec![0u64; REQUESTS];
+            let (mut next, mut refused) = (0usize, 0u32);
+            for step in 0..40_000 {
+                // An arrival (or a refused request's retry) every few steps.
+                if next < REQUESTS && draw(4) == 0 {
+                    let (prompt, cap, elastic) = reqs[next];
+                    let id = format!("r{next}");
+                    let mut r = match elastic {
+                        Some(allowance) => submit_elastic(&mut e, &id, prompt, cap, allowance),
+                        None => submit(&mut e, &id, prompt, cap),
+                    };
+                    let first = events(&mut r);
+                    if matches!(first.first(), Some(Event::Rejected(_))) {
+                        refused += 1;
+                    } else {
+                        evs[next].extend(first);
+                        rx[next] = Some(r);
+                        next += 1;
+                    }
+                }
+                e.step();
+                for (r, ev) in rx.iter_mut().zip(evs.iter_mut()) {
+                    if let Some(r) = r {
+                        ev.extend(events(r));
+                    }
+                }
+                e.pool.check().unwrap();
+                let seqs = || e.running.iter().chain(e.waiting.iter());
+                if lazy {
+                    let promised: u32 = seqs().map(|s| s.promised_blocks).sum();
+                    assert!(promised <= BLOCKS as u32, "{at}: promises past the pool");
+                }
+                for s in seqs().filter(|s| !s.elastic) {
+                    let i: usize = s.id[1..].parse().unwrap();
+                    assert!(
+                        s.used_tokens() >= cached[i],
+                        "{at}: worst-case {} lost its cache at step {step}",
+                        s.id
+                    );
+                    cached[i] = s.used_tokens();
+                }
+                if next == REQUESTS && evs.iter().all(|ev| finished(ev).is_some()) {
+                    break;
+                }
+            }
+            assert!(refused > 0, "{at}: more arrived than fit");
+            assert_eq!(e.metrics.kv_oom.get(), 0, "{at}");
+            for (i, (ev, &(prompt, cap, _))) in evs.iter().zip(&reqs).enumerate() {
+                assert_eq!(
+                    finished(ev),
+                    Some((FinishReason::Length, cap, false)),
+                    "{at}: r{i}"
+                );
+                assert_eq!(text(ev), solo(prompt, greedy(cap)).0, "{at}: r{i}");
+            }
+            assert!(
+                e.metrics.recompute_preemptions.get() > 0,
+                "{at}: elastic sequences made way"
+            );
+            assert_eq!(e.pool.stats().blocks_free, BLOCKS as u32, "{at}");
+        }
+    }
 }
