@@ -681,8 +681,10 @@ def main():
                    help="the queued-lean arm: the quantile of learned outputs each class reserves")
     p.add_argument("--lean-prior", type=int, default=16,
                    help="the queued-lean arm: output tokens reserved until a class has learned its outputs")
-    p.add_argument("--queue-wait-ms", type=int, default=20000,
-                   help="the queued arm: how long a request may wait in the gateway's queue")
+    p.add_argument("--queue-wait-ms", type=int,
+                   help="the queued arms: how long a request may wait in the gateway's queue (default: twice "
+                        "the clients' patience, at most the filter's 600 s, as README advises; with 20 s "
+                        "against 60 s of patience, requests sent back to retry gave up: BENCHMARKS.md, 2026-12-03)")
     p.add_argument("--gateway-workers", type=int, default=2,
                    help="the gateway arms: Envoy's --concurrency (each worker keeps its own queue)")
     p.add_argument("--safety-fraction", type=float,
@@ -699,6 +701,7 @@ def main():
     a.rounds = a.rounds or (3 if a.full else 1)
     a.jobs = a.jobs or (40 if a.full else 12)
     a.give_up_s = a.give_up_s or (300.0 if a.full else 60.0)
+    a.queue_wait_ms = a.queue_wait_ms or min(600_000, int(a.give_up_s * 2000))
     workload = make_workload(a.seed, a.jobs, a.blocks * 16)
     a.cap = a.cap or concurrency_cap(workload, a.blocks * 16)
     n = sum(len(j) for j in workload)
@@ -755,7 +758,7 @@ def main():
              f"Command: `.venv/bin/python {argv}` (`{cmd}` runs it after its build steps); machine: {machine()}; {n} requests in {len(workload)} jobs, seed {a.seed}, {a.clients} closed-loop clients, "
              f"pool {a.blocks} blocks ({a.blocks * 16} tokens) in every arm, --step-delay-ms {a.step_delay_ms}, "
              f"give up after {f'{a.max_tries} tries or ' if a.max_tries else ''}{a.give_up_s:.0f} s; "
-             f"the cap arm at --max-batch {a.cap}; "
+             f"the cap arm at --max-batch {a.cap}; the queued arms' queue wait {a.queue_wait_ms / 1000:.0f} s; "
              f"wall {wall:.0f} s.\n\n{out}\n"
              + "".join(f"\n![{x.stem}]({x.relative_to(ROOT)})\n" for x in pngs if x.is_relative_to(ROOT)))
     if tail:
