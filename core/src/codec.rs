@@ -390,6 +390,7 @@ mod tests {
                 key: 99,
                 patience_ms: 10,
                 run_ms: 0,
+                max_line_permille: 0,
             }),
         };
         assert!(matches!(

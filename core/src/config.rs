@@ -63,6 +63,11 @@ pub struct RawConfig {
     /// start (or that leaves them room then) may take what the line holds (see `ledger`).
     #[serde(default = "d_true")]
     pub fair_retry_backfill: bool,
+    /// A refused request takes a new place in line only while what the line ahead of it still
+    /// lacks plus its own need is at most this fraction of the capacity; past it, a plain 429
+    /// with nothing set aside for it. 0: no bound.
+    #[serde(default)]
+    pub fair_retry_max_line: f64,
     /// `enforce` (default): admit, queue, degrade, preempt and refuse. `shadow`: decide exactly
     /// as `enforce` would and count it (`kvgate.shadow.*` stats, an `x-kvgate-shadow` response
     /// header), but let every request through unchanged; every forwarded request is reserved at
@@ -272,6 +277,8 @@ pub struct Config {
     pub tick_ms: u64,
     pub owner_timeout_ms: u64,
     pub fair_retry_patience_ms: u64,
+    /// `fair_retry_max_line`, in thousandths of the capacity (0: no bound).
+    pub fair_retry_max_line_permille: u32,
     /// Backfills (`fair_retry_backfill`); off with fair retries off.
     pub backfill: bool,
     pub mode: Mode,
@@ -379,6 +386,13 @@ impl TryFrom<RawConfig> for Config {
                 "retry_after.default_lease_ms",
                 0,
                 "must be greater than 0",
+            ));
+        }
+        if !(0.0..=1000.0).contains(&raw.fair_retry_max_line) {
+            return Err(ConfigError::new(
+                "fair_retry_max_line",
+                raw.fair_retry_max_line,
+                "must be in [0, 1000] (a fraction of the capacity; 0: no bound)",
             ));
         }
         let t = raw.lease_ttl;
@@ -521,6 +535,12 @@ impl TryFrom<RawConfig> for Config {
                 0
             } else {
                 raw.fair_retry_patience_ms
+            },
+            // In [0, 1000] (checked above): at most 1,000,000, and a nonzero fraction is at
+            // least one thousandth.
+            fair_retry_max_line_permille: match raw.fair_retry_max_line {
+                f if f > 0.0 => ((f * 1000.0).round() as u32).max(1),
+                _ => 0,
             },
             backfill: raw.fair_retry_backfill && raw.mode != Mode::Shadow,
             mode: raw.mode,
@@ -722,6 +742,18 @@ mod tests {
         );
         assert!(Config::from_json(MIN.as_bytes()).unwrap().backfill);
         assert!(!with(r#""fair_retry_backfill":false"#).unwrap().backfill);
+        assert_eq!(
+            Config::from_json(MIN.as_bytes())
+                .unwrap()
+                .fair_retry_max_line_permille,
+            0
+        );
+        assert_eq!(
+            with(r#""fair_retry_max_line":0.5"#)
+                .unwrap()
+                .fair_retry_max_line_permille,
+            500
+        );
         assert!(with(r#""mode":"dry""#).is_err());
     }
 
@@ -729,6 +761,7 @@ mod tests {
     fn errors_name_the_field() {
         for (extra, field) in [
             (r#""safety_fraction":1.5"#, "safety_fraction"),
+            (r#""fair_retry_max_line":-1"#, "fair_retry_max_line"),
             (r#""levels":{"amber":0.9,"red":0.5}"#, "levels"),
             (r#""retry_after":{"min_ms":0}"#, "retry_after"),
             (r#""retry_after":{"jitter":2}"#, "retry_after.jitter"),

@@ -135,6 +135,18 @@ pub struct ClaimTicket {
     /// and the output it reserves (0: unknown). With it, a request may go ahead of the line
     /// when it is expected to be done before the line's front could start (a backfill).
     pub run_ms: u64,
+    /// A refusal takes a new place in line only while what the line ahead still lacks plus
+    /// its own need is at most this many thousandths of the capacity (0: no bound).
+    pub max_line_permille: u32,
+}
+
+/// Whether a refusal may take a new place in line: what the line ahead of it still lacks
+/// (`ahead`) plus its own need is within the ticket's bound on the line. A line longer than the
+/// pool turns over while its clients wait makes bytes wait, set aside, for clients who give up
+/// before their turn (BENCHMARKS.md, "A bound on the line").
+fn line_has_room(capacity: u64, ahead: u64, need: u64, t: ClaimTicket) -> bool {
+    let bound = u128::from(capacity) * u128::from(t.max_line_permille) / 1000;
+    t.max_line_permille == 0 || u128::from(ahead) + u128::from(need) <= bound
 }
 
 /// The claim key of a request: a stable hash (FNV-1a) of who sent it and what it asks, so its
@@ -521,14 +533,18 @@ impl Ledger {
                         c.expires_ms = expires_ms;
                         c.active = true;
                     }
-                    None if count < MAX_CLAIMS => self.claims.push(Claim {
-                        key: t.key,
-                        bytes: req.bytes,
-                        held: 0,
-                        first_ms: req.now_ms,
-                        expires_ms,
-                        active: false,
-                    }),
+                    None if count < MAX_CLAIMS
+                        && line_has_room(self.capacity, ahead, req.bytes, t) =>
+                    {
+                        self.claims.push(Claim {
+                            key: t.key,
+                            bytes: req.bytes,
+                            held: 0,
+                            first_ms: req.now_ms,
+                            expires_ms,
+                            active: false,
+                        })
+                    }
                     None => {}
                 }
                 self.settle_claims(req.now_ms);
@@ -883,6 +899,7 @@ mod tests {
                 key,
                 patience_ms: 60_000,
                 run_ms,
+                max_line_permille: 0,
             }),
             ttl_ms: 600_000,
             ..req(bytes, now_ms)
@@ -1030,6 +1047,7 @@ mod tests {
                 key: 42,
                 patience_ms: 1000,
                 run_ms: 0,
+                max_line_permille: 0,
             }),
             ..req(90, now)
         };
@@ -1299,6 +1317,59 @@ mod tests {
     }
 
     #[test]
+    fn a_bounded_line_gives_no_new_place_past_its_bound_and_keeps_the_places_it_gave() {
+        // Bound: half the capacity (50 of 100). 90 committed, 10 free.
+        let bounded = |bytes, key, now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key,
+                patience_ms: 60_000,
+                run_ms: 0,
+                max_line_permille: 500,
+            }),
+            ..req(bytes, now)
+        };
+        let refused = |o: AdmitOutcome| {
+            matches!(
+                o,
+                AdmitOutcome::Rejected {
+                    reason: RejectReason::InsufficientCapacity,
+                    retry_after: Some(_),
+                    ..
+                }
+            )
+        };
+        let mut l = Ledger::new(100, 1);
+        assert!(matches!(
+            l.try_admit(&req(90, 0), &exact_retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        // A (30): a line of 30 ≤ 50, its place is taken.
+        assert!(refused(l.try_admit(&bounded(30, 1, 1), &exact_retry(), 1)));
+        // B (30): 30 ahead + 30 = 60 > 50: refused with a Retry-After, no place.
+        assert!(refused(l.try_admit(&bounded(30, 2, 2), &exact_retry(), 1)));
+        // C (20): 30 ahead + 20 = 50: a place.
+        assert!(refused(l.try_admit(&bounded(20, 3, 3), &exact_retry(), 1)));
+        let keys: Vec<u64> = l.claims().iter().map(|c| c.key).collect();
+        assert_eq!(keys, [1, 3]);
+        // A's retry keeps its place (the bound applies to new places only), and its claim, now
+        // active, holds the 10 free.
+        assert!(refused(l.try_admit(&bounded(30, 1, 4), &exact_retry(), 1)));
+        assert_eq!((l.claims().len(), l.held_for(1)), (2, 10));
+        // Unbounded, B takes a place behind them.
+        let unbounded = AdmitRequest {
+            claim: Some(ClaimTicket {
+                max_line_permille: 0,
+                ..bounded(30, 2, 5).claim.unwrap()
+            }),
+            ..req(30, 5)
+        };
+        assert!(refused(l.try_admit(&unbounded, &exact_retry(), 1)));
+        let keys: Vec<u64> = l.claims().iter().map(|c| c.key).collect();
+        assert_eq!(keys, [1, 3, 2]);
+        l.check().unwrap();
+    }
+
+    #[test]
     fn a_request_in_line_may_take_back_what_elastic_sequences_borrowed_and_a_newcomer_may_not() {
         let mut l = Ledger::new(100, 1);
         let waiting = |now| AdmitRequest {
@@ -1306,6 +1377,7 @@ mod tests {
                 key: 7,
                 patience_ms: 1000,
                 run_ms: 0,
+                max_line_permille: 0,
             }),
             ..req(30, now)
         };
@@ -1343,6 +1415,7 @@ mod tests {
                 key: 8,
                 patience_ms: 1000,
                 run_ms: 0,
+                max_line_permille: 0,
             }),
             ..req(20, now)
         };
@@ -1373,6 +1446,7 @@ mod tests {
                 key: 7,
                 patience_ms: 1000,
                 run_ms: 0,
+                max_line_permille: 0,
             }),
             ..req(90, now)
         };
@@ -1418,6 +1492,7 @@ mod tests {
                 key,
                 patience_ms: 1000,
                 run_ms: 0,
+                max_line_permille: 0,
             }),
             ..req(bytes, now)
         };
@@ -1460,6 +1535,7 @@ mod tests {
                 key,
                 patience_ms: 10_000,
                 run_ms: 0,
+                max_line_permille: 0,
             }),
             ..req(bytes, now)
         };
@@ -1514,6 +1590,7 @@ mod tests {
                 key: 7,
                 patience_ms: 500,
                 run_ms: 0,
+                max_line_permille: 0,
             }),
             ..req(90, 1)
         };
@@ -1658,7 +1735,7 @@ mod tests {
                         let before = l.committed();
                         let r = AdmitRequest {
                             ttl_ms: 30,
-                            claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 }),
+                            claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 , max_line_permille: 0}),
                             ..req(b, now)
                         };
                         if let AdmitOutcome::Admitted { .. } = l.try_admit(&r, &retry(), now) {
