@@ -70,7 +70,8 @@ reserved, used, running / preempted) every 0.5 s. To compare two builds of the f
 same machine state: `--alt-wasm OTHER.wasm --arms queued,queued+alt` (arms ending in `+alt` run
 with the other build, interleaved by round like any arms). Arms ending in `+lazy` run with the
 backend's `--lazy-blocks` (a reservation is a promise of blocks, taken as the sequence grows):
-`--arms queued,queued+lazy,vllm`.
+`--arms queued,queued+lazy,vllm`. Arms ending in `+line` run with the filter's
+`fair_retry_max_line` at `--max-line` (default 0.5): `--arms kvgate,kvgate+line`.
 """
 
 import argparse
@@ -298,7 +299,7 @@ def drive(url, workload, a, run, caps=None, progress=None):
 # ----- the arms ---------------------------------------------------------------------------------
 
 def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.9, aging_ms=None,
-                  safety=None, backfill=True):
+                  safety=None, backfill=True, max_line=None):
     """The shipped filter config (envoy/kvgate-filter.yaml: from_backend, the demo classes and
     keys) priced against this pool; with `elastic_prior`, every class reserves elastically; with
     `queue_ms`, every class waits in the gateway's queue up to that long instead of a 429."""
@@ -321,6 +322,8 @@ def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.
         cfg["safety_fraction"] = safety
     if not backfill:
         cfg["fair_retry_backfill"] = False
+    if max_line is not None:
+        cfg["fair_retry_max_line"] = max_line
     return cfg
 
 
@@ -369,8 +372,10 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
     # `ARM+alt`: the arm ARM with the filter built as --alt-wasm (an A/B of two builds of the
     # filter, interleaved in one run so that the machine's drift falls on both alike).
     # `ARM+lazy`: ARM with the backend's --lazy-blocks (reservations are promises of blocks).
+    # `ARM+line`: ARM with the filter's fair_retry_max_line at --max-line.
     suffixes = label.split("+")[1:]
     arm, alt, lazy = label.split("+")[0], "alt" in suffixes, "lazy" in suffixes
+    max_line = a.max_line if "line" in suffixes else None
     d = Path(work) / f"{label}{rnd}"
     d.mkdir()
     flags = ["--kv-cache-bytes", a.blocks * BLOCK_BYTES, "--step-delay-ms", a.step_delay_ms]
@@ -395,7 +400,8 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
             queue_ms = a.queue_wait_ms if queue else None
             aging = 0 if arm == "queued-strict" else None
             gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, quantile,
-                                                aging, a.safety_fraction, backfill=arm != "queued-nobf"),
+                                                aging, a.safety_fraction, backfill=arm != "queued-nobf",
+                                                max_line=max_line),
                        wasm=a.alt_wasm if alt else None, concurrency=a.gateway_workers).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
@@ -685,6 +691,8 @@ def main():
                    help="the queued arms: how long a request may wait in the gateway's queue (default: twice "
                         "the clients' patience, at most the filter's 600 s, as README advises; with 20 s "
                         "against 60 s of patience, requests sent back to retry gave up: BENCHMARKS.md, 2026-12-03)")
+    p.add_argument("--max-line", type=float, default=0.5,
+                   help="arms ending in +line: the filter's fair_retry_max_line (a fraction of the capacity)")
     p.add_argument("--gateway-workers", type=int, default=2,
                    help="the gateway arms: Envoy's --concurrency (each worker keeps its own queue)")
     p.add_argument("--safety-fraction", type=float,
