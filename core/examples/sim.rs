@@ -1220,7 +1220,7 @@ impl Gateway {
             key: splitmix64(r.req.id).max(1),
             patience_ms: cfg.fair_retry_patience_ms,
             run_ms,
-            max_line_permille: cfg.fair_retry_max_line_permille,
+            max_line_permille: cfg.max_line_permille(&class),
         });
         let holder = Holder {
             lease_id: Some(lease_id),

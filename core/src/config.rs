@@ -636,6 +636,17 @@ fn tokenizer_spec(raw: RawTokenizer) -> Result<TokenizerSpec, ConfigError> {
 }
 
 impl Config {
+    /// The bound on the fair-retry line for a request of `class` (thousandths of the capacity,
+    /// 0: none): `fair_retry_max_line` for requests answered with a 429, none for a `queue`
+    /// class, whose requests wait in the gateway's queue (their places are retried there as
+    /// soon as they are filled, and `max_wait_ms` bounds the wait).
+    pub fn max_line_permille(&self, class: &crate::policy::ClassPolicy) -> u32 {
+        match class.action {
+            crate::policy::Action::Queue { .. } => 0,
+            _ => self.fair_retry_max_line_permille,
+        }
+    }
+
     /// This configuration with the backend's model descriptor applied: its spec, KV budget and
     /// scratch margin (the configured margin when larger), its tokenizer, and exact counting.
     pub fn with_descriptor(&self, d: crate::reconcile::Descriptor) -> Result<Config, ConfigError> {
@@ -748,11 +759,31 @@ mod tests {
                 .fair_retry_max_line_permille,
             0
         );
+        let c = with(r#""fair_retry_max_line":0.5"#).unwrap();
+        assert_eq!(c.fair_retry_max_line_permille, 500);
+        let bound = |action| {
+            c.max_line_permille(&crate::policy::ClassPolicy {
+                name: "c".into(),
+                action,
+                priority: 0,
+                preempts: Vec::new(),
+                reservation: Default::default(),
+            })
+        };
+        assert_eq!(bound(crate::policy::Action::Reject), 500);
         assert_eq!(
-            with(r#""fair_retry_max_line":0.5"#)
-                .unwrap()
-                .fair_retry_max_line_permille,
+            bound(crate::policy::Action::Degrade {
+                min_output_tokens: 1
+            }),
             500
+        );
+        assert_eq!(
+            bound(crate::policy::Action::Queue {
+                max_wait_ms: 1,
+                max_depth: 1
+            }),
+            0,
+            "a queued request keeps its place in the gateway's queue"
         );
         assert!(with(r#""mode":"dry""#).is_err());
     }

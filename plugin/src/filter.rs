@@ -221,7 +221,7 @@ impl Filter {
         let claim = (rt.cfg.fair_retry_patience_ms > 0).then(|| kvgate_core::ClaimTicket {
             key: kvgate_core::ledger::claim_key(&p.caller, p.path.as_bytes(), &body),
             patience_ms: rt.cfg.fair_retry_patience_ms,
-            max_line_permille: rt.cfg.fair_retry_max_line_permille,
+            max_line_permille: rt.cfg.max_line_permille(&class),
             // Each try sets it from the decode rate of the moment (`Ticket::run_ms`).
             run_ms: 0,
         });
