@@ -760,3 +760,46 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
     vm.finish(s);
     assert_eq!(level_seen(&mut vm).as_deref(), Some("red"));
 }
+
+/// `fair_retry_max_line` (here half the pool) bounds the fair-retry line for requests answered
+/// with a 429: the first refusal takes a place, the one whose need would take the line past
+/// the bound gets a 429 and no place. A `queue` class's requests keep their places in the
+/// gateway's queue however long the line.
+#[test]
+fn the_line_bound_gives_no_place_past_it_to_a_refusal_and_leaves_the_queue_alone() {
+    let mut policy = vip_and_batch_queued("std", 60_000);
+    policy["classes"]["std"] = json!({"action": "reject", "priority": 1});
+    let mut vm = start(
+        1_000,
+        json!({ "policy": policy, "fair_retry_max_line": 0.5 }),
+    );
+    put_lease(91, 900, "std", 1, owner_id());
+    let keys = || ledger().claims().iter().map(|c| c.key).collect::<Vec<_>>();
+    // 300 tokens each (bodies differ, so each would have its own place).
+    let mut refuse = |prompt: usize| {
+        let (s, _) = vm.post(
+            "/v1/completions",
+            &[("x-class", "std")],
+            &completion(prompt, Some(300 - prompt as u64)),
+        );
+        assert_eq!(Vm::replies(s)[0].status, 429);
+        vm.finish(s);
+    };
+    refuse(100);
+    assert_eq!(keys().len(), 1, "a line of 300 of 1,000 tokens: a place");
+    refuse(101);
+    assert_eq!(keys().len(), 1, "300 ahead + 300 > 500: a 429 and no place");
+    // Queued requests keep their places past the bound.
+    for prompt in [102, 103] {
+        let (s, action) = vm.post(
+            "/v1/completions",
+            &[("x-class", "batch")],
+            &completion(prompt, Some(300 - prompt as u64)),
+        );
+        assert_eq!(action, Action::Pause, "queued");
+        vm.finish(s);
+    }
+    assert_eq!(keys().len(), 3, "both queued requests have their places");
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(91, Vm::now_ms())).unwrap();
+    assert_eq!(ledger().committed(), 0);
+}
