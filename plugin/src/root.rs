@@ -105,11 +105,7 @@ impl Root {
             // unreadable ledger is kept as it is (it may hold live leases): the configuration is
             // accepted, and admission there answers 503 kvgate_ledger_unavailable.
             let fresh = match store::seed(&EnvoyStore, &e.ledger_key, || Ledger::new(capacity, 1)) {
-                Ok(true) => {
-                    created += 1;
-                    true
-                }
-                Ok(false) => false,
+                Ok(fresh) => fresh,
                 Err(err @ StoreError::Corrupt(_)) => {
                     self.worker.metrics.ledger_errors.inc();
                     host::log(
@@ -120,11 +116,12 @@ impl Root {
                 }
                 Err(err) => return Err(err.to_string()),
             };
-            // A model from the backend: the fallback's capacity only seeds a new ledger. An
-            // existing one may already hold the capacity another worker read from the backend's
-            // pool (workers configure one after another), and it stays until a poll reads the
-            // pool again.
-            let ledger = if cfg.from_backend && !fresh {
+            created += usize::from(fresh);
+            // A new ledger has this capacity already. With the model from the backend, the
+            // fallback's capacity only seeds a new ledger: an existing one may already hold the
+            // capacity another worker read from the backend's pool (workers configure one after
+            // another), and it stays until a poll reads the pool again.
+            let ledger = if fresh || cfg.from_backend {
                 store::read(&EnvoyStore, &e.ledger_key)
             } else {
                 store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
