@@ -273,19 +273,15 @@ impl Ledger {
         self.unclaimed().saturating_sub(self.claimed())
     }
 
-    /// What `free()` will be once leases holding `evicted` bytes are gone (before anything
-    /// is settled again): their bytes first pay off any held back beyond what is uncommitted.
-    pub fn free_after_evicting(&self, evicted: u64) -> u64 {
-        self.capacity
-            .saturating_sub(self.committed.saturating_sub(evicted))
-            .saturating_sub(self.held_back)
-            .saturating_sub(self.claimed())
-    }
-
     /// Capacity less committed and held back (claims included).
     fn unclaimed(&self) -> u64 {
+        self.unclaimed_at(self.committed)
+    }
+
+    /// `unclaimed` were `committed` bytes committed.
+    fn unclaimed_at(&self, committed: u64) -> u64 {
         self.capacity
-            .saturating_sub(self.committed)
+            .saturating_sub(committed)
             .saturating_sub(self.held_back)
     }
 
@@ -450,18 +446,6 @@ impl Ledger {
             }
         }
         self.settle_claims(req.now_ms);
-        self.admit(req, retry, jitter_seed)
-    }
-
-    /// `try_admit` right after evicting leases for this request (preemption): the evicted bytes
-    /// go to the request that preempted them, not to the claims waiting in line.
-    pub fn try_admit_after_eviction(
-        &mut self,
-        req: &AdmitRequest<'_>,
-        retry: &RetryAfterConfig,
-        jitter_seed: u64,
-    ) -> AdmitOutcome {
-        self.claims.retain(|c| c.expires_ms > req.now_ms);
         self.admit(req, retry, jitter_seed)
     }
 
@@ -701,14 +685,37 @@ impl Ledger {
     /// (right after lent bytes were admitted, until the next poll), and what was lent since
     /// the poll is then no longer lendable.
     fn lendable_now(&self) -> u64 {
+        self.lendable_now_at(self.committed)
+    }
+
+    /// `lendable_now` were `committed` bytes committed.
+    fn lendable_now_at(&self, committed: u64) -> u64 {
         let lendable = self.lendable.min(self.held_back);
         let firm = self.held_back - lendable;
         lendable.min(
             self.capacity
-                .saturating_sub(self.committed)
+                .saturating_sub(committed)
                 .saturating_sub(firm)
-                .saturating_sub(self.unclaimed()),
+                .saturating_sub(self.unclaimed_at(committed)),
         )
+    }
+
+    /// What [`Ledger::admit_into_lent`] finds room for were `committed` bytes committed, for a
+    /// request whose own claim holds `own_held`: what is uncommitted then, less held back's
+    /// firm part and what the other claims hold. Borrowed growth (the lendable part of held
+    /// back) counts as room: the backend takes it back from the borrower, which resumes later.
+    fn lent_room_at(&self, committed: u64, own_held: u64) -> u64 {
+        self.unclaimed_at(committed)
+            .saturating_add(self.lendable_now_at(committed))
+            .saturating_sub(self.claimed())
+            .saturating_add(own_held)
+    }
+
+    /// What [`Ledger::admit_into_lent`] will find room for once leases holding `evicted`
+    /// bytes are gone. Their bytes are room at once, whatever elastic sequences have borrowed:
+    /// what was borrowed is taken back from the borrowers, not paid for with more leases.
+    pub fn lent_room_after_evicting(&self, evicted: u64, own_held: u64) -> u64 {
+        self.lent_room_at(self.committed.saturating_sub(evicted), own_held)
     }
 
     /// A request of a class that may preempt, refused for room: admitted into what elastic
@@ -720,11 +727,7 @@ impl Ledger {
             .claim
             .and_then(|t| self.claims.iter().position(|c| c.key == t.key));
         let own_held = own.and_then(|i| self.claims.get(i)).map_or(0, |c| c.held);
-        let room = self
-            .unclaimed()
-            .saturating_add(self.lendable_now())
-            .saturating_sub(self.claimed())
-            .saturating_add(own_held);
+        let room = self.lent_room_at(self.committed, own_held);
         if req.bytes > room || req.id.is_some_and(|id| id == 0 || self.lease(id).is_some()) {
             return None;
         }
