@@ -5,7 +5,7 @@
 //! [--workload mix|live] [--seed S] [--jobs N] [--clients C | --rate R] [--give-up-s S]
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
-//! [--backfill on|off] [--lazy-blocks] [--dump FILE]` prints one markdown table (`make
+//! [--backfill on|off] [--lazy-blocks] [--patience first-token|retries] [--dump FILE]` prints one markdown table (`make
 //! bench-sim` runs the defaults).
 //!
 //! `--lazy-blocks` is the backend's `--lazy-blocks` (engine.rs since 2504f91): under
@@ -1406,11 +1406,15 @@ struct ReqState {
     tries: u64,
     degraded: bool,
     lease: Option<u64>,
+    /// The backend it was last sent to (where a client that gives up cancels it).
+    backend: Option<usize>,
 }
 
 enum Ev {
     Job(usize, Option<usize>),
     Try(usize),
+    /// The client's patience runs out: no first token `give_up_s` after its first try.
+    Patience(usize),
     Step(usize),
     Deliver(usize, Note),
     Poll,
@@ -1447,6 +1451,11 @@ struct Opts {
     clients: Option<usize>,
     rate: Option<f64>,
     give_up_s: f64,
+    /// The client gives up on a request without a first token `give_up_s` after its first
+    /// try, wherever it waits (`--patience first-token`, the default); with `--patience
+    /// retries` only a Retry-After that would end past it makes it give up (a request waiting
+    /// in a queue waits for ever).
+    patience_to_first_token: bool,
     max_tries: Option<u64>,
     seed: u64,
     poll_ms: u64,
@@ -1527,6 +1536,7 @@ impl<'a> Sim<'a> {
                     tries: 0,
                     degraded: false,
                     lease: None,
+                    backend: None,
                 });
             }
             jobs.push(ids);
@@ -1602,6 +1612,7 @@ impl<'a> Sim<'a> {
             match e.ev {
                 Ev::Job(j, client) => self.start_job(j, client),
                 Ev::Try(r) => self.try_request(r),
+                Ev::Patience(r) => self.patience(r),
                 Ev::Step(b) => self.step(b),
                 Ev::Deliver(r, n) => self.deliver(r, n),
                 Ev::Poll => self.poll(),
@@ -1666,6 +1677,33 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// The client gives up on a request with no first token `give_up_s` after its first try,
+    /// wherever it waits: sleeping on a Retry-After, in the gateway's queue, or admitted and
+    /// waiting in a backend's queue (or preempted before its first token). It closes the
+    /// connection: the filter releases the lease at the stream's end and the backend drops the
+    /// sequence at its next step (engine.rs drops a sequence whose client is gone).
+    fn patience(&mut self, r: usize) {
+        let now_ms = self.now / 1000;
+        let Some(s) = self.reqs.get(r) else {
+            return;
+        };
+        if s.outcome.is_some() || s.ttft.is_some() {
+            return;
+        }
+        let (lease, backend) = (s.lease, s.backend);
+        if let Some(gw) = self.gw.as_mut() {
+            gw.queue.remove_where(|i| *i == r);
+            if let Some(l) = lease {
+                gw.release(l, now_ms);
+            }
+        }
+        if let Some(b) = backend {
+            self.submit(b, Cmd::Cancel { req: r });
+        }
+        self.resolve(r, Outcome::GaveUp);
+        self.drain();
+    }
+
     fn refused(&mut self, r: usize, status: u32, retry_ms: Option<u64>) {
         if status != 429 && status != 503 {
             self.resolve(r, Outcome::TooLarge);
@@ -1691,6 +1729,11 @@ impl<'a> Sim<'a> {
 
     fn submit(&mut self, b: usize, cmd: Cmd) {
         let now = self.now;
+        if let Cmd::Submit { req, .. } = cmd {
+            if let Some(s) = self.reqs.get_mut(req) {
+                s.backend = Some(b);
+            }
+        }
         if let Some(be) = self.backends.get_mut(b) {
             be.inbox.push(cmd);
             if !be.stepping {
@@ -1710,8 +1753,16 @@ impl<'a> Sim<'a> {
         if s.outcome.is_some() {
             return;
         }
+        let first = s.first_try.is_none();
         s.first_try.get_or_insert(now);
         s.tries += 1;
+        if first && self.o.patience_to_first_token {
+            let give_up = ms(self.o.give_up_s * 1000.0);
+            self.push(now + give_up, Ev::Patience(r));
+        }
+        let Some(s) = self.reqs.get(r) else {
+            return;
+        };
         if !self.arm.gateway() {
             let (prompt, cap, true_len) = (s.req.prompt, s.cap, s.req.true_len);
             // The backend's own validation: a prompt or a cap past the context is a 400.
@@ -2093,6 +2144,7 @@ fn main() -> Res<()> {
     let mut clients = None;
     let mut rate = None;
     let mut give_up_s = 60.0;
+    let mut patience_to_first_token = true;
     let mut arms = "none,prompt,cap,reserve,kvgate,elastic,queued,oracle,vllm".to_string();
     let mut queue_wait_ms: u64 = 20_000;
     let mut quantile: f64 = 0.9;
@@ -2118,6 +2170,13 @@ fn main() -> Res<()> {
             "--clients" => clients = Some(parse(&a, args.next())?),
             "--rate" => rate = Some(parse(&a, args.next())?),
             "--give-up-s" => give_up_s = parse(&a, args.next())?,
+            "--patience" => {
+                patience_to_first_token = match parse::<String>(&a, args.next())?.as_str() {
+                    "first-token" => true,
+                    "retries" => false,
+                    v => return Err(format!("--patience {v:?}: first-token or retries")),
+                }
+            }
             "--arms" => arms = parse(&a, args.next())?,
             "--cap" => cap = Some(parse(&a, args.next())?),
             "--blocks" => blocks = Some(parse(&a, args.next())?),
@@ -2206,6 +2265,7 @@ fn main() -> Res<()> {
         clients,
         rate,
         give_up_s,
+        patience_to_first_token,
         max_tries,
         seed,
         poll_ms: 500,
@@ -2218,7 +2278,7 @@ fn main() -> Res<()> {
         _ => String::new(),
     };
     println!(
-        "preset {} ({} backend(s) × {} blocks = {} tokens of KV each, context {}, step {} + {} ms × batch, prefill {} ms/token, max batch {}); workload {workload_name}: {n} requests in {} jobs, seed {seed}, {load}, give up after {give_up_s} s{}\n",
+        "preset {} ({} backend(s) × {} blocks = {} tokens of KV each, context {}, step {} + {} ms × batch, prefill {} ms/token, max batch {}); workload {workload_name}: {n} requests in {} jobs, seed {seed}, {load}, give up after {give_up_s} s{} {}\n",
         p.name,
         backends,
         p.blocks,
@@ -2230,6 +2290,11 @@ fn main() -> Res<()> {
         p.max_batch,
         workload.len(),
         max_tries.map_or(String::new(), |m| format!(" or {m} tries")),
+        if patience_to_first_token {
+            "without a first token (wherever the request waits)"
+        } else {
+            "of retries (a request waiting in a queue waits for ever)"
+        },
     );
     if let Some(Arm::Cap(n)) = arms.iter().find(|a| matches!(a, Arm::Cap(_))) {
         println!("the cap arm runs at most {n} sequences at once per backend\n");
