@@ -1690,9 +1690,15 @@ impl<'a> Sim<'a> {
         if s.outcome.is_some() || s.ttft.is_some() {
             return;
         }
-        let (lease, backend) = (s.lease, s.backend);
+        let (lease, backend, key) = (s.lease, s.backend, splitmix64(s.req.id).max(1));
         if let Some(gw) = self.gw.as_mut() {
-            gw.queue.remove_where(|i| *i == r);
+            // The filter's end of stream: a request still in the queue leaves its place in
+            // line holding nothing (Worker::leave_line).
+            if !gw.queue.remove_where(|i| *i == r).is_empty() {
+                for l in &mut gw.ledgers {
+                    l.leave_line(key, now_ms);
+                }
+            }
             if let Some(l) = lease {
                 gw.release(l, now_ms);
             }

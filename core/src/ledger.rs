@@ -337,6 +337,21 @@ impl Ledger {
         self.claims.len() != before
     }
 
+    /// The client of the request with this claim went away while it waited (it closed its
+    /// stream in a gateway's queue): its claim stops holding bytes, which go at once to the
+    /// places behind it, but keeps its place in line until it expires, should the same request
+    /// come back (a client's own retry after its timeout). Returns whether it held any.
+    pub fn leave_line(&mut self, key: u64, now_ms: u64) -> bool {
+        let Some(c) = self.claims.iter_mut().find(|c| c.key == key) else {
+            return false;
+        };
+        let held = c.held > 0;
+        c.active = false;
+        c.held = 0;
+        self.settle_claims(now_ms);
+        held
+    }
+
     fn claim(&self, key: u64) -> Option<&Claim> {
         self.claims.iter().find(|c| c.key == key)
     }
@@ -1369,6 +1384,47 @@ mod tests {
         assert!(refused(l.try_admit(&unbounded, &exact_retry(), 1)));
         let keys: Vec<u64> = l.claims().iter().map(|c| c.key).collect();
         assert_eq!(keys, [1, 3, 2]);
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_client_gone_from_the_line_holds_nothing_and_keeps_its_place_for_its_retry() {
+        let in_line = |bytes, key, now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key,
+                patience_ms: 60_000,
+                run_ms: 0,
+                max_line_permille: 0,
+            }),
+            ..req(bytes, now)
+        };
+        let mut l = Ledger::new(100, 1);
+        let Some(first) = (match l.try_admit(&req(80, 0), &exact_retry(), 1) {
+            AdmitOutcome::Admitted { lease } => Some(lease),
+            _ => None,
+        }) else {
+            panic!("80 of 100 must fit");
+        };
+        // A (50) then B (30) refused twice each: both active, in that order.
+        for now in [1, 2] {
+            l.try_admit(&in_line(50, 1, now), &exact_retry(), 1);
+            l.try_admit(&in_line(30, 2, now), &exact_retry(), 1);
+        }
+        assert_eq!((l.held_for(1), l.held_for(2)), (20, 0));
+        // A's client closes its stream in the queue: A's 20 go to B at once.
+        assert!(l.leave_line(1, 3));
+        assert_eq!((l.held_for(1), l.held_for(2)), (0, 20));
+        assert!(!l.leave_line(9, 3), "no such claim");
+        // The 80 end: B is served first (it holds 30 of the 100 now), A still has its place.
+        l.release(first.id, 4);
+        l.try_admit(&in_line(30, 2, 5), &exact_retry(), 1);
+        assert_eq!(l.waiting_since(1), Some(1));
+        // A's retry (the same request) finds its place, first in line, and is admitted.
+        assert!(matches!(
+            l.try_admit(&in_line(50, 1, 6), &exact_retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert!(l.waiting_since(1).is_none());
         l.check().unwrap();
     }
 

@@ -327,7 +327,13 @@ impl Filter {
     fn end_of_stream(&mut self) {
         if self.queued {
             self.queued = false;
-            self.worker.unqueue(self.context_id);
+            // Still in the queue: its client gave up waiting, and what its place in line holds
+            // goes to the places behind it.
+            if self.worker.unqueue(self.context_id) {
+                if let Some(key) = self.ticket.as_ref().and_then(|t| t.claim).map(|c| c.key) {
+                    self.worker.leave_line(key);
+                }
+            }
         }
         if let Some(t) = self.ticket.take() {
             // Cut short (client gone, reset) while the backend may still be decoding: tell it to

@@ -295,12 +295,44 @@ pub struct Worker {
 
 impl Worker {
     /// Take the request of stream `context_id` out of the admission queue (if it is there).
-    pub fn unqueue(&self, context_id: u32) {
+    /// Whether it was there.
+    pub fn unqueue(&self, context_id: u32) -> bool {
         let gone = self
             .queue
             .borrow_mut()
             .remove_where(|t| t.context_id == context_id);
         self.metrics.queued.add_signed(-(gone.len() as i64));
+        !gone.is_empty()
+    }
+
+    /// The client of a request waiting in this worker's queue closed its stream: its place in
+    /// the fair-retry line, on whichever endpoint's ledger holds it, stops holding bytes (they
+    /// go to the places behind it now, not when the claim expires) and stays for the same
+    /// request's retry.
+    pub fn leave_line(&self, claim_key: u64) {
+        let now = host::now_ms();
+        for e in self.endpoints() {
+            match kvgate_core::store::transact(
+                &crate::host::EnvoyStore,
+                &e.ledger_key,
+                crate::CAS_ATTEMPTS,
+                |l| l.leave_line(claim_key, now),
+            ) {
+                Ok((held, ledger)) => {
+                    e.observe(&ledger);
+                    if held {
+                        self.metrics.left_line_holding.inc();
+                    }
+                }
+                Err(err) => {
+                    self.metrics.ledger_errors.inc();
+                    host::warn(&format!(
+                        "kvgate: could not take a gone client's place out of line at {}: {err}",
+                        e.ledger_key
+                    ));
+                }
+            }
+        }
     }
 
     pub fn new() -> Worker {
@@ -592,6 +624,9 @@ pub struct Metrics {
     pub backfill_overran: Metric,
     pub backfill_overrun_ms: Metric,
     pub grown_bytes: Metric,
+    /// Clients gone from the queue while their place in line held bytes (given to the places
+    /// behind at once).
+    pub left_line_holding: Metric,
 }
 
 impl Metrics {
@@ -650,6 +685,7 @@ impl Metrics {
             backfill_overran: Metric::counter("kvgate.backfill_overran"),
             backfill_overrun_ms: Metric::counter("kvgate.backfill_overrun_ms"),
             grown_bytes: Metric::gauge("kvgate.grown_bytes"),
+            left_line_holding: Metric::counter("kvgate.left_line_holding"),
         }
     }
 

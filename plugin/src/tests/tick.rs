@@ -803,3 +803,58 @@ fn the_line_bound_gives_no_place_past_it_to_a_refusal_and_leaves_the_queue_alone
     store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(91, Vm::now_ms())).unwrap();
     assert_eq!(ledger().committed(), 0);
 }
+
+/// A client that closes its stream while its request waits in the queue is gone: what its place
+/// in the fair-retry line holds goes to the requests behind it at once, not when the place
+/// expires (under sustained overload, clients giving up in the queue left a third of the pool
+/// set aside for nobody). Its place stays, inactive, for the same request's retry.
+#[test]
+fn a_client_gone_from_the_queue_leaves_what_its_place_held_to_the_next() {
+    let mut vm = start(
+        3_000,
+        json!({ "policy": vip_and_batch_queued("batch", 60_000) }),
+    );
+    put_lease(91, 1_000, "batch", 0, owner_id());
+    put_lease(92, 2_000, "batch", 0, owner_id());
+    // A needs 1,500 tokens, B 1,000; both wait, A in front.
+    let (a, action) = vm.post("/v1/completions", &[], &completion(500, Some(1_000)));
+    assert_eq!(action, Action::Pause, "queued");
+    vm.advance_ms(100);
+    let (b, action) = vm.post("/v1/completions", &[], &completion(400, Some(600)));
+    assert_eq!(action, Action::Pause, "queued");
+    vm.advance_ms(100);
+    vm.tick();
+    // 1,000 free up: set aside for A, the front, which still lacks 500.
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(91, Vm::now_ms())).unwrap();
+    vm.advance_ms(100);
+    vm.tick();
+    let admitted = |s: Stream| ledger().lease(lease_of(s)).is_some();
+    assert!(!admitted(a) && !admitted(b));
+    assert_eq!(
+        ledger().claimed(),
+        1_000 * 46_080,
+        "A's place holds the 1,000 freed"
+    );
+    // A's client gives up.
+    vm.finish(a);
+    assert_eq!(
+        ledger().claimed(),
+        0,
+        "nothing held for a client who is gone"
+    );
+    assert_eq!(Vm::metric("kvgate.left_line_holding"), 1);
+    assert!(
+        ledger()
+            .claims()
+            .iter()
+            .any(|c| c.bytes == 1_500 * 46_080 && !c.active),
+        "A's place stays for its retry, holding nothing"
+    );
+    vm.advance_ms(100);
+    vm.tick();
+    assert!(admitted(b), "B takes the 1,000 at the next tick");
+    vm.respond(b);
+    vm.finish(b);
+    store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(92, Vm::now_ms())).unwrap();
+    assert_eq!(ledger().committed(), 0);
+}
