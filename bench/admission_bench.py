@@ -9,11 +9,17 @@ prompt over the served context (kvgate should answer 413), agent fan-out bursts 
 in the batch class, and a steady chat mix beside them. Classes come from the shipped demo API
 keys (`Authorization: Bearer kvgate-demo-batch|interactive|vip`; no key is the default class).
 `--clients` closed-loop clients take jobs from the sequence in order (a fan-out job sends all its
-branches at once and waits for them); every request streams, honours Retry-After
-(`retry-after-ms`) on 429/503 and gives up `--give-up-s` seconds after its first try (or after
-`--max-tries` tries, only when given: a try limit penalises arms with short Retry-After hints,
-whose clients come back more often for the same wait)
-from its first try.
+branches at once and waits for them); with `--rate R` the jobs arrive open loop instead, R per
+second (Poisson, seeded), however many are in flight: sustained overload when R is above what
+the backend serves. Every request streams and honours Retry-After (`retry-after-ms`) on
+429/503. Its client gives up when it has no first token `--give-up-s` seconds after its first
+try, wherever the request waits: sleeping on a Retry-After, in the gateway's queue, or in the
+backend's queue behind a `200 OK` (it closes the stream; the backend drops the sequence). The
+same patience in every arm: a server that answers headers at once and the first token a minute
+later has not served that client either. `--patience retries` is the rule before 2026-12-03
+(only a Retry-After ending past the patience made a client give up; a request waiting in a
+queue waited as long as it took). `--max-tries` adds a try limit, only when given: it penalises
+arms with short Retry-After hints, whose clients come back more often for the same wait.
 
 Arms (a fresh backend, and gateway where there is one, per arm and round; same pool, same
 `--step-delay-ms`):
@@ -184,14 +190,26 @@ def send(url, r, a, run, cap_override=None):
         headers["authorization"] = f"Bearer kvgate-demo-{r['cls']}"
     path = "/v1/chat/completions" if r["path"] == "chat" else "/v1/completions"
     t0 = time.monotonic()
+    # --patience first-token: the client gives up on a request with no first token give_up_s
+    # after its first try, wherever it waits (a Retry-After, the gateway's queue, the backend's
+    # queue); its read timeout is what is left of that, until the first token comes.
+    deadline = t0 + a.give_up_s
+    patient = a.patience == "first-token"
     tries, n429 = 0, 0
     res = {"kind": r["kind"], "cls": r["cls"], "cap": body.get("max_tokens"), "outcome": None, "tokens": 0,
            "first_try": t0}
     while True:
         tries += 1
         ts = time.monotonic()
+        read_timeout = max(0.01, deadline - ts) if patient else 300
         try:
-            resp = requests.post(url + path, json=body, headers=headers, stream=True, timeout=(10, 300))
+            resp = requests.post(url + path, json=body, headers=headers, stream=True, timeout=(10, read_timeout))
+        except requests.Timeout as e:
+            if patient and time.monotonic() >= deadline - 0.05:
+                res.update(outcome="gave up", detail=f"no response headers within {a.give_up_s:.0f} s")
+            else:
+                res.update(outcome="other", detail=f"connect: {type(e).__name__}")
+            break
         except requests.RequestException as e:
             res.update(outcome="other", detail=f"connect: {type(e).__name__}")
             break
@@ -224,6 +242,14 @@ def send(url, r, a, run, cap_override=None):
         finish, err = None, None
         try:
             for line in resp.iter_lines():
+                if patient and "ttft" not in res:
+                    # The backend's SSE keep-alive comments come every 15 s: each read may wait
+                    # only what is left of the client's patience.
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        err = {"message": "no first token in time"}
+                        break
+                    relax_read_timeout(resp, left)
                 if not line.startswith(b"data: "):
                     continue
                 payload = line[6:]
@@ -239,11 +265,17 @@ def send(url, r, a, run, cap_override=None):
                     text = c.get("text") or (c.get("delta") or {}).get("content")
                     if text and "ttft" not in res:
                         res["ttft"] = time.monotonic() - t0
+                        if patient:
+                            relax_read_timeout(resp, 300)
                     if c.get("finish_reason"):
                         finish = c["finish_reason"]
         except (requests.RequestException, ValueError) as e:
             err = {"message": f"stream cut: {type(e).__name__}"}
         resp.close()
+        if patient and "ttft" not in res and err is not None and time.monotonic() >= deadline - 0.05:
+            # The client's patience ran out before the first token: it closed the stream.
+            res.update(outcome="gave up", detail=f"no first token within {a.give_up_s:.0f} s")
+            break
         res["latency"] = time.monotonic() - t0
         res.setdefault("ttft", res["latency"])
         res["finish"] = finish
@@ -263,8 +295,20 @@ def send(url, r, a, run, cap_override=None):
     run.add(r["id"], res)
 
 
+def relax_read_timeout(resp, seconds):
+    """Once the first token came, the client waits for the rest as long as it takes (a stream
+    whose sequence is preempted and recomputed pauses): the socket's read timeout is lifted."""
+    try:
+        resp.raw.connection.sock.settimeout(seconds)
+    except AttributeError:
+        pass  # no socket left to relax: the response is already read
+
+
 def drive(url, workload, a, run, caps=None, progress=None):
-    """Closed-loop clients over the job sequence, in order."""
+    """Closed-loop clients over the job sequence, in order; with --rate, open-loop Poisson
+    arrivals of the jobs instead (seeded), whatever is in flight."""
+    if a.rate:
+        return drive_open(url, workload, a, run, caps, progress)
     nxt = {"i": 0}
     lock = threading.Lock()
 
@@ -285,6 +329,33 @@ def drive(url, workload, a, run, caps=None, progress=None):
     threads = [threading.Thread(target=client) for _ in range(a.clients)]
     for t in threads:
         t.start()
+    while any(t.is_alive() for t in threads):
+        if progress:
+            progress()
+        for _ in range(50):
+            if not any(t.is_alive() for t in threads):
+                break
+            time.sleep(0.1)
+    for t in threads:
+        t.join()
+
+
+def drive_open(url, workload, a, run, caps, progress):
+    rng = random.Random(a.seed ^ 0x5EEDA77E)
+    threads = []
+    t_next = time.monotonic()
+    last_progress = 0.0
+    for job in workload:
+        while time.monotonic() < t_next:
+            time.sleep(min(0.1, max(0.0, t_next - time.monotonic())))
+            if progress and time.monotonic() - last_progress >= 5:
+                last_progress = time.monotonic()
+                progress()
+        for r in job:
+            t = threading.Thread(target=send, args=(url, r, a, run, (caps or {}).get(r["id"])))
+            t.start()
+            threads.append(t)
+        t_next += rng.expovariate(a.rate)
     while any(t.is_alive() for t in threads):
         if progress:
             progress()
@@ -353,7 +424,7 @@ def learn_lengths(workload, a, work):
         run = Run()
         t0 = time.time()
         flat = [[r] for job in workload for r in job]
-        drive(b.url, flat, argparse.Namespace(**{**vars(a), "clients": 8}), run,
+        drive(b.url, flat, argparse.Namespace(**{**vars(a), "clients": 8, "rate": None}), run,
               progress=lambda: print(f"  [learn {time.time() - t0:5.1f}s] {len(run.results)}/{len(flat)}", flush=True))
     finally:
         b.stop()
@@ -676,6 +747,15 @@ def main():
     p.add_argument("--step-delay-ms", type=int, default=10)
     p.add_argument("--max-tries", type=int)
     p.add_argument("--give-up-s", type=float)
+    p.add_argument("--patience", choices=["first-token", "retries"], default="first-token",
+                   help="first-token: a client gives up on a request with no first token --give-up-s after its "
+                        "first try, wherever it waits (in every arm: a Retry-After, the gateway's queue, the "
+                        "backend's queue); retries: only a Retry-After that would end past it (the rule before "
+                        "2026-12-03, under which a request waiting in a queue waited as long as it took)")
+    p.add_argument("--rate", type=float,
+                   help="open loop: jobs arrive at this many per second (Poisson, seeded), however many are in "
+                        "flight, instead of --clients closed-loop clients (sustained overload when above what "
+                        "the backend serves)")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--arms", default="none,prompt,cap,reserve,kvgate,elastic,queued,oracle,vllm")
     p.add_argument("--cap", type=int, help="the cap arm's --max-batch (default: sized from the mix)")
@@ -734,7 +814,10 @@ def main():
         arms = [x for x in a.arms.split(",") if not x.startswith("vllm") or "--on-kv-exhaustion" in help_text]
         if "vllm" in a.arms and "vllm" not in arms:
             print("the backend has no --on-kv-exhaustion: the vllm arm is left out", flush=True)
-        print(f"{n} requests in {len(workload)} jobs (seed {a.seed}), {a.clients} clients, pool {a.blocks} blocks "
+        load = (f"open-loop arrivals at {a.rate:g} jobs/s" if a.rate else f"{a.clients} closed-loop clients")
+        patience = ("without a first token" if a.patience == "first-token" else "of retries")
+        print(f"{n} requests in {len(workload)} jobs (seed {a.seed}), {load}, give up after {a.give_up_s:.0f} s "
+              f"{patience}, pool {a.blocks} blocks "
               f"({a.blocks * BLOCK_BYTES / 2**20:.1f} MiB, {a.blocks * 16} tokens), step delay {a.step_delay_ms} ms, "
               f"arms {arms} (cap: --max-batch {a.cap}), {a.rounds} round(s); git {commit}, {', '.join(built)}", flush=True)
         caps = learn_lengths(workload, a, work) if "oracle" in arms else {}
@@ -763,9 +846,9 @@ def main():
     head, tail = (text, "") if nxt < 0 else (text[:nxt + 1], text[nxt + 1:])
     text = head.rstrip("\n") + "\n"
     text += (f"\n### Run {started:%Y-%m-%d %H:%M} UTC, git {commit} ({', '.join(built)})\n\n"
-             f"Command: `.venv/bin/python {argv}` (`{cmd}` runs it after its build steps); machine: {machine()}; {n} requests in {len(workload)} jobs, seed {a.seed}, {a.clients} closed-loop clients, "
+             f"Command: `.venv/bin/python {argv}` (`{cmd}` runs it after its build steps); machine: {machine()}; {n} requests in {len(workload)} jobs, seed {a.seed}, {load}, "
              f"pool {a.blocks} blocks ({a.blocks * 16} tokens) in every arm, --step-delay-ms {a.step_delay_ms}, "
-             f"give up after {f'{a.max_tries} tries or ' if a.max_tries else ''}{a.give_up_s:.0f} s; "
+             f"give up after {f'{a.max_tries} tries or ' if a.max_tries else ''}{a.give_up_s:.0f} s {patience}; "
              f"the cap arm at --max-batch {a.cap}; the queued arms' queue wait {a.queue_wait_ms / 1000:.0f} s; "
              f"wall {wall:.0f} s.\n\n{out}\n"
              + "".join(f"\n![{x.stem}]({x.relative_to(ROOT)})\n" for x in pngs if x.is_relative_to(ROOT)))
