@@ -77,7 +77,8 @@ same machine state: `--alt-wasm OTHER.wasm --arms queued,queued+alt` (arms endin
 with the other build, interleaved by round like any arms). Arms ending in `+lazy` run with the
 backend's `--lazy-blocks` (a reservation is a promise of blocks, taken as the sequence grows):
 `--arms queued,queued+lazy,vllm`. Arms ending in `+line` run with the filter's
-`fair_retry_max_line` at `--max-line` (default 0.5): `--arms kvgate,kvgate+line`.
+`fair_retry_max_line` at `--max-line` (default 0, no bound: the filter's default before
+2026-12-03, 0.5 since): `--arms kvgate,kvgate+line`.
 """
 
 import argparse
@@ -771,7 +772,7 @@ def main():
                    help="the queued arms: how long a request may wait in the gateway's queue (default: twice "
                         "the clients' patience, at most the filter's 600 s, as README advises; with 20 s "
                         "against 60 s of patience, requests sent back to retry gave up: BENCHMARKS.md, 2026-12-03)")
-    p.add_argument("--max-line", type=float, default=0.5,
+    p.add_argument("--max-line", type=float, default=0.0,
                    help="arms ending in +line: the filter's fair_retry_max_line (a fraction of the capacity)")
     p.add_argument("--gateway-workers", type=int, default=2,
                    help="the gateway arms: Envoy's --concurrency (each worker keeps its own queue)")

@@ -64,9 +64,11 @@ pub struct RawConfig {
     #[serde(default = "d_true")]
     pub fair_retry_backfill: bool,
     /// A refused request takes a new place in line only while what the line ahead of it still
-    /// lacks plus its own need is at most this fraction of the capacity; past it, a plain 429
-    /// with nothing set aside for it. 0: no bound.
-    #[serde(default)]
+    /// lacks is at most this fraction of the capacity (its own need is not counted, so a big
+    /// request is not kept out); past it, a plain 429 with nothing set aside for it. 0: no bound. Default 0.5: under sustained overload an
+    /// unbounded line sets bytes aside for clients who give up before their turn (BENCHMARKS.md,
+    /// "A bound on the line", "Sustained overload with one patience for every arm").
+    #[serde(default = "d_max_line")]
     pub fair_retry_max_line: f64,
     /// `enforce` (default): admit, queue, degrade, preempt and refuse. `shadow`: decide exactly
     /// as `enforce` would and count it (`kvgate.shadow.*` stats, an `x-kvgate-shadow` response
@@ -137,6 +139,10 @@ impl Default for RawBackend {
 }
 
 pub type BackendCallout = RawBackend;
+
+fn d_max_line() -> f64 {
+    0.5
+}
 
 fn d_safety() -> f64 {
     0.9
@@ -755,6 +761,12 @@ mod tests {
         assert!(!with(r#""fair_retry_backfill":false"#).unwrap().backfill);
         assert_eq!(
             Config::from_json(MIN.as_bytes())
+                .unwrap()
+                .fair_retry_max_line_permille,
+            500
+        );
+        assert_eq!(
+            with(r#""fair_retry_max_line":0"#)
                 .unwrap()
                 .fair_retry_max_line_permille,
             0

@@ -135,18 +135,20 @@ pub struct ClaimTicket {
     /// and the output it reserves (0: unknown). With it, a request may go ahead of the line
     /// when it is expected to be done before the line's front could start (a backfill).
     pub run_ms: u64,
-    /// A refusal takes a new place in line only while what the line ahead still lacks plus
-    /// its own need is at most this many thousandths of the capacity (0: no bound).
+    /// A refusal takes a new place in line only while what the line ahead still lacks is at
+    /// most this many thousandths of the capacity (0: no bound).
     pub max_line_permille: u32,
 }
 
 /// Whether a refusal may take a new place in line: what the line ahead of it still lacks
-/// (`ahead`) plus its own need is within the ticket's bound on the line. A line longer than the
-/// pool turns over while its clients wait makes bytes wait, set aside, for clients who give up
-/// before their turn (BENCHMARKS.md, "A bound on the line").
-fn line_has_room(capacity: u64, ahead: u64, need: u64, t: ClaimTicket) -> bool {
+/// (`ahead`) is within the ticket's bound on the line. A line longer than the pool turns over
+/// while its clients wait makes bytes wait, set aside, for clients who give up before their
+/// turn (BENCHMARKS.md, "A bound on the line"). The request's own need is not counted: a
+/// request bigger than the bound would never get a place, and would starve among small ones
+/// that keep taking every freed byte (issue 11, section 5).
+fn line_has_room(capacity: u64, ahead: u64, t: ClaimTicket) -> bool {
     let bound = u128::from(capacity) * u128::from(t.max_line_permille) / 1000;
-    t.max_line_permille == 0 || u128::from(ahead) + u128::from(need) <= bound
+    t.max_line_permille == 0 || u128::from(ahead) <= bound
 }
 
 /// The claim key of a request: a stable hash (FNV-1a) of who sent it and what it asks, so its
@@ -532,9 +534,7 @@ impl Ledger {
                         c.expires_ms = expires_ms;
                         c.active = true;
                     }
-                    None if count < MAX_CLAIMS
-                        && line_has_room(self.capacity, ahead, req.bytes, t) =>
-                    {
+                    None if count < MAX_CLAIMS && line_has_room(self.capacity, ahead, t) => {
                         self.claims.push(Claim {
                             key: t.key,
                             bytes: req.bytes,
@@ -1361,30 +1361,43 @@ mod tests {
             l.try_admit(&req(90, 0), &exact_retry(), 1),
             AdmitOutcome::Admitted { .. }
         ));
-        // A (30): a line of 30 ≤ 50, its place is taken.
-        assert!(refused(l.try_admit(&bounded(30, 1, 1), &exact_retry(), 1)));
-        // B (30): 30 ahead + 30 = 60 > 50: refused with a Retry-After, no place.
+        // A (95, more than the bound): the line is empty, its place is taken (a request bigger
+        // than the bound is not kept out of line for ever).
+        assert!(refused(l.try_admit(&bounded(95, 1, 1), &exact_retry(), 1)));
+        // B (30): 95 ahead > 50: refused with a Retry-After, no place.
         assert!(refused(l.try_admit(&bounded(30, 2, 2), &exact_retry(), 1)));
-        // C (20): 30 ahead + 20 = 50: a place.
-        assert!(refused(l.try_admit(&bounded(20, 3, 3), &exact_retry(), 1)));
         let keys: Vec<u64> = l.claims().iter().map(|c| c.key).collect();
-        assert_eq!(keys, [1, 3]);
-        // A's retry keeps its place (the bound applies to new places only), and its claim, now
-        // active, holds the 10 free.
-        assert!(refused(l.try_admit(&bounded(30, 1, 4), &exact_retry(), 1)));
-        assert_eq!((l.claims().len(), l.held_for(1)), (2, 10));
-        // Unbounded, B takes a place behind them.
+        assert_eq!(keys, [1]);
+        // A's retry keeps its place, and its claim, now active, holds the 10 free.
+        assert!(refused(l.try_admit(&bounded(95, 1, 3), &exact_retry(), 1)));
+        assert_eq!((l.claims().len(), l.held_for(1)), (1, 10));
+        // Unbounded, B takes a place behind it.
         let unbounded = AdmitRequest {
             claim: Some(ClaimTicket {
                 max_line_permille: 0,
-                ..bounded(30, 2, 5).claim.unwrap()
+                ..bounded(30, 2, 4).claim.unwrap()
             }),
-            ..req(30, 5)
+            ..req(30, 4)
         };
         assert!(refused(l.try_admit(&unbounded, &exact_retry(), 1)));
         let keys: Vec<u64> = l.claims().iter().map(|c| c.key).collect();
-        assert_eq!(keys, [1, 3, 2]);
+        assert_eq!(keys, [1, 2]);
+        // With A's need met down to 45 (it holds 10 of 95, lacks 85 > 50) C gets no place; a
+        // smaller front (40, lacking 30 ≤ 50 after its 10) lets C in.
+        assert!(refused(l.try_admit(&bounded(20, 3, 5), &exact_retry(), 1)));
+        assert_eq!(l.claims().len(), 2);
+        let mut m = Ledger::new(100, 1);
+        assert!(matches!(
+            m.try_admit(&req(90, 0), &exact_retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert!(refused(m.try_admit(&bounded(40, 1, 1), &exact_retry(), 1)));
+        assert!(refused(m.try_admit(&bounded(40, 1, 2), &exact_retry(), 1)));
+        assert_eq!(m.held_for(1), 10);
+        assert!(refused(m.try_admit(&bounded(20, 3, 3), &exact_retry(), 1)));
+        assert_eq!(m.claims().len(), 2, "30 lacking ahead ≤ 50: a place");
         l.check().unwrap();
+        m.check().unwrap();
     }
 
     #[test]

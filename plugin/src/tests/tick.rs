@@ -762,9 +762,9 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
 }
 
 /// `fair_retry_max_line` (here half the pool) bounds the fair-retry line for requests answered
-/// with a 429: the first refusal takes a place, the one whose need would take the line past
-/// the bound gets a 429 and no place. A `queue` class's requests keep their places in the
-/// gateway's queue however long the line.
+/// with a 429: refusals take places while what the line ahead lacks is within the bound, the
+/// next gets a 429 and no place. A `queue` class's requests keep their places in the gateway's
+/// queue however long the line.
 #[test]
 fn the_line_bound_gives_no_place_past_it_to_a_refusal_and_leaves_the_queue_alone() {
     let mut policy = vip_and_batch_queued("std", 60_000);
@@ -786,11 +786,17 @@ fn the_line_bound_gives_no_place_past_it_to_a_refusal_and_leaves_the_queue_alone
         vm.finish(s);
     };
     refuse(100);
-    assert_eq!(keys().len(), 1, "a line of 300 of 1,000 tokens: a place");
+    assert_eq!(keys().len(), 1, "an empty line: a place");
     refuse(101);
-    assert_eq!(keys().len(), 1, "300 ahead + 300 > 500: a 429 and no place");
+    assert_eq!(keys().len(), 2, "300 lacking ahead ≤ 500: a place");
+    refuse(102);
+    assert_eq!(
+        keys().len(),
+        2,
+        "600 lacking ahead > 500: a 429 and no place"
+    );
     // Queued requests keep their places past the bound.
-    for prompt in [102, 103] {
+    for prompt in [103, 104] {
         let (s, action) = vm.post(
             "/v1/completions",
             &[("x-class", "batch")],
@@ -799,7 +805,7 @@ fn the_line_bound_gives_no_place_past_it_to_a_refusal_and_leaves_the_queue_alone
         assert_eq!(action, Action::Pause, "queued");
         vm.finish(s);
     }
-    assert_eq!(keys().len(), 3, "both queued requests have their places");
+    assert_eq!(keys().len(), 4, "both queued requests have their places");
     store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(91, Vm::now_ms())).unwrap();
     assert_eq!(ledger().committed(), 0);
 }
