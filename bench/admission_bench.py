@@ -330,15 +330,7 @@ def drive(url, workload, a, run, caps=None, progress=None):
     threads = [threading.Thread(target=client) for _ in range(a.clients)]
     for t in threads:
         t.start()
-    while any(t.is_alive() for t in threads):
-        if progress:
-            progress()
-        for _ in range(50):
-            if not any(t.is_alive() for t in threads):
-                break
-            time.sleep(0.1)
-    for t in threads:
-        t.join()
+    join_with_progress(threads, progress)
 
 
 def drive_open(url, workload, a, run, caps, progress):
@@ -357,6 +349,11 @@ def drive_open(url, workload, a, run, caps, progress):
             t.start()
             threads.append(t)
         t_next += rng.expovariate(a.rate)
+    join_with_progress(threads, progress)
+
+
+def join_with_progress(threads, progress):
+    """Wait for the client threads, reporting progress every 5 s."""
     while any(t.is_alive() for t in threads):
         if progress:
             progress()
