@@ -628,6 +628,12 @@ fn release(s: &mut Seq, free: &mut u64) {
     s.blocks = 0;
 }
 
+/// A request's fair-retry claim key: the same on every try (the filter hashes the caller and the
+/// body; here the request's id stands for both).
+fn claim_key_of(req: &Req) -> u64 {
+    splitmix64(req.id).max(1)
+}
+
 fn take<T>(v: &mut Vec<T>, i: usize) -> Option<T> {
     (i < v.len()).then(|| v.remove(i))
 }
@@ -1172,7 +1178,7 @@ impl Gateway {
     /// The filter's `Ticket::claim_active`: request `r`'s place in line at some endpoint is
     /// active (the ledger sets bytes aside for it).
     fn claim_active(&self, r: &ReqState) -> bool {
-        let key = splitmix64(r.req.id).max(1);
+        let key = claim_key_of(&r.req);
         self.ledgers
             .iter()
             .any(|l| l.claims().iter().any(|c| c.key == key && c.active))
@@ -1217,7 +1223,7 @@ impl Gateway {
         let lease_id = (GATEWAY << GATEWAY_SHIFT) | self.next_lease;
         self.next_lease += 1;
         let claim = (cfg.fair_retry_patience_ms > 0).then(|| ClaimTicket {
-            key: splitmix64(r.req.id).max(1),
+            key: claim_key_of(&r.req),
             patience_ms: cfg.fair_retry_patience_ms,
             run_ms,
             max_line_permille: cfg.max_line_permille(&class),
@@ -1690,7 +1696,7 @@ impl<'a> Sim<'a> {
         if s.outcome.is_some() || s.ttft.is_some() {
             return;
         }
-        let (lease, backend, key) = (s.lease, s.backend, splitmix64(s.req.id).max(1));
+        let (lease, backend, key) = (s.lease, s.backend, claim_key_of(&s.req));
         if let Some(gw) = self.gw.as_mut() {
             // The filter's end of stream: a request still in the queue leaves its place in
             // line holding nothing (Worker::leave_line).

@@ -65,9 +65,10 @@ pub struct RawConfig {
     pub fair_retry_backfill: bool,
     /// A refused request takes a new place in line only while what the line ahead of it still
     /// lacks is at most this fraction of the capacity (its own need is not counted, so a big
-    /// request is not kept out); past it, a plain 429 with nothing set aside for it. 0: no bound. Default 0.5: under sustained overload an
-    /// unbounded line sets bytes aside for clients who give up before their turn (BENCHMARKS.md,
-    /// "A bound on the line", "Sustained overload with one patience for every arm").
+    /// request is not kept out); past it, a plain 429 with nothing set aside for it. 0: no
+    /// bound. Default 0.5: under sustained overload an unbounded line sets bytes aside for
+    /// clients who give up before their turn (BENCHMARKS.md, "A bound on the line",
+    /// "Sustained overload with one patience for every arm").
     #[serde(default = "d_max_line")]
     pub fair_retry_max_line: f64,
     /// `enforce` (default): admit, queue, degrade, preempt and refuse. `shadow`: decide exactly

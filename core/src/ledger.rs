@@ -1382,8 +1382,8 @@ mod tests {
         assert!(refused(l.try_admit(&unbounded, &exact_retry(), 1)));
         let keys: Vec<u64> = l.claims().iter().map(|c| c.key).collect();
         assert_eq!(keys, [1, 2]);
-        // With A's need met down to 45 (it holds 10 of 95, lacks 85 > 50) C gets no place; a
-        // smaller front (40, lacking 30 ≤ 50 after its 10) lets C in.
+        // A holds 10 of its 95 and still lacks 85 > 50: C gets no place. A smaller front (40,
+        // lacking 30 ≤ 50 once it holds 10) lets C in.
         assert!(refused(l.try_admit(&bounded(20, 3, 5), &exact_retry(), 1)));
         assert_eq!(l.claims().len(), 2);
         let mut m = Ledger::new(100, 1);
