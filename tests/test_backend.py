@@ -316,9 +316,46 @@ def test_leases_are_acknowledged_at_arrival_single_use_and_refusals_are_reported
     b.wait_pool_empty()
 
 
+def test_demote_gives_back_what_a_lease_reserved_and_has_not_written_and_it_goes_on(backend):
+    # 64 blocks = 1,024 tokens. A (lease-a) reserves prompt + 900 tokens; B (300) does not fit.
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    big = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 900, "temperature": 0, "stream": True}
+    r = requests.post(b.url + "/v1/completions", json=big, headers=b.gateway_headers(x_kvgate_lease="lease-a"),
+                      stream=True, timeout=120)
+    assert r.status_code == 200
+    events = sse_events(r)
+    next(events)
+    # Reserves prompt + 300 tokens; stops by itself after a few.
+    small = {**big, "stream": False, "max_tokens": 300, "stop": [" 9"]}
+    refused = requests.post(b.url + "/v1/completions", json=small, timeout=30,
+                            headers=b.gateway_headers(x_kvgate_lease="lease-b"))
+    assert refused.status_code == 429
+    # The gateway preempts A for B: A reserves nothing now and goes on in what it has written.
+    d = requests.post(b.url + "/v1/admission/leases/lease-a/demote", timeout=10, headers=b.gateway_headers())
+    assert d.status_code == 200 and d.json() == {"id": "lease-a", "demoted": True}, d.text
+    (lease,) = b.leases()["leases"]
+    assert lease["elastic_output_tokens"] == 0, "all it holds is borrowed"
+    assert lease["reserved_tokens"] < 900, lease
+    # B is admitted into the blocks A gave back; A is still streaming, not stopped.
+    ok = requests.post(b.url + "/v1/completions", json=small, timeout=60,
+                       headers=b.gateway_headers(x_kvgate_lease="lease-b"))
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["choices"][0]["finish_reason"] == "stop"
+    assert json.loads(next(events))["choices"][0]["finish_reason"] is None
+    # A lease on its way when demoted reserves nothing when it arrives.
+    early = requests.post(b.url + "/v1/admission/leases/lease-c/demote", timeout=10, headers=b.gateway_headers())
+    assert early.status_code == 200 and early.json()["on_arrival"] is True
+    c = requests.post(b.url + "/v1/admission/leases/lease-a/cancel", timeout=10, headers=b.gateway_headers())
+    assert c.status_code == 200
+    b.wait_pool_empty()
+    m = b.metrics()
+    assert m["kvgate_backend_demoted_total"] == 1 and m["kvgate_backend_kv_oom_total"] == 0
+
+
 def test_the_admission_api_and_lease_headers_need_the_gateways_secret(backend):
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
-    for method, path in [("GET", "/v1/admission/leases"), ("POST", "/v1/admission/leases/x/cancel")]:
+    for method, path in [("GET", "/v1/admission/leases"), ("POST", "/v1/admission/leases/x/cancel"),
+                         ("POST", "/v1/admission/leases/x/demote")]:
         for headers in [{}, {"x-kvgate-secret": "wrong"}, {"x-kvgate-secret": b.secret + "x"}]:
             r = requests.request(method, b.url + path, headers=headers, timeout=10)
             assert r.status_code == 401, (path, headers)

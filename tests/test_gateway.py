@@ -268,6 +268,7 @@ def test_only_the_openai_paths_are_routed_and_errors_are_openai_shaped(gateway, 
     upstream.clear()
     # The backend's admission API, health and metrics are not reachable through the gateway.
     for method, path in [("GET", "/v1/admission/leases"), ("POST", "/v1/admission/leases/1/cancel"),
+                         ("POST", "/v1/admission/leases/1/demote"),
                          ("GET", "/metrics"), ("GET", "/health"), ("GET", "/anything")]:
         r = requests.request(method, gw.url + path, timeout=10)
         assert r.status_code == 404, (path, r.status_code)

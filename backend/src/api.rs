@@ -21,7 +21,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::engine::Admission;
-use crate::handle::{EngineHandle, Event, GenParams, Submit};
+use crate::handle::{Demoted, EngineHandle, Event, GenParams, Submit};
 use crate::published::Published;
 use crate::tokenizer::Tokenizer;
 use kvgate_core::tokenize::ChatTemplate;
@@ -85,6 +85,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/v1/admission/leases", get(leases))
         .route("/v1/admission/leases/{id}/cancel", post(cancel))
+        .route("/v1/admission/leases/{id}/demote", post(demote))
         .fallback(not_found)
         .with_state(state)
 }
@@ -208,6 +209,29 @@ async fn cancel(
                 .with_param("id")
                 .with_status(404),
         ))
+    }
+}
+
+async fn demote(
+    State(st): Shared,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, HttpError> {
+    st.check_secret(&headers)?;
+    match st.engine.demote(id.clone()).await {
+        Some(Demoted::Lent) => Ok(Json(json!({"id": id, "demoted": true}))),
+        Some(Demoted::OnArrival) => {
+            Ok(Json(json!({"id": id, "demoted": true, "on_arrival": true})))
+        }
+        Some(Demoted::Cancelled) => Ok(Json(json!({"id": id, "cancelled": true}))),
+        Some(Demoted::Unknown) => Err(HttpError(
+            ApiError::new(ErrorKind::InvalidRequest, format!("No live lease {id:?}."))
+                .with_param("id")
+                .with_status(404),
+        )),
+        None => Err(HttpError(
+            ApiError::new(ErrorKind::Internal, "The engine has stopped.").with_status(503),
+        )),
     }
 }
 

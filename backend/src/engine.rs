@@ -64,7 +64,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 pub use crate::forward::{Forward, KvState};
 use crate::handle::Command;
-pub use crate::handle::{EngineHandle, Event, GenParams, Submit};
+pub use crate::handle::{Demoted, EngineHandle, Event, GenParams, Submit};
 use crate::metrics::Metrics;
 use crate::pool::{Allocation, BlockPool};
 use crate::published::Published;
@@ -218,7 +218,13 @@ struct Engine<M: Forward> {
     running: Vec<Seq<M::Kv>>,
     next_internal_id: u64,
     arrivals: u64,
+    /// Leases demoted before they arrived (newest last, at most `DEMOTED_KEPT`).
+    demoted_early: VecDeque<String>,
 }
+
+/// Demotions of leases not arrived yet that are remembered (a lease the gateway demoted as its
+/// request was on its way here arrives within moments; an older one never will).
+const DEMOTED_KEPT: usize = 1024;
 
 impl<M: Forward> Engine<M> {
     fn new(
@@ -240,6 +246,7 @@ impl<M: Forward> Engine<M> {
             running: Vec::new(),
             next_internal_id: 0,
             arrivals: 0,
+            demoted_early: VecDeque::new(),
         }
     }
 
@@ -265,6 +272,10 @@ impl<M: Forward> Engine<M> {
                     Command::Cancel(id, reply) => {
                         let found = self.preempt(&id);
                         let _ = reply.send(found);
+                    }
+                    Command::Demote(id, reply) => {
+                        let done = self.demote(id);
+                        let _ = reply.send(done);
                     }
                 }
             }
@@ -296,8 +307,17 @@ impl<M: Forward> Engine<M> {
             Some(r) if self.cfg.admission == Admission::Reserve => r.min(s.params.max_tokens),
             _ => s.params.max_tokens,
         };
-        let elastic = output < s.params.max_tokens;
+        // Demoted by the gateway while on its way: it reserves nothing (see `demote`).
+        let demoted = match s.lease.as_ref() {
+            Some(l) => match self.demoted_early.iter().position(|d| d == l) {
+                Some(i) => self.demoted_early.remove(i).is_some(),
+                None => false,
+            },
+            None => false,
+        };
+        let elastic = output < s.params.max_tokens || demoted;
         let reserve_tokens = match self.cfg.admission {
+            Admission::Reserve if demoted => 0,
             Admission::Reserve => prompt_len + output,
             Admission::Prompt => prompt_len,
             Admission::None => 0,
@@ -461,6 +481,55 @@ impl<M: Forward> Engine<M> {
         .with_retry_after_ms(1000);
         self.finish(seq, FinishReason::Preempted, Some(err));
         true
+    }
+
+    /// The gateway preempted lease `id` for a higher class: it reserves nothing from now on.
+    /// Its sequence goes on in borrowed blocks (the blocks its reservation took and it has not
+    /// written go back to the pool now), and like any elastic sequence grown past its
+    /// reservation it gives them back, to be recomputed later, when a reservation needs them:
+    /// its client is delayed, never failed. A backend that does not lend (`--admission`
+    /// other than `reserve`) stops it instead, as a cancel does.
+    fn demote(&mut self, id: String) -> Demoted {
+        if self.cfg.admission != Admission::Reserve {
+            return match self.preempt(&id) {
+                true => Demoted::Cancelled,
+                false => Demoted::Unknown,
+            };
+        }
+        let model = &self.model;
+        let Some(seq) = self
+            .running
+            .iter_mut()
+            .chain(self.waiting.iter_mut())
+            .find(|s| s.id == id)
+        else {
+            if self.demoted_early.len() == DEMOTED_KEPT {
+                self.demoted_early.pop_front();
+            }
+            self.demoted_early.push_back(id);
+            return Demoted::OnArrival;
+        };
+        seq.promised = 0;
+        seq.promised_blocks = 0;
+        seq.elastic = true;
+        if !seq.prefilling {
+            // Part-way through a prefill it holds the blocks of its next chunks: it keeps them
+            // (borrowed now) until it is preempted or done.
+            let written = seq.kv.as_ref().map_or(0, |kv| kv.len() as u64);
+            seq.alloc.shrink_to_tokens(written);
+            let tokens = seq.alloc.tokens() as usize;
+            if let Some(kv) = seq.kv.as_mut() {
+                if let Err(e) = model.shrink_kv(kv, seq.alloc.ids(), tokens) {
+                    eprintln!(
+                        "kvgate-backend: cutting a demoted KV cache back failed, recomputing it whole: {e:#}"
+                    );
+                    seq.kv = None;
+                    seq.alloc.release();
+                }
+            }
+        }
+        self.metrics.demoted.inc();
+        Demoted::Lent
     }
 
     fn drop_abandoned(&mut self) {

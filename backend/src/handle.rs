@@ -55,6 +55,22 @@ pub struct Submit {
 pub(crate) enum Command {
     Submit(Box<Submit>),
     Cancel(String, oneshot::Sender<bool>),
+    Demote(String, oneshot::Sender<Demoted>),
+}
+
+/// What a demotion did (`POST /v1/admission/leases/{id}/demote`: the gateway preempted the
+/// lease for a higher class).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Demoted {
+    /// Its sequence reserves nothing now: it goes on in borrowed blocks and is recomputed
+    /// later when a reservation needs them.
+    Lent,
+    /// Not here yet: it will reserve nothing when it arrives.
+    OnArrival,
+    /// This backend does not lend (`--admission` other than `reserve`): stopped, as by a cancel.
+    Cancelled,
+    /// Not here, and this backend does not lend: nothing to do.
+    Unknown,
 }
 
 #[derive(Clone)]
@@ -90,6 +106,13 @@ impl EngineHandle {
             return false;
         }
         rx.await.unwrap_or(false)
+    }
+
+    /// `None`: the engine is gone.
+    pub async fn demote(&self, id: String) -> Option<Demoted> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Command::Demote(id, tx)).ok()?;
+        rx.await.ok()
     }
 
     pub fn pool_stats(&self) -> PoolStats {

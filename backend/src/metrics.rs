@@ -38,6 +38,7 @@ pub struct Metrics {
     /// Tokens prefilled again for preempted sequences (prompt + generated so far).
     pub recomputed_tokens: Counter,
     pub preempted: Counter,
+    pub demoted: Counter,
     pub cancelled: Counter,
     pub running: Gauge,
     pub waiting: Gauge,
@@ -80,6 +81,7 @@ impl Metrics {
             recompute_preemptions: Counter::default(),
             recomputed_tokens: Counter::default(),
             preempted: Counter::default(),
+            demoted: Counter::default(),
             cancelled: Counter::default(),
             running: Gauge::default(),
             waiting: Gauge::default(),
@@ -121,6 +123,11 @@ impl Metrics {
                 "preempted",
                 "Sequences cancelled through the admission API",
                 &m.preempted,
+            ),
+            (
+                "demoted",
+                "Leases demoted through the admission API: they reserve nothing and go on in borrowed blocks",
+                &m.demoted,
             ),
             (
                 "cancelled",

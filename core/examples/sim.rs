@@ -660,6 +660,10 @@ enum Cmd {
     Cancel {
         req: usize,
     },
+    /// engine.rs's `demote`: the gateway preempted its lease for a higher class.
+    Demote {
+        req: usize,
+    },
 }
 
 #[derive(Default)]
@@ -681,6 +685,10 @@ struct Backend {
     used_area: f64,
     recomputed_tokens: u64,
     preemptions: u64,
+    /// Sequences demoted (they reserve nothing and go on in borrowed blocks).
+    demotions: u64,
+    /// Requests demoted before they arrived.
+    demoted_early: Vec<usize>,
 }
 
 struct StepOut {
@@ -711,7 +719,25 @@ impl Backend {
         };
         for cmd in std::mem::take(&mut self.inbox) {
             match cmd {
-                Cmd::Cancel { req } => {
+                Cmd::Demote { req } if arm.reserve() => {
+                    let seq = self
+                        .running
+                        .iter_mut()
+                        .chain(self.waiting.iter_mut())
+                        .find(|s| s.req == req);
+                    match seq {
+                        Some(s) => {
+                            s.promised = 0;
+                            s.elastic = true;
+                            // The blocks its reservation took and it has not written go back.
+                            let written = s.kv.unwrap_or(0);
+                            shrink(s, written, &mut self.free);
+                            self.demotions += 1;
+                        }
+                        None => self.demoted_early.push(req),
+                    }
+                }
+                Cmd::Cancel { req } | Cmd::Demote { req } => {
                     let seq = match self.running.iter().position(|s| s.req == req) {
                         Some(i) => take(&mut self.running, i),
                         None => self
@@ -738,7 +764,17 @@ impl Backend {
                         Some(r) if arm.reserve() => r.min(max_tokens),
                         _ => max_tokens,
                     };
-                    let reserve_tokens = arm.reserve_tokens(prompt, output);
+                    let demoted = match self.demoted_early.iter().position(|d| *d == req) {
+                        Some(i) => {
+                            self.demoted_early.swap_remove(i);
+                            true
+                        }
+                        None => false,
+                    };
+                    let reserve_tokens = match demoted {
+                        true => 0,
+                        false => arm.reserve_tokens(prompt, output),
+                    };
                     let mut blocks = blocks_for(reserve_tokens);
                     if self.lazy && arm.reserve() {
                         // Admitted when the promises fit the pool; no block is taken (nor any
@@ -763,7 +799,7 @@ impl Backend {
                         req,
                         lease,
                         promised: reserve_tokens,
-                        elastic: output < max_tokens,
+                        elastic: output < max_tokens || demoted,
                         prompt,
                         generated: 0,
                         max_tokens,
@@ -1317,9 +1353,11 @@ impl Gateway {
                 ..
             } => {
                 let mut cmds = Vec::new();
+                // Demoted, not stopped: the victims keep their leases (reserving nothing) until
+                // their requests end.
                 for v in preempted {
-                    if let Some((victim, at)) = self.leases.remove(&v.id) {
-                        cmds.push((at, Cmd::Cancel { req: victim }));
+                    if let Some((victim, at)) = self.leases.get(&v.id).copied() {
+                        cmds.push((at, Cmd::Demote { req: victim }));
                     }
                 }
                 self.leases.insert(lease.id, (idx, index));
@@ -1507,6 +1545,7 @@ struct Row {
     kv_used: f64,
     recomputed: u64,
     preemptions: u64,
+    demotions: u64,
 }
 
 impl<'a> Sim<'a> {
@@ -2073,6 +2112,7 @@ impl<'a> Sim<'a> {
             },
             recomputed: self.backends.iter().map(|b| b.recomputed_tokens).sum(),
             preemptions: self.backends.iter().map(|b| b.preemptions).sum(),
+            demotions: self.backends.iter().map(|b| b.demotions).sum(),
         }
     }
 }
@@ -2102,7 +2142,7 @@ fn table(rows: &[Row]) -> String {
         .find(|r| r.arm == Arm::Oracle)
         .map(|r| r.goodput);
     let mut s = String::from(
-        "| arm | completed / sent | mid-decode KV OOM | preempted | 413 | gave up | output tokens | \
+        "| arm | completed / sent | mid-decode KV OOM | stopped by preemption (demoted) | 413 | gave up | output tokens | \
          makespan s | goodput tok/s | vs oracle | latency p50 / p99 s | TTFT p50 / p99 s | 429s | \
          degraded | mean KV used / capacity | recomputed tokens (preemptions) |\n",
     );
@@ -2113,12 +2153,13 @@ fn table(rows: &[Row]) -> String {
             .filter(|o| *o > 0.0)
             .map_or("–".to_string(), |o| format!("{:.2}×", r.goodput / o));
         s.push_str(&format!(
-            "| {} | {} / {} | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} | {:.0}% | {} ({}) |\n",
+            "| {} | {} / {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} | {:.0}% | {} ({}) |\n",
             r.arm.name(),
             r.completed,
             r.sent,
             r.kv_oom,
             r.preempted,
+            r.demotions,
             r.too_large,
             r.gave_up,
             r.tokens,

@@ -95,8 +95,12 @@ pub struct RawBackend {
     /// `:authority` of the callout requests.
     pub authority: String,
     pub leases_path: String,
-    /// `{id}` is replaced by the lease id.
+    /// `{id}` is replaced by the lease id. Stops a lease's sequence (its client went away).
     pub cancel_path: String,
+    /// `{id}` is replaced by the lease id. Preemption: the backend lets the lease's sequence go
+    /// on in borrowed blocks (it reserves nothing there any more, and is recomputed later when
+    /// a reservation needs the blocks), or stops it if it cannot lend.
+    pub demote_path: String,
     pub poll_ms: u64,
     pub timeout_ms: u64,
     /// A ledger lease the backend does not know after this long is drift: counted, logged and
@@ -127,6 +131,7 @@ impl Default for RawBackend {
             authority: "kvgate-backend".into(),
             leases_path: "/v1/admission/leases".into(),
             cancel_path: "/v1/admission/leases/{id}/cancel".into(),
+            demote_path: "/v1/admission/leases/{id}/demote".into(),
             poll_ms: 1000,
             timeout_ms: 2000,
             lost_grace_ms: 30_000,
@@ -476,14 +481,18 @@ impl TryFrom<RawConfig> for Config {
                     "must name an Envoy cluster",
                 ));
             }
+            let per_lease = |p: &str| p.starts_with('/') && p.contains("{id}");
             if !b.leases_path.starts_with('/')
-                || !b.cancel_path.starts_with('/')
-                || !b.cancel_path.contains("{id}")
+                || !per_lease(&b.cancel_path)
+                || !per_lease(&b.demote_path)
             {
                 return Err(ConfigError::new(
-                    "backend.leases_path/cancel_path",
-                    format!("{:?} {:?}", b.leases_path, b.cancel_path),
-                    "paths must start with '/' and cancel_path must contain {id}",
+                    "backend.leases_path/cancel_path/demote_path",
+                    format!(
+                        "{:?} {:?} {:?}",
+                        b.leases_path, b.cancel_path, b.demote_path
+                    ),
+                    "paths must start with '/'; cancel_path and demote_path must contain {id}",
                 ));
             }
             if !(100..=60_000).contains(&b.poll_ms) || b.timeout_ms == 0 {
@@ -826,7 +835,11 @@ mod tests {
             (r#""backend":{"poll_ms":10}"#, "backend.poll_ms"),
             (
                 r#""backend":{"cancel_path":"/x"}"#,
-                "backend.leases_path/cancel_path",
+                "backend.leases_path/cancel_path/demote_path",
+            ),
+            (
+                r#""backend":{"demote_path":"/v1/demote"}"#,
+                "backend.leases_path/cancel_path/demote_path",
             ),
             (
                 r#""backend":{"poll_ms":1000,"lost_grace_ms":1000}"#,

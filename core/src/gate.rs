@@ -113,7 +113,9 @@ pub enum Decision {
         cap: u64,
         /// `Some(asked)` when a degrade policy lowered the cap from `asked` to `cap`.
         degraded_from: Option<u64>,
-        /// Leases of lower classes evicted to make room; the caller cancels them at the backend.
+        /// Leases of lower classes demoted to make room (as they were before: they stay in the
+        /// ledger reserving nothing until their requests end); the caller demotes them at the
+        /// backend, where they go on in borrowed blocks and are at worst recomputed later.
         preempted: Vec<Lease>,
     },
     Rejected(ApiError),
@@ -195,7 +197,7 @@ pub fn decide(
         }
     }
     if reason == RejectReason::InsufficientCapacity && !class.preempts.is_empty() {
-        // What elastic sequences borrowed first: taken back at the backend, it cancels nobody.
+        // What elastic sequences borrowed first: taken back at the backend, it preempts nobody.
         if let Some(lease) = ledger.admit_into_lent(&request(priced.reserve_bytes(), cap)) {
             ledger.uncount_rejection();
             return Decision::Admitted {
@@ -207,10 +209,11 @@ pub fn decide(
         }
         let own_held = holder.claim.map_or(0, |t| ledger.held_for(t.key));
         if let Some(victims) = choose_victims(ledger, class, need, own_held) {
-            // Evicted only if that admits it: a lease evicted for nothing would leave the
-            // ledger while its request runs on.
+            // Demoted only if that admits it: a lease demoted for nothing would be recomputed
+            // for nothing.
             let before = ledger.clone();
-            let preempted: Vec<Lease> = victims.iter().filter_map(|id| ledger.evict(*id)).collect();
+            let preempted: Vec<Lease> =
+                victims.iter().filter_map(|id| ledger.demote(*id)).collect();
             ledger.uncount_rejection();
             if let Some(lease) = ledger.admit_into_lent(&request(priced.reserve_bytes(), cap)) {
                 return Decision::Admitted {
@@ -319,13 +322,13 @@ fn admit_request<'a>(
 
 /// The youngest leases (least work lost) of the classes `class` may preempt whose bytes, with
 /// what is free for this request (its own claim's `own_held` included), cover `need`; `None`
-/// when even all of them would not.
+/// when even all of them would not. A lease demoted before reserves nothing and is passed over.
 ///
-/// What is free after an eviction is counted as the admission that follows counts it
-/// (`Ledger::lent_room_after_evicting`): an evicted lease's bytes are room at once, and what
+/// What is free after a demotion is counted as the admission that follows counts it
+/// (`Ledger::lent_room_after_demoting`): a demoted lease's bytes are room at once, and what
 /// elastic sequences borrowed is taken back from them by the backend (they resume later), so
-/// it is never paid for with more cancelled leases. Counted as plain free room (held back
-/// first paid off by the evicted bytes), a vip under sustained overload cancelled 74–99 leases
+/// it is never paid for with more demoted leases. Counted as plain free room (held back first
+/// paid off by the freed bytes), a vip under sustained overload preempted 74–99 leases
 /// (3.3–4.4 GB) for 23 MB in the simulator at GPU scale.
 fn choose_victims(
     ledger: &Ledger,
@@ -336,20 +339,20 @@ fn choose_victims(
     let mut candidates: Vec<&Lease> = ledger
         .leases()
         .iter()
-        .filter(|l| class.preempts.contains(&l.class) && l.priority < class.priority)
+        .filter(|l| l.bytes > 0 && l.priority < class.priority && class.preempts.contains(&l.class))
         .collect();
     candidates.sort_by_key(|l| std::cmp::Reverse(l.created_ms));
-    let free_after = |evicted: u64| ledger.lent_room_after_evicting(evicted, own_held);
-    let mut evicted = 0u64;
+    let free_after = |demoted: u64| ledger.lent_room_after_demoting(demoted, own_held);
+    let mut demoted = 0u64;
     let mut ids = Vec::new();
     for l in candidates {
-        if free_after(evicted) >= need {
+        if free_after(demoted) >= need {
             break;
         }
-        evicted = evicted.saturating_add(l.bytes);
+        demoted = demoted.saturating_add(l.bytes);
         ids.push(l.id);
     }
-    (free_after(evicted) >= need).then_some(ids)
+    (free_after(demoted) >= need).then_some(ids)
 }
 
 fn rejection(
@@ -581,7 +584,7 @@ mod tests {
     }
 
     #[test]
-    fn preempt_evicts_the_youngest_lower_class_leases() {
+    fn preempt_demotes_the_youngest_lower_class_leases() {
         let (c, batch, vip, def, p3k) = preempting_classes();
         let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
         // t=0 default 3k, t=1 batch 3k, t=2 batch 3k: 9k of 10k.
@@ -591,17 +594,22 @@ mod tests {
                 Decision::Admitted { .. }
             ));
         }
-        // vip needs 3k with 1k free: evicts one batch lease, the youngest (t=2).
+        // vip needs 3k with 1k free: demotes one batch lease, the youngest (t=2), which stays
+        // in the ledger reserving nothing until its request ends.
         match decide(&mut l, &c, &vip, &p3k, ANY, 3, 1) {
             Decision::Admitted { preempted, .. } => {
                 assert_eq!(preempted.len(), 1);
                 assert_eq!(preempted[0].created_ms, 2);
                 assert_eq!(preempted[0].class, "batch");
+                assert_eq!(preempted[0].bytes, 3_000 * 46_080, "as it was");
+                assert_eq!(l.lease(preempted[0].id).map(|v| v.bytes), Some(0));
             }
             other => panic!("{other:?}"),
         }
         assert_eq!(l.committed(), 9_000 * 46_080);
-        // Another vip: evicts the last batch lease; the default lease is not preemptible.
+        assert_eq!(l.leases().len(), 4);
+        // Another vip: demotes the last batch lease that reserves anything (a demoted lease
+        // frees nothing more); the default lease is not preemptible.
         assert!(
             matches!(decide(&mut l, &c, &vip, &p3k, ANY, 4, 1), Decision::Admitted { preempted, .. } if preempted.len() == 1)
         );
@@ -617,7 +625,7 @@ mod tests {
     }
 
     #[test]
-    fn a_preempting_class_cancels_only_what_it_lacks_not_what_borrowers_grew_into() {
+    fn a_preempting_class_demotes_only_what_it_lacks_not_what_borrowers_grew_into() {
         let (c, batch, vip, _, p3k) = preempting_classes();
         let token = 46_080;
         let p500 = priced(
@@ -636,9 +644,9 @@ mod tests {
         // and not grown into): held back is 3k more than what is left uncommitted.
         l.set_held_back(4_000 * token);
         l.set_lendable(4_000 * token);
-        // The vip needs 3k: 1k is uncommitted, so it cancels 2k of batch leases (4 of 500),
-        // the youngest. Counting held back as paid off first by the cancelled bytes, it
-        // cancelled 12 (6k) for the same 3k.
+        // The vip needs 3k: 1k is uncommitted, so it demotes 2k of batch leases (4 of 500),
+        // the youngest. Counting held back as paid off first by the freed bytes, it preempted
+        // 12 (6k) for the same 3k.
         match decide(&mut l, &c, &vip, &p3k, ANY, 18, 1) {
             Decision::Admitted { preempted, .. } => {
                 assert_eq!(preempted.len(), 4);
@@ -647,12 +655,13 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(l.committed(), 10_000 * token);
-        assert_eq!(l.leases().len(), 15);
+        assert_eq!(l.leases().len(), 19);
+        assert_eq!(l.leases().iter().filter(|v| v.bytes == 0).count(), 4);
         l.check().unwrap();
     }
 
     #[test]
-    fn a_preempting_class_takes_back_borrowed_blocks_before_it_cancels_anyone() {
+    fn a_preempting_class_takes_back_borrowed_blocks_before_it_demotes_anyone() {
         let (c, batch, vip, _, p3k) = preempting_classes();
         let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
         for t in 0..2 {
@@ -671,20 +680,24 @@ mod tests {
             Decision::Admitted { preempted, .. } => assert!(preempted.is_empty()),
             other => panic!("{other:?}"),
         }
-        assert_eq!(l.leases().len(), 3, "no batch lease was cancelled");
+        assert_eq!(l.leases().len(), 3);
+        assert!(
+            l.leases().iter().all(|v| v.bytes > 0),
+            "no batch lease was demoted"
+        );
         assert_eq!(l.counters().rejected, 0);
         // Of the 3k borrowed, 2.5k were lent; until the next poll what is held back (3.5k) is
         // more than the 1k left uncommitted, and the 500 not lent yet do not cover another
-        // 3k. One batch lease cancelled frees 3k of promises: with the 500 left, room for the
+        // 3k. One batch lease demoted frees 3k of promises: with the 500 left, room for the
         // vip (9k promised and 500 firm: within the 10k). The borrowers give back what they
-        // grew into; nobody else is cancelled to pay for it.
+        // grew into; nobody else is demoted to pay for it.
         match decide(&mut l, &c, &vip, &p3k, ANY, 3, 1) {
             Decision::Admitted { preempted, .. } => assert_eq!(preempted.len(), 1),
             other => panic!("{other:?}"),
         }
-        assert_eq!(l.leases().len(), 3);
+        assert_eq!(l.leases().len(), 4);
         assert!(l.committed() + 500 * token <= l.capacity());
-        // Nothing left to take back but the firm 500: the next vip cancels the last batch
+        // Nothing left to take back but the firm 500: the next vip demotes the last batch
         // lease, and a fourth is refused (the other two leases are vip's own class).
         assert!(
             matches!(decide(&mut l, &c, &vip, &p3k, ANY, 4, 1), Decision::Admitted { preempted, .. } if preempted.len() == 1)

@@ -726,15 +726,16 @@ impl Ledger {
             .saturating_add(own_held)
     }
 
-    /// What [`Ledger::admit_into_lent`] will find room for once leases holding `evicted`
-    /// bytes are gone. Their bytes are room at once, whatever elastic sequences have borrowed:
-    /// what was borrowed is taken back from the borrowers, not paid for with more leases.
-    pub fn lent_room_after_evicting(&self, evicted: u64, own_held: u64) -> u64 {
-        self.lent_room_at(self.committed.saturating_sub(evicted), own_held)
+    /// What [`Ledger::admit_into_lent`] will find room for once leases holding `demoted`
+    /// bytes reserve nothing ([`Ledger::demote`]). Their bytes are room at once, whatever
+    /// elastic sequences have borrowed: what was borrowed is taken back from the borrowers,
+    /// not paid for with more demoted leases.
+    pub fn lent_room_after_demoting(&self, demoted: u64, own_held: u64) -> u64 {
+        self.lent_room_at(self.committed.saturating_sub(demoted), own_held)
     }
 
     /// A request of a class that may preempt, refused for room: admitted into what elastic
-    /// sequences have borrowed, when that covers it, so no lease is cancelled (the backend
+    /// sequences have borrowed, when that covers it, so no lease is demoted (the backend
     /// takes the blocks back from the borrower, which resumes later). What claims hold, spare
     /// or lent, stays theirs. `None` (nothing changed) when it does not fit that way either.
     pub fn admit_into_lent(&mut self, req: &AdmitRequest<'_>) -> Option<Lease> {
@@ -803,12 +804,17 @@ impl Ledger {
         self.claims.iter().map(|c| c.expires_ms).min()
     }
 
-    /// Remove a lease to make room for a higher class (preemption). Not a natural end, so the
-    /// lifetime mean is left alone.
-    pub fn evict(&mut self, id: u64) -> Option<Lease> {
-        let lease = self.take(id)?;
-        self.counters.released = self.counters.released.saturating_add(1);
-        Some(lease)
+    /// Demote a lease to make room for a higher class (preemption): its bytes are room at once
+    /// and it stays, reserving nothing, until its request ends (released then, like any lease).
+    /// Its request goes on at the backend in borrowed blocks, which the backend takes back
+    /// (recomputing it later) when a reservation needs them. Returns the lease as it was; `None`
+    /// (nothing changed) for an unknown id or a lease already reserving nothing.
+    pub fn demote(&mut self, id: u64) -> Option<Lease> {
+        let lease = self.leases.iter_mut().find(|l| l.id == id && l.bytes > 0)?;
+        let was = lease.clone();
+        lease.bytes = 0;
+        self.committed = self.committed.saturating_sub(was.bytes);
+        Some(was)
     }
 
     /// Remove a lease and give its bytes back (the one place `committed` goes down).
@@ -973,6 +979,35 @@ mod tests {
             l.try_admit(&req(50, 12), &retry(), 1),
             AdmitOutcome::Admitted { .. }
         ));
+    }
+
+    #[test]
+    fn a_demoted_lease_frees_its_bytes_at_once_and_ends_with_its_request() {
+        let mut l = Ledger::new(100, 1);
+        let AdmitOutcome::Admitted { lease: a } = l.try_admit(&req(60, 0), &retry(), 1) else {
+            panic!("first admission must fit");
+        };
+        let was = l.demote(a.id).expect("a live lease");
+        assert_eq!(was.bytes, 60, "returned as it was");
+        assert_eq!(l.committed(), 0);
+        assert_eq!(l.free(), 100);
+        assert_eq!(
+            l.lease(a.id).map(|x| x.bytes),
+            Some(0),
+            "kept, reserving nothing"
+        );
+        assert_eq!(l.demote(a.id), None, "a demoted lease frees nothing more");
+        assert_eq!(l.demote(99), None);
+        assert!(matches!(
+            l.try_admit(&req(100, 1), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        l.check().unwrap();
+        // Its request ends: released like any lease, once.
+        assert!(matches!(l.release(a.id, 10), ReleaseOutcome::Released(x) if x.bytes == 0));
+        assert_eq!(l.committed(), 100);
+        assert_eq!(l.release(a.id, 11), ReleaseOutcome::Unknown);
+        l.check().unwrap();
     }
 
     #[test]

@@ -235,7 +235,7 @@ impl Filter {
             body_size: p.body_size,
             granted: Cell::new(None),
             level: Cell::new(None),
-            pending_cancels: Cell::new(0),
+            pending_demotions: Cell::new(0),
             endpoint: RefCell::new(None),
             shadow_note: RefCell::new(None),
             claim_active: Cell::new(false),
@@ -341,7 +341,7 @@ impl Filter {
             if let (Some(g), Some(rt), Some(e), false) =
                 (t.granted.get(), &self.rt, t.endpoint(), self.response_done)
             {
-                let _ = crate::ticket::cancel_lease(rt, &e, g.lease);
+                let _ = crate::ticket::lease_call(rt, &e, g.lease, crate::ticket::Call::Cancel);
             }
             t.release(&self.worker);
         }
@@ -362,9 +362,10 @@ impl Context for Filter {
         _body: usize,
         _trailers: usize,
     ) {
-        // A preemption cancel answered (or failed: the victim's KV is freed when its stream
-        // ends either way). When the last one is in, the request goes on.
-        self.worker.cancel_answered(token);
+        // A preemption demotion answered (or failed: the backend takes the victim's blocks
+        // back when this request's reservation needs them, or frees them when its stream
+        // ends). When the last one is in, the request goes on.
+        self.worker.demotion_answered(token);
     }
 
     fn on_done(&mut self) -> bool {
@@ -528,12 +529,12 @@ impl HttpContext for Filter {
             return Action::Continue;
         };
         let Some(p) = self.pending.as_mut() else {
-            // Decided already (queued or waiting on preemption cancels): hold the rest.
+            // Decided already (queued or waiting on preemption demotions): hold the rest.
             return if self.queued
                 || self
                     .ticket
                     .as_ref()
-                    .is_some_and(|t| t.pending_cancels.get() > 0)
+                    .is_some_and(|t| t.pending_demotions.get() > 0)
             {
                 Action::Pause
             } else {

@@ -288,7 +288,7 @@ impl Root {
 
     /// Try a queued request again, its stream made the effective context first. `Waiting(e)`:
     /// refused for lack of budget (`e`), it stays where it is; `Done`: admitted (resumed, or
-    /// waiting for its preemption cancels), answered with another refusal, or its stream is gone
+    /// waiting for its preemption demotions), answered with another refusal, or its stream is gone
     /// — it leaves the queue.
     fn retry_queued(&self, ticket: &Rc<Ticket>, rt: &Runtime) -> Retried {
         if hostcalls::set_effective_context(ticket.context_id).is_err() {
@@ -706,8 +706,8 @@ impl Context for Root {
         _trailers: usize,
     ) {
         let Some(i) = self.polls.iter().position(|p| p.in_flight == Some(token)) else {
-            // A preemption cancel sent while the tick admitted from the queue.
-            self.worker.cancel_answered(token);
+            // A preemption demotion sent while the tick admitted from the queue.
+            self.worker.demotion_answered(token);
             return;
         };
         if let Some(p) = self.polls.get_mut(i) {

@@ -1,6 +1,6 @@
 //! A priced request on its way through admission: decided at once, or parked in the worker's
 //! queue and decided later by the root context. Either way the same code reserves, rewrites the
-//! body, and starts the preemption cancels; the HTTP context reads the outcome to answer headers
+//! body, and starts the preemption demotions; the HTTP context reads the outcome to answer headers
 //! and to release the lease at the end of the stream.
 
 use std::cell::{Cell, RefCell};
@@ -41,8 +41,8 @@ pub struct Ticket {
     pub granted: Cell<Option<Granted>>,
     /// The level after this ticket's last admission attempt (answers its response headers).
     pub level: Cell<Option<kvgate_core::Level>>,
-    /// Preemption cancels still in flight; the request goes on when they are answered.
-    pub pending_cancels: Cell<u32>,
+    /// Preemption demotions still in flight; the request goes on when they are answered.
+    pub pending_demotions: Cell<u32>,
     /// Where the lease was reserved.
     pub endpoint: RefCell<Option<Rc<Endpoint>>>,
     /// Shadow mode: what enforce would have done (the `x-kvgate-shadow` response header).
@@ -58,7 +58,7 @@ pub struct Ticket {
 }
 
 pub enum Attempt {
-    /// Reserved and rewritten; `ready` is false while preemption cancels are in flight.
+    /// Reserved and rewritten; `ready` is false while preemption demotions are in flight.
     Admitted {
         ready: bool,
     },
@@ -291,10 +291,10 @@ impl Ticket {
                         format!("kvgate could not forward the admitted request ({s:?})."),
                     ));
                 }
-                let cancels = self.cancel_at_backend(worker, rt, &endpoint, &preempted);
-                self.pending_cancels.set(cancels);
+                let demotions = self.demote_at_backend(worker, rt, &endpoint, &preempted);
+                self.pending_demotions.set(demotions);
                 Attempt::Admitted {
-                    ready: cancels == 0,
+                    ready: demotions == 0,
                 }
             }
         }
@@ -351,9 +351,12 @@ impl Ticket {
         Attempt::Admitted { ready: true }
     }
 
-    /// Ask the backend to stop the preempted sequences now; their streams end with an explicit
-    /// error the client can retry. Returns the number of cancels in flight.
-    fn cancel_at_backend(
+    /// Tell the backend the preempted leases reserve nothing any more, before this request
+    /// reaches it: their sequences go on in borrowed blocks, which the backend takes back for
+    /// this request's reservation (they are recomputed later, their clients only delayed). A
+    /// backend that cannot lend stops them, and their streams end with an explicit error the
+    /// client can retry. Returns the number of demotions in flight.
+    fn demote_at_backend(
         self: &Rc<Self>,
         worker: &Worker,
         rt: &Runtime,
@@ -364,15 +367,15 @@ impl Ticket {
         for v in victims {
             worker.metrics.preempted.inc();
             host::info(&format!(
-                "kvgate: preempting lease {} ({} B, class {}) for class {} at {}",
+                "kvgate: demoting lease {} ({} B, class {}) for class {} at {}",
                 v.id,
                 v.bytes,
                 v.class,
                 self.class.name,
                 endpoint.name(&rt.cfg)
             ));
-            if let Some(token) = cancel_lease(rt, endpoint, v.id) {
-                worker.cancels.borrow_mut().insert(token, Rc::clone(self));
+            if let Some(token) = lease_call(rt, endpoint, v.id, Call::Demote) {
+                worker.demotions.borrow_mut().insert(token, Rc::clone(self));
                 sent += 1;
             }
         }
@@ -447,13 +450,28 @@ pub fn no_endpoint(rt: &Runtime) -> ApiError {
 
 /// `POST` the backend's cancel endpoint for a lease (when the callout is configured). Returns
 /// the callout's token when the call went out.
-pub fn cancel_lease(rt: &Runtime, endpoint: &Endpoint, id: u64) -> Option<u32> {
+/// A call about one lease to its backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    /// Stop its sequence now (`backend.cancel_path`).
+    Cancel,
+    /// It reserves nothing any more (`backend.demote_path`).
+    Demote,
+}
+
+/// POST `call` for lease `id` to `endpoint`; the callout's token, `None` when it could not be
+/// sent (logged).
+pub fn lease_call(rt: &Runtime, endpoint: &Endpoint, id: u64, call: Call) -> Option<u32> {
     let b = rt.cfg.backend.as_ref()?;
-    let path = b.cancel_path.replace("{id}", &id.to_string());
+    let template = match call {
+        Call::Cancel => &b.cancel_path,
+        Call::Demote => &b.demote_path,
+    };
+    let path = template.replace("{id}", &id.to_string());
     match host::call_backend(b, endpoint.address.as_deref(), "POST", &path) {
         Ok(token) => Some(token),
         Err(s) => {
-            host::warn(&format!("kvgate: cancel of lease {id} not sent: {s:?}"));
+            host::warn(&format!("kvgate: {call:?} of lease {id} not sent: {s:?}"));
             None
         }
     }

@@ -275,9 +275,9 @@ pub struct Worker {
     pub runtime: RefCell<Option<Rc<Runtime>>>,
     pub metrics: Metrics,
     pub queue: RefCell<AdmissionQueue<Rc<Ticket>>>,
-    /// Preemption cancels in flight, by callout token: whichever context the host delivers the
+    /// Preemption demotions in flight, by callout token: whichever context the host delivers the
     /// answer to, it reaches the ticket that is waiting for it.
-    pub cancels: RefCell<HashMap<u32, Rc<Ticket>>>,
+    pub demotions: RefCell<HashMap<u32, Rc<Ticket>>>,
     /// The backend endpoints of the current configuration (one, without `backend.endpoints`).
     endpoints: RefCell<Vec<Rc<Endpoint>>>,
     /// Endpoints a new configuration dropped whose ledgers may still hold leases: their
@@ -344,7 +344,7 @@ impl Worker {
             runtime: RefCell::new(None),
             metrics: Metrics::define(),
             queue: RefCell::new(AdmissionQueue::default()),
-            cancels: RefCell::new(HashMap::new()),
+            demotions: RefCell::new(HashMap::new()),
             lease_seed: h.finish(),
             lease_counter: Cell::new(0),
             endpoints: RefCell::new(Vec::new()),
@@ -572,14 +572,14 @@ impl Worker {
         }
     }
 
-    /// A preemption cancel was answered (or failed): when the ticket's last one is in, its
-    /// request goes on. Returns false when the token is not a cancel of this worker.
-    pub fn cancel_answered(&self, token: u32) -> bool {
-        let Some(t) = self.cancels.borrow_mut().remove(&token) else {
+    /// A preemption demotion was answered (or failed): when the ticket's last one is in, its
+    /// request goes on. Returns false when the token is not a demotion of this worker.
+    pub fn demotion_answered(&self, token: u32) -> bool {
+        let Some(t) = self.demotions.borrow_mut().remove(&token) else {
             return false;
         };
-        let left = t.pending_cancels.get().saturating_sub(1);
-        t.pending_cancels.set(left);
+        let left = t.pending_demotions.get().saturating_sub(1);
+        t.pending_demotions.set(left);
         if left == 0 && proxy_wasm::hostcalls::set_effective_context(t.context_id).is_ok() {
             if let Err(s) = proxy_wasm::hostcalls::resume_http_request() {
                 host::warn(&format!("kvgate: resume after preemption failed: {s:?}"));

@@ -1208,3 +1208,101 @@ fn a_sustained_mix_of_worst_case_and_elastic_arrivals_never_fails_and_never_pree
         }
     }
 }
+
+#[test]
+fn a_demoted_sequence_goes_on_in_borrowed_blocks_and_gives_them_back_to_a_reservation() {
+    // 8 blocks. A, worst case (prompt 10 + cap 100: 7 blocks, all taken at admission), has
+    // written 40 tokens (3 blocks). B (prompt 10 + cap 60: 5 blocks) does not fit the 1 free.
+    let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
+    let mut a = submit(&mut e, "a", 10, 100);
+    let mut ea = Vec::new();
+    while e.running.first().map_or(0, |s| s.used_tokens()) < 40 {
+        e.step();
+        ea.extend(events(&mut a));
+    }
+    let mut refused = submit(&mut e, "b-too-early", 10, 60);
+    assert!(matches!(
+        events(&mut refused).first(),
+        Some(Event::Rejected(_))
+    ));
+    // The gateway preempts A for B: A reserves nothing now, and the 4 blocks its reservation
+    // took and it never wrote go back at once.
+    assert_eq!(e.demote("a".into()), Demoted::Lent);
+    assert_eq!(e.metrics.demoted.get(), 1);
+    assert_eq!(e.pool.stats().blocks_free, 5);
+    e.publish();
+    {
+        let p = e.published.lock().unwrap();
+        let entry = p.leases.iter().find(|l| l.id == "a").unwrap();
+        assert_eq!(
+            entry.elastic_output_tokens,
+            Some(0),
+            "all it holds is borrowed"
+        );
+        assert_eq!(entry.reserved_tokens, 48);
+    }
+    // B fits in what A gave back; A goes on, borrowing, and makes way (recomputed later) when
+    // B's reservation needs the blocks. Both end with exactly their solo outputs: A only
+    // delayed, never failed.
+    let mut b = submit(&mut e, "b", 10, 60);
+    let mut eb = events(&mut b);
+    assert!(matches!(eb.first(), Some(Event::Admitted { .. })), "{eb:?}");
+    for _ in 0..800 {
+        e.step();
+        ea.extend(events(&mut a));
+        eb.extend(events(&mut b));
+    }
+    assert_eq!(finished(&eb), Some((FinishReason::Length, 60, false)));
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
+    assert_eq!(text(&ea), solo(10, greedy(100)).0);
+    assert_eq!(text(&eb), solo(10, greedy(60)).0);
+    assert_eq!(e.metrics.kv_oom.get(), 0);
+    assert_eq!(e.metrics.preempted.get(), 0, "nobody was stopped");
+    assert!(
+        e.metrics.recompute_preemptions.get() >= 1,
+        "A made way for B"
+    );
+    assert_eq!(
+        e.demote("a".into()),
+        Demoted::OnArrival,
+        "gone: remembered, harmless"
+    );
+    assert_eq!(e.pool.stats().blocks_free, 8);
+    e.pool.check().unwrap();
+}
+
+#[test]
+fn a_lease_demoted_before_it_arrives_reserves_nothing_when_it_does() {
+    let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
+    assert_eq!(e.demote("a".into()), Demoted::OnArrival);
+    // Worst case it would take 7 blocks at admission; demoted, it takes what it writes.
+    let mut a = submit(&mut e, "a", 10, 100);
+    let mut ea = events(&mut a);
+    assert!(matches!(ea.first(), Some(Event::Admitted { .. })), "{ea:?}");
+    assert_eq!(e.pool.stats().blocks_free, 8);
+    assert!(e.demoted_early.is_empty(), "used once");
+    for _ in 0..400 {
+        e.step();
+        ea.extend(events(&mut a));
+    }
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
+    assert_eq!(text(&ea), solo(10, greedy(100)).0);
+    // Another request with the same id later is not demoted.
+    let _b = submit(&mut e, "a", 10, 100);
+    assert_eq!(e.pool.stats().blocks_free, 1);
+}
+
+#[test]
+fn a_backend_that_does_not_lend_stops_a_demoted_sequence_as_a_cancel_does() {
+    let mut e = engine(24, Admission::None, usize::MAX, 8);
+    let mut a = submit(&mut e, "a", 4, 100);
+    e.step();
+    assert_eq!(e.demote("a".into()), Demoted::Cancelled);
+    assert_eq!(e.demote("a".into()), Demoted::Unknown);
+    assert!(e.demoted_early.is_empty());
+    assert_eq!(
+        finished(&events(&mut a)).map(|f| (f.0, f.2)),
+        Some((FinishReason::Preempted, true))
+    );
+    assert_eq!(e.pool.stats().blocks_free, 24);
+}

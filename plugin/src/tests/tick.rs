@@ -89,7 +89,7 @@ fn queue_config() -> Value {
 }
 
 #[test]
-fn a_queued_request_is_admitted_on_tick_by_preemption_and_resumes_when_the_cancel_is_answered() {
+fn a_queued_request_is_admitted_on_tick_by_preemption_and_resumes_when_the_demotion_is_answered() {
     let mut vm = start(10_000, queue_config());
     put_lease(21, 6_000, "vip", 9, owner_id()); // not preemptible
     put_lease(22, 3_000, "batch", 0, owner_id());
@@ -110,7 +110,11 @@ fn a_queued_request_is_admitted_on_tick_by_preemption_and_resumes_when_the_cance
     store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(21, Vm::now_ms())).unwrap();
     vm.tick();
     let l = ledger();
-    assert!(l.lease(22).is_none(), "the batch lease was preempted");
+    assert_eq!(
+        l.lease(22).map(|v| v.bytes),
+        Some(0),
+        "the batch lease was demoted: kept until its request ends, reserving nothing"
+    );
     let lease = l.lease(lease_of(s)).expect("admitted from the queue");
     assert_eq!(lease.bytes, 9_500 * PER_TOKEN);
     assert_eq!(l.committed(), 9_500 * PER_TOKEN);
@@ -119,22 +123,24 @@ fn a_queued_request_is_admitted_on_tick_by_preemption_and_resumes_when_the_cance
     let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
     assert_eq!(forwarded["max_tokens"], 9_000);
 
-    let cancels = calls_to("/v1/admission/leases/22/cancel");
-    assert_eq!(cancels.len(), 1, "the victim is cancelled at the backend");
+    assert!(calls_to("/cancel").is_empty(), "nobody is cancelled");
+    let demotions = calls_to("/v1/admission/leases/22/demote");
+    assert_eq!(demotions.len(), 1, "the victim is demoted at the backend");
+    assert_eq!(demotions[0].header(":method"), Some("POST"));
     assert_eq!(
-        cancels[0].during, vm.root,
+        demotions[0].during, vm.root,
         "sent from the root context's tick"
     );
     assert_eq!(
-        cancels[0].context, s.0,
+        demotions[0].context, s.0,
         "while the queued stream was the effective one"
     );
     assert!(
         !Vm::resumed(s),
-        "the request waits for the cancel to be answered"
+        "the request waits for the demotion to be answered"
     );
 
-    vm.answer_call(cancels[0].token, 200, b"{}");
+    vm.answer_call(demotions[0].token, 200, b"{}");
     assert!(Vm::resumed(s), "the queued stream is resumed");
     assert!(Vm::replies(s).is_empty());
 
@@ -145,6 +151,10 @@ fn a_queued_request_is_admitted_on_tick_by_preemption_and_resumes_when_the_cance
     );
     vm.finish(s);
     assert_eq!(ledger().committed(), 0);
+    assert!(
+        ledger().lease(22).is_some(),
+        "the demoted lease ends with its own request"
+    );
 }
 
 #[test]
