@@ -588,6 +588,8 @@ def summarise(arm, rnd, run, makespan, samples, m, oracle_caps, gstats):
         "held_back_mib": statistics.mean(held) / 2**20 if held else None,
         "backend_kv_oom": int(m.get("kvgate_backend_kv_oom_total", 0)),
         "recompute_preemptions": int(m.get("kvgate_backend_recompute_preemptions_total", 0)),
+        # Leases a higher class demoted (their streams paused, not stopped).
+        "demoted": int(m.get("kvgate_backend_demoted_total", 0)),
         "recomputed_tokens": int(m.get("kvgate_backend_recomputed_tokens_total", 0)),
         "details": sorted({x.get("detail", "") for x in rs if x["outcome"] in ("other", "kv oom")} - {""})[:4],
         # Behind kvgate: admissions ahead of the line, those that ran past their expected end,
@@ -610,7 +612,7 @@ def summarise(arm, rnd, run, makespan, samples, m, oracle_caps, gstats):
 
 def table(rows, arms):
     f = lambda v, d=1: "–" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
-    head = ("| arm | round | completed / sent | mid-decode KV OOM | preempted | 413 | gave up | other | "
+    head = ("| arm | round | completed / sent | mid-decode KV OOM | stopped by preemption (demoted) | 413 | gave up | other | "
             "output tokens | makespan s | goodput tok/s | vs oracle | latency p50 / p99 s | TTFT p50 / p99 s | "
             "429s | degraded | longest admission wait s | mean KV written / capacity | mean reserved − written MiB | "
             "claimed MiB mean / peak | recomputed tokens (preemptions) | CPU s backend / gateway |")
@@ -623,7 +625,7 @@ def table(rows, arms):
             if r["gave_up"]:
                 wait += f" (gave up after ≥ {f(r['max_gave_up_wait'])})"
             lines.append(
-                f"| {arm} | {r['round']} | {r['completed']} / {r['requests']} | {r['kv_oom']} | {r['preempted']} | "
+                f"| {arm} | {r['round']} | {r['completed']} / {r['requests']} | {r['kv_oom']} | {r['preempted']} ({r.get('demoted', 0)}) | "
                 f"{r['too_large']} | {r['gave_up']} | {r['other']} | {r['tokens']} | {f(r['makespan_s'])} | "
                 f"{f(r['goodput'])} | {vs} | {f(r['lat_p50'])} / {f(r['lat_p99'])} | "
                 f"{f(r['ttft_p50'], 2)} / {f(r['ttft_p99'], 2)} | {r['r429']} | {r['degraded']} | {wait} | "
