@@ -75,8 +75,9 @@ To see why a request waited: `--dump FILE` writes every request's outcome, with 
 reserved, used, running / preempted) every 0.5 s. To compare two builds of the filter on the
 same machine state: `--alt-wasm OTHER.wasm --arms queued,queued+alt` (arms ending in `+alt` run
 with the other build, interleaved by round like any arms). Arms ending in `+lazy` run with the
-backend's `--lazy-blocks` (a reservation is a promise of blocks, taken as the sequence grows):
-`--arms queued,queued+lazy,vllm`. Arms ending in `+line` run with the filter's
+backend's `--lazy-blocks true` (a reservation is a promise of blocks, taken as the sequence
+grows; the backend's default since 2026-12-03), arms ending in `+eager` with `--lazy-blocks false`
+(blocks taken at admission): `--arms queued,queued+eager,vllm`. Arms ending in `+line` run with the filter's
 `fair_retry_max_line` at `--max-line` (default 0, no bound: the filter's default before
 2026-12-03, 0.5 since): `--arms kvgate,kvgate+line`.
 """
@@ -440,10 +441,11 @@ def learn_lengths(workload, a, work):
 def run_arm(label, rnd, workload, a, work, oracle_caps):
     # `ARM+alt`: the arm ARM with the filter built as --alt-wasm (an A/B of two builds of the
     # filter, interleaved in one run so that the machine's drift falls on both alike).
-    # `ARM+lazy`: ARM with the backend's --lazy-blocks (reservations are promises of blocks).
+    # `ARM+lazy`: ARM with the backend's --lazy-blocks (reservations are promises of blocks, the
+    # default); `ARM+eager`: with --lazy-blocks false (blocks taken at admission).
     # `ARM+line`: ARM with the filter's fair_retry_max_line at --max-line.
     suffixes = label.split("+")[1:]
-    arm, alt, lazy = label.split("+")[0], "alt" in suffixes, "lazy" in suffixes
+    arm, alt = label.split("+")[0], "alt" in suffixes
     max_line = a.max_line if "line" in suffixes else None
     d = Path(work) / f"{label}{rnd}"
     d.mkdir()
@@ -456,8 +458,8 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
               "queued-strict": ["--admission", "reserve"], "queued-nobf": ["--admission", "reserve"],
               "queued-lean": ["--admission", "reserve"],
               "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm.removesuffix("-envoy")]
-    if lazy:
-        flags += ["--lazy-blocks"]
+    if "lazy" in suffixes or "eager" in suffixes:
+        flags += ["--lazy-blocks", "false" if "eager" in suffixes else "true"]
     b = Backend(d, *flags).start(timeout=120)
     gw = None
     try:

@@ -389,6 +389,10 @@ impl<M: Forward> Engine<M> {
             prefilling: false,
             prompt_fed: 0,
         });
+        // The lease report reads the allocator live and the promises from what was published:
+        // a promise published only after the step that takes its first blocks would be
+        // missing from a report read in between (the ledger's whole reservation as drift).
+        self.publish();
     }
 
     /// `--lazy-blocks` under `--admission reserve`.

@@ -79,8 +79,9 @@ struct Args {
     /// grows into them. Requests are admitted while the promises fit the pool, exactly as
     /// without it, but blocks promised and not taken yet are free for elastic sequences grown
     /// past their reservations to borrow; the one they were promised to takes them back when it
-    /// needs them. So admitting a request never preempts a borrower.
-    #[arg(long)]
+    /// needs them. So admitting a request never preempts a borrower. On by default (`--lazy-blocks
+    /// false`: blocks taken at admission).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     lazy_blocks: bool,
     /// Most sequences decoded together in one batched step.
     #[arg(long, default_value_t = 16)]

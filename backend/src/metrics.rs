@@ -46,8 +46,8 @@ pub struct Metrics {
     kv_used_bytes: Gauge,
     kv_free_bytes: Gauge,
     /// KV bytes of the tokens sequences have written so far (prompt + output): what the cache
-    /// really holds, where `kv_used_bytes` counts whole blocks taken (under `--admission reserve`,
-    /// the whole reservation from arrival).
+    /// really holds, where `kv_used_bytes` counts whole blocks taken (under `--admission reserve
+    /// --lazy-blocks false`, the whole reservation from arrival).
     pub kv_written_bytes: Gauge,
     /// Arrival at the engine to the first sampled token (queue wait + prefill).
     pub time_to_first_token: Histogram,

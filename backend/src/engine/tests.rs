@@ -1306,3 +1306,28 @@ fn a_backend_that_does_not_lend_stops_a_demoted_sequence_as_a_cancel_does() {
     );
     assert_eq!(e.pool.stats().blocks_free, 24);
 }
+
+#[test]
+fn a_promise_is_in_the_lease_report_before_any_step_takes_its_blocks() {
+    // The report reads the allocator live and the promises as published: published only after
+    // the first step, a report read once that step's prefill had taken a block counted 1 block
+    // for a 5-block reservation (test_loop.py saw the ledger's whole reservation as drift).
+    let mut e = lazy_engine(8);
+    let _a = submit(&mut e, "a", 10, 60);
+    {
+        let p = e.published.lock().unwrap();
+        assert_eq!(
+            p.promised_bytes,
+            5 * 16,
+            "prompt 10 + cap 60: 5 blocks of 16 bytes"
+        );
+        assert_eq!(p.leases.len(), 1);
+    }
+    e.step();
+    let p = e.published.lock().unwrap();
+    assert_eq!(
+        p.promised_bytes + e.pool.stats().used_bytes,
+        5 * 16,
+        "what it holds and what it was promised and has not taken"
+    );
+}
