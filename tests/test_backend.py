@@ -23,6 +23,16 @@ def sse_events(resp):
             yield line[6:].decode()
 
 
+def decoding_stream(b, body, lease):
+    """Stream `body` under gateway lease id `lease`; its SSE data lines, once it decodes."""
+    r = requests.post(b.url + "/v1/completions", json=body, headers=b.gateway_headers(x_kvgate_lease=lease),
+                      stream=True, timeout=120)
+    assert r.status_code == 200
+    events = sse_events(r)
+    next(events)  # decoding
+    return events
+
+
 def test_chat_answers_correctly_and_reports_usage(backend):
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
     r = chat(b, "What is the capital of France?", max_tokens=30)
@@ -87,11 +97,7 @@ def test_reserve_answers_429_when_full_and_cancel_preempts(backend):
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
     # Greedy counting never stops by itself: the sequence runs until max_tokens or cancel.
     big = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 900, "temperature": 0, "stream": True}
-    r = requests.post(b.url + "/v1/completions", json=big, headers=b.gateway_headers(x_kvgate_lease="lease-a"),
-                      stream=True, timeout=120)
-    assert r.status_code == 200
-    events = sse_events(r)
-    next(events)  # decoding
+    events = decoding_stream(b, big, "lease-a")
     # The report is published once per engine step, after the step's first tokens went out: a
     # client can hold its first token a moment before the report says `running`.
     deadline = time.time() + 5
@@ -320,11 +326,7 @@ def test_demote_gives_back_what_a_lease_reserved_and_has_not_written_and_it_goes
     # 64 blocks = 1,024 tokens. A (lease-a) reserves prompt + 900 tokens; B (300) does not fit.
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
     big = {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 900, "temperature": 0, "stream": True}
-    r = requests.post(b.url + "/v1/completions", json=big, headers=b.gateway_headers(x_kvgate_lease="lease-a"),
-                      stream=True, timeout=120)
-    assert r.status_code == 200
-    events = sse_events(r)
-    next(events)
+    events = decoding_stream(b, big, "lease-a")
     # Reserves prompt + 300 tokens; stops by itself after a few.
     small = {**big, "stream": False, "max_tokens": 300, "stop": [" 9"]}
     refused = requests.post(b.url + "/v1/completions", json=small, timeout=30,

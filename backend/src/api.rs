@@ -204,12 +204,17 @@ async fn cancel(
     if st.engine.cancel(id.clone()).await {
         Ok(Json(json!({"id": id, "cancelled": true})))
     } else {
-        Err(HttpError(
-            ApiError::new(ErrorKind::InvalidRequest, format!("No live lease {id:?}."))
-                .with_param("id")
-                .with_status(404),
-        ))
+        Err(no_live_lease(&id))
     }
+}
+
+/// 404 for a lease id the backend does not hold.
+fn no_live_lease(id: &str) -> HttpError {
+    HttpError(
+        ApiError::new(ErrorKind::InvalidRequest, format!("No live lease {id:?}."))
+            .with_param("id")
+            .with_status(404),
+    )
 }
 
 async fn demote(
@@ -224,11 +229,7 @@ async fn demote(
             Ok(Json(json!({"id": id, "demoted": true, "on_arrival": true})))
         }
         Some(Demoted::Cancelled) => Ok(Json(json!({"id": id, "cancelled": true}))),
-        Some(Demoted::Unknown) => Err(HttpError(
-            ApiError::new(ErrorKind::InvalidRequest, format!("No live lease {id:?}."))
-                .with_param("id")
-                .with_status(404),
-        )),
+        Some(Demoted::Unknown) => Err(no_live_lease(&id)),
         None => Err(HttpError(
             ApiError::new(ErrorKind::Internal, "The engine has stopped.").with_status(503),
         )),

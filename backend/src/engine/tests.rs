@@ -190,6 +190,20 @@ fn submit_tokens(
     submit_prompt(e, id, prompt, greedy(max_tokens))
 }
 
+/// Run `steps` scheduler steps, collecting each stream's events as they come.
+fn run(
+    e: &mut Engine<Fake>,
+    steps: usize,
+    streams: &mut [(&mut UnboundedReceiver<Event>, &mut Vec<Event>)],
+) {
+    for _ in 0..steps {
+        e.step();
+        for (rx, evs) in streams.iter_mut() {
+            evs.extend(events(rx));
+        }
+    }
+}
+
 fn events(rx: &mut UnboundedReceiver<Event>) -> Vec<Event> {
     std::iter::from_fn(|| rx.try_recv().ok()).collect()
 }
@@ -533,11 +547,7 @@ fn two_that_do_not_fit_together(
     let mut a = submit_with(&mut e, "a", 10, params.clone());
     let mut b = submit_with(&mut e, "b", 12, params);
     let (mut ea, mut eb) = (Vec::new(), Vec::new());
-    for _ in 0..200 {
-        e.step();
-        ea.extend(events(&mut a));
-        eb.extend(events(&mut b));
-    }
+    run(&mut e, 200, &mut [(&mut a, &mut ea), (&mut b, &mut eb)]);
     (e, ea, eb)
 }
 
@@ -708,10 +718,7 @@ fn an_elastic_sequence_reserves_its_allowance_and_grows_past_it_from_free_blocks
     let l = e.published.lock().unwrap().leases.clone();
     assert_eq!(l[0].elastic_output_tokens, Some(6));
     let mut ea = Vec::new();
-    for _ in 0..200 {
-        e.step();
-        ea.extend(events(&mut a));
-    }
+    run(&mut e, 200, &mut [(&mut a, &mut ea)]);
     assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
     assert_eq!(text(&ea), solo(10, greedy(100)).0);
     assert_eq!(e.metrics.recompute_preemptions.get(), 0);
@@ -842,11 +849,7 @@ fn a_reservation_takes_borrowed_blocks_back_and_the_elastic_sequence_is_only_del
     // It kept what its own block holds: 16 of its 70 cached tokens.
     assert_eq!(a_entry.used_tokens, 16);
     let mut eb = eb0;
-    for _ in 0..400 {
-        e.step();
-        ea.extend(events(&mut a));
-        eb.extend(events(&mut b));
-    }
+    run(&mut e, 400, &mut [(&mut a, &mut ea), (&mut b, &mut eb)]);
     assert_eq!(finished(&eb), Some((FinishReason::Length, 60, false)));
     assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
     // Greedy: A's text is exactly what it produces alone, nothing repeated or lost.
@@ -886,10 +889,7 @@ fn a_reservation_that_borrowed_blocks_cannot_make_room_for_is_refused_without_pr
         Some(Event::Admitted { .. })
     ));
     assert_eq!(e.metrics.recompute_preemptions.get(), 1);
-    for _ in 0..400 {
-        e.step();
-        ea.extend(events(&mut a));
-    }
+    run(&mut e, 400, &mut [(&mut a, &mut ea)]);
     assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
     assert_eq!(text(&ea), solo(10, greedy(100)).0);
     e.pool.check().unwrap();
@@ -903,11 +903,7 @@ fn two_elastic_sequences_outgrowing_the_pool_take_turns_and_both_finish() {
     let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
     let mut b = submit_elastic(&mut e, "b", 12, 100, 4);
     let (mut ea, mut eb) = (Vec::new(), Vec::new());
-    for _ in 0..1000 {
-        e.step();
-        ea.extend(events(&mut a));
-        eb.extend(events(&mut b));
-    }
+    run(&mut e, 1000, &mut [(&mut a, &mut ea), (&mut b, &mut eb)]);
     assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
     assert_eq!(finished(&eb), Some((FinishReason::Length, 100, false)));
     assert_eq!(text(&ea), solo(10, greedy(100)).0);
@@ -930,10 +926,7 @@ fn a_reservation_that_ends_inside_a_block_is_not_borrowing() {
     assert_eq!(e.waiting[0].alloc.blocks(), 1, "A keeps its reservation");
     assert_eq!(e.metrics.recompute_preemptions.get(), 0);
     let mut ea = Vec::new();
-    for _ in 0..400 {
-        e.step();
-        ea.extend(events(&mut a));
-    }
+    run(&mut e, 400, &mut [(&mut a, &mut ea)]);
     // A grows into the free block and ends at its cap.
     assert_eq!(finished(&ea), Some((FinishReason::Length, 20, false)));
     assert_eq!(e.pool.stats().blocks_free, 2);
@@ -1046,11 +1039,7 @@ fn lazy_blocks_admit_by_promise_and_an_admission_preempts_no_borrower() {
     );
     // B takes its blocks as it grows; when the pool runs dry the borrower A gives back what it
     // borrowed and resumes later. Both end with exactly their solo outputs.
-    for _ in 0..600 {
-        e.step();
-        ea.extend(events(&mut a));
-        eb.extend(events(&mut b));
-    }
+    run(&mut e, 600, &mut [(&mut a, &mut ea), (&mut b, &mut eb)]);
     assert_eq!(finished(&eb), Some((FinishReason::Length, 60, false)));
     assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
     assert_eq!(text(&eb), solo(10, greedy(60)).0);
@@ -1094,11 +1083,7 @@ fn lazy_blocks_a_reservation_takes_its_promised_blocks_back_from_a_borrower_to_p
             .map(|s| s.alloc.blocks())
     };
     assert_eq!((held(&e, "a"), held(&e, "b")), (Some(1), Some(3)));
-    for _ in 0..600 {
-        e.step();
-        ea.extend(events(&mut a));
-        eb.extend(events(&mut b));
-    }
+    run(&mut e, 600, &mut [(&mut a, &mut ea), (&mut b, &mut eb)]);
     assert_eq!(finished(&eb), Some((FinishReason::Length, 8, false)));
     assert_eq!(finished(&ea), Some((FinishReason::Length, 118, false)));
     assert_eq!(text(&eb), solo(40, greedy(8)).0);
@@ -1247,11 +1232,7 @@ fn a_demoted_sequence_goes_on_in_borrowed_blocks_and_gives_them_back_to_a_reserv
     let mut b = submit(&mut e, "b", 10, 60);
     let mut eb = events(&mut b);
     assert!(matches!(eb.first(), Some(Event::Admitted { .. })), "{eb:?}");
-    for _ in 0..800 {
-        e.step();
-        ea.extend(events(&mut a));
-        eb.extend(events(&mut b));
-    }
+    run(&mut e, 800, &mut [(&mut a, &mut ea), (&mut b, &mut eb)]);
     assert_eq!(finished(&eb), Some((FinishReason::Length, 60, false)));
     assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
     assert_eq!(text(&ea), solo(10, greedy(100)).0);
@@ -1281,10 +1262,7 @@ fn a_lease_demoted_before_it_arrives_reserves_nothing_when_it_does() {
     assert!(matches!(ea.first(), Some(Event::Admitted { .. })), "{ea:?}");
     assert_eq!(e.pool.stats().blocks_free, 8);
     assert!(e.demoted_early.is_empty(), "used once");
-    for _ in 0..400 {
-        e.step();
-        ea.extend(events(&mut a));
-    }
+    run(&mut e, 400, &mut [(&mut a, &mut ea)]);
     assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
     assert_eq!(text(&ea), solo(10, greedy(100)).0);
     // Another request with the same id later is not demoted.
