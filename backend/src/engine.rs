@@ -501,11 +501,13 @@ impl<M: Forward> Engine<M> {
             };
         }
         let model = &self.model;
-        let Some(seq) = self
+        let waiting = self.waiting.iter_mut().map(|s| (s, true));
+        let Some((seq, is_waiting)) = self
             .running
             .iter_mut()
-            .chain(self.waiting.iter_mut())
-            .find(|s| s.id == id)
+            .map(|s| (s, false))
+            .chain(waiting)
+            .find(|(s, _)| s.id == id)
         else {
             if self.demoted_early.len() == DEMOTED_KEPT {
                 self.demoted_early.pop_front();
@@ -516,9 +518,15 @@ impl<M: Forward> Engine<M> {
         seq.promised = 0;
         seq.promised_blocks = 0;
         seq.elastic = true;
-        if !seq.prefilling {
-            // Part-way through a prefill it holds the blocks of its next chunks: it keeps them
-            // (borrowed now) until it is preempted or done.
+        if is_waiting {
+            // Waiting, it gives back everything it holds: only running sequences are taken
+            // back from when a sequence within its reservation needs a block (decode_step), so
+            // a waiting one holding borrowed blocks could leave it without one.
+            seq.alloc.release();
+            seq.kv = None;
+        } else if !seq.prefilling {
+            // Running part-way through a prefill it holds the blocks of its next chunks: it
+            // keeps them (borrowed now) until it is taken back from or done.
             let written = seq.kv.as_ref().map_or(0, |kv| kv.len() as u64);
             seq.alloc.shrink_to_tokens(written);
             let tokens = seq.alloc.tokens() as usize;
@@ -998,7 +1006,10 @@ impl<M: Forward> Engine<M> {
             // An elastic sequence preempted to be recomputed counts what it needs to resume
             // (its reservation plus what it borrowed): the gateway holds that back from new
             // admissions until it runs again, rather than admitting into the blocks it needs.
-            let resume = if s.elastic && queued && !s.generated.is_empty() {
+            // A demoted one (nothing reserved) counts its need from its first token on too: it
+            // has no reservation to start from, and without that need held back at the
+            // gateway new admissions could keep taking the room it waits for.
+            let resume = if s.elastic && queued && (!s.generated.is_empty() || s.promised == 0) {
                 (s.prefill_len() as u64 + 1).div_ceil(block_tokens) * block_tokens
             } else {
                 0

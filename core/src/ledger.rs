@@ -804,16 +804,21 @@ impl Ledger {
         self.claims.iter().map(|c| c.expires_ms).min()
     }
 
-    /// Demote a lease to make room for a higher class (preemption): its bytes are room at once
-    /// and it stays, reserving nothing, until its request ends (released then, like any lease).
-    /// Its request goes on at the backend in borrowed blocks, which the backend takes back
-    /// (recomputing it later) when a reservation needs them. Returns the lease as it was; `None`
-    /// (nothing changed) for an unknown id or a lease already reserving nothing.
+    /// Demote a lease to make room for a higher class (preemption): it stays, reserving
+    /// nothing, until its request ends (released then, like any lease). Its request goes on at
+    /// the backend in borrowed blocks, which the backend takes back (recomputing it later) when
+    /// a reservation needs them. So its bytes become borrowed growth until the next report
+    /// says what it really holds: held back and lendable — room for the request that demoted
+    /// it and for requests in line (`admit_into_lent`), not for a newcomer. Returns the lease
+    /// as it was; `None` (nothing changed) for an unknown id or a lease already reserving
+    /// nothing.
     pub fn demote(&mut self, id: u64) -> Option<Lease> {
         let lease = self.leases.iter_mut().find(|l| l.id == id && l.bytes > 0)?;
         let was = lease.clone();
         lease.bytes = 0;
         self.committed = self.committed.saturating_sub(was.bytes);
+        self.held_back = self.held_back.saturating_add(was.bytes);
+        self.lendable = self.lendable.saturating_add(was.bytes);
         Some(was)
     }
 
@@ -990,7 +995,6 @@ mod tests {
         let was = l.demote(a.id).expect("a live lease");
         assert_eq!(was.bytes, 60, "returned as it was");
         assert_eq!(l.committed(), 0);
-        assert_eq!(l.free(), 100);
         assert_eq!(
             l.lease(a.id).map(|x| x.bytes),
             Some(0),
@@ -998,10 +1002,16 @@ mod tests {
         );
         assert_eq!(l.demote(a.id), None, "a demoted lease frees nothing more");
         assert_eq!(l.demote(99), None);
+        // Its sequence still holds its blocks at the backend until the next report: borrowed,
+        // so not room for a newcomer, but for the request that demoted it.
+        assert_eq!((l.held_back(), l.lendable()), (60, 60));
+        assert_eq!(l.free(), 40);
         assert!(matches!(
             l.try_admit(&req(100, 1), &retry(), 1),
-            AdmitOutcome::Admitted { .. }
+            AdmitOutcome::Rejected { .. }
         ));
+        l.uncount_rejection();
+        assert!(l.admit_into_lent(&req(100, 1)).is_some());
         l.check().unwrap();
         // Its request ends: released like any lease, once.
         assert!(matches!(l.release(a.id, 10), ReleaseOutcome::Released(x) if x.bytes == 0));

@@ -362,9 +362,9 @@ impl Context for Filter {
         _body: usize,
         _trailers: usize,
     ) {
-        // A preemption demotion answered (or failed: the backend takes the victim's blocks
-        // back when this request's reservation needs them, or frees them when its stream
-        // ends). When the last one is in, the request goes on.
+        // A preemption demotion answered (or failed: counted and logged; the backend may then
+        // refuse this request until the victim ends). When the last one is in, the request
+        // goes on.
         self.worker.demotion_answered(token);
     }
 

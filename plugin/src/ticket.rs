@@ -374,9 +374,12 @@ impl Ticket {
                 self.class.name,
                 endpoint.name(&rt.cfg)
             ));
-            if let Some(token) = lease_call(rt, endpoint, v.id, Call::Demote) {
-                worker.demotions.borrow_mut().insert(token, Rc::clone(self));
-                sent += 1;
+            match lease_call(rt, endpoint, v.id, Call::Demote) {
+                Some(token) => {
+                    worker.demotions.borrow_mut().insert(token, Rc::clone(self));
+                    sent += 1;
+                }
+                None => worker.metrics.demote_failed.inc(),
             }
         }
         sent

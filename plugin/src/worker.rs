@@ -578,6 +578,20 @@ impl Worker {
         let Some(t) = self.demotions.borrow_mut().remove(&token) else {
             return false;
         };
+        let status = crate::abi::header(
+            proxy_wasm::types::MapType::HttpCallResponseHeaders,
+            ":status",
+        );
+        if status.as_deref() != Some("200") {
+            // Not demoted (or not known to be): the victim may still hold its reservation at
+            // the backend, which then refuses this request (429) until it ends; the ledger
+            // sees its use again at the next poll.
+            self.metrics.demote_failed.inc();
+            host::warn(&format!(
+                "kvgate: a demotion was not confirmed (status {})",
+                status.as_deref().unwrap_or("none: timed out or failed")
+            ));
+        }
         let left = t.pending_demotions.get().saturating_sub(1);
         t.pending_demotions.set(left);
         if left == 0 && proxy_wasm::hostcalls::set_effective_context(t.context_id).is_ok() {
@@ -593,6 +607,8 @@ pub struct Metrics {
     pub admitted: Metric,
     pub degraded: Metric,
     pub preempted: Metric,
+    /// Demotions not sent, or not answered 200.
+    pub demote_failed: Metric,
     pub released: Metric,
     pub released_by_backend: Metric,
     pub reaped: Metric,
@@ -656,6 +672,7 @@ impl Metrics {
             admitted: Metric::counter("kvgate.admitted"),
             degraded: Metric::counter("kvgate.degraded"),
             preempted: Metric::counter("kvgate.preempted"),
+            demote_failed: Metric::counter("kvgate.demote_failed"),
             released: Metric::counter("kvgate.released"),
             released_by_backend: Metric::counter("kvgate.released_by_backend"),
             reaped: Metric::counter("kvgate.reaped"),

@@ -1262,6 +1262,14 @@ fn a_lease_demoted_before_it_arrives_reserves_nothing_when_it_does() {
     assert!(matches!(ea.first(), Some(Event::Admitted { .. })), "{ea:?}");
     assert_eq!(e.pool.stats().blocks_free, 8);
     assert!(e.demoted_early.is_empty(), "used once");
+    {
+        // Reserving nothing, it reports what it needs to start (prompt + its first token), so
+        // the gateway holds that back rather than admit into the room it waits for.
+        let p = e.published.lock().unwrap();
+        let entry = p.leases.iter().find(|l| l.id == "a").unwrap();
+        assert!(entry.resuming);
+        assert_eq!(entry.reserved_tokens, 16);
+    }
     run(&mut e, 400, &mut [(&mut a, &mut ea)]);
     assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
     assert_eq!(text(&ea), solo(10, greedy(100)).0);
@@ -1308,4 +1316,55 @@ fn a_promise_is_in_the_lease_report_before_any_step_takes_its_blocks() {
         5 * 16,
         "what it holds and what it was promised and has not taken"
     );
+}
+
+#[test]
+fn a_sequence_demoted_while_it_waits_to_resume_holds_no_block_a_reservation_needs() {
+    // Lazy blocks over 8 blocks. A, elastic, promised 1 block, has grown to 5; B, worst case,
+    // is promised 7 (prompt 10 + cap 100). When B needs blocks A gives back what it borrowed
+    // and waits to resume, keeping its own block and what it caches.
+    let mut e = lazy_engine(8);
+    let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
+    let mut ea = grow_until(&mut e, &mut a, 5);
+    let mut b = submit(&mut e, "b", 10, 100);
+    let mut eb = events(&mut b);
+    while !e.waiting.iter().any(|s| s.id == "a") {
+        run(&mut e, 1, &mut [(&mut a, &mut ea), (&mut b, &mut eb)]);
+    }
+    // B runs on until its sixth block is nearly full.
+    while e
+        .running
+        .iter()
+        .any(|s| s.id == "b" && s.used_tokens() < 94)
+    {
+        run(&mut e, 1, &mut [(&mut a, &mut ea), (&mut b, &mut eb)]);
+    }
+    let held = |e: &Engine<Fake>| {
+        e.waiting
+            .iter()
+            .find(|s| s.id == "a")
+            .map(|s| s.alloc.blocks())
+    };
+    assert_eq!(held(&e), Some(1));
+    // Demoted while it waits, it gives that block back too: only running sequences are taken
+    // back from when a sequence within its reservation needs a block.
+    assert_eq!(e.demote("a".into()), Demoted::Lent);
+    assert_eq!(held(&e), Some(0));
+    // C (prompt 10 + cap 6: 1 block) is admitted into A's promise. B grows to its 7 blocks
+    // while C runs: with A keeping its block, B's seventh was missing (a KV OOM).
+    let mut c = submit(&mut e, "c", 10, 6);
+    let mut ec = events(&mut c);
+    assert!(matches!(ec.first(), Some(Event::Admitted { .. })), "{ec:?}");
+    run(
+        &mut e,
+        1000,
+        &mut [(&mut a, &mut ea), (&mut b, &mut eb), (&mut c, &mut ec)],
+    );
+    assert_eq!(finished(&eb), Some((FinishReason::Length, 100, false)));
+    assert_eq!(finished(&ec), Some((FinishReason::Length, 6, false)));
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
+    assert_eq!(text(&ea), solo(10, greedy(100)).0);
+    assert_eq!(e.metrics.kv_oom.get(), 0);
+    assert_eq!(e.pool.stats().blocks_free, 8);
+    e.pool.check().unwrap();
 }

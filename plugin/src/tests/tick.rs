@@ -90,6 +90,18 @@ fn queue_config() -> Value {
 
 #[test]
 fn a_queued_request_is_admitted_on_tick_by_preemption_and_resumes_when_the_demotion_is_answered() {
+    preempted_from_the_queue(200);
+}
+
+#[test]
+fn a_demotion_the_backend_does_not_confirm_is_counted_and_the_request_goes_on() {
+    // The backend then refuses the request (429) until the victim ends, which the filter
+    // answers like any backend refusal; nothing waits for ever.
+    preempted_from_the_queue(503);
+}
+
+/// A queued vip admitted on tick by demoting a batch lease; the demotion answered `status`.
+fn preempted_from_the_queue(status: u32) {
     let mut vm = start(10_000, queue_config());
     put_lease(21, 6_000, "vip", 9, owner_id()); // not preemptible
     put_lease(22, 3_000, "batch", 0, owner_id());
@@ -140,8 +152,13 @@ fn a_queued_request_is_admitted_on_tick_by_preemption_and_resumes_when_the_demot
         "the request waits for the demotion to be answered"
     );
 
-    vm.answer_call(demotions[0].token, 200, b"{}");
+    vm.answer_call(demotions[0].token, status, b"{}");
     assert!(Vm::resumed(s), "the queued stream is resumed");
+    assert_eq!(
+        Vm::metric("kvgate.demote_failed"),
+        i64::from(status != 200),
+        "a demotion not confirmed is counted"
+    );
     assert!(Vm::replies(s).is_empty());
 
     vm.respond(s);
