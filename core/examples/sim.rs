@@ -720,18 +720,24 @@ impl Backend {
         for cmd in std::mem::take(&mut self.inbox) {
             match cmd {
                 Cmd::Demote { req } if arm.reserve() => {
+                    let waiting = self.waiting.iter_mut().map(|s| (s, true));
                     let seq = self
                         .running
                         .iter_mut()
-                        .chain(self.waiting.iter_mut())
-                        .find(|s| s.req == req);
+                        .map(|s| (s, false))
+                        .chain(waiting)
+                        .find(|(s, _)| s.req == req);
                     match seq {
-                        Some(s) => {
+                        Some((s, is_waiting)) => {
                             s.promised = 0;
                             s.elastic = true;
-                            // The blocks its reservation took and it has not written go back.
-                            let written = s.kv.unwrap_or(0);
-                            shrink(s, written, &mut self.free);
+                            // Running, the blocks its reservation took and it has not written
+                            // go back; waiting, all it holds (engine.rs's `demote`).
+                            let keep = if is_waiting { 0 } else { s.kv.unwrap_or(0) };
+                            shrink(s, keep, &mut self.free);
+                            if is_waiting {
+                                s.kv = None;
+                            }
                             self.demotions += 1;
                         }
                         None => self.demoted_early.push(req),
@@ -1064,8 +1070,9 @@ impl Backend {
             let Some(id) = s.lease else { continue };
             live.push(id);
             // As engine.rs publishes: a preempted elastic sequence waiting to resume counts what
-            // it needs (prompt + generated + the next token, in whole blocks).
-            let resume = if s.elastic && !running && s.generated > 0 {
+            // it needs (prompt + generated + the next token, in whole blocks); a demoted one
+            // (nothing promised) from its first token on.
+            let resume = if s.elastic && !running && (s.generated > 0 || s.promised == 0) {
                 blocks_for(s.prompt + s.generated + 1)
             } else {
                 0
