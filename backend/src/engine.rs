@@ -500,15 +500,12 @@ impl<M: Forward> Engine<M> {
                 false => Demoted::Unknown,
             };
         }
-        let model = &self.model;
-        let waiting = self.waiting.iter_mut().map(|s| (s, true));
-        let Some((seq, is_waiting)) = self
-            .running
-            .iter_mut()
-            .map(|s| (s, false))
-            .chain(waiting)
-            .find(|(s, _)| s.id == id)
-        else {
+        let running = self.running.iter().position(|s| s.id == id);
+        let seq = match running {
+            Some(i) => self.running.get_mut(i),
+            None => self.waiting.iter_mut().find(|s| s.id == id),
+        };
+        let Some(seq) = seq else {
             if self.demoted_early.len() == DEMOTED_KEPT {
                 self.demoted_early.pop_front();
             }
@@ -518,7 +515,7 @@ impl<M: Forward> Engine<M> {
         seq.promised = 0;
         seq.promised_blocks = 0;
         seq.elastic = true;
-        if is_waiting {
+        if running.is_none() {
             // Waiting, it gives back everything it holds: only running sequences are taken
             // back from when a sequence within its reservation needs a block (decode_step), so
             // a waiting one holding borrowed blocks could leave it without one.
@@ -526,17 +523,13 @@ impl<M: Forward> Engine<M> {
             seq.kv = None;
         } else if !seq.prefilling {
             // Running part-way through a prefill it holds the blocks of its next chunks: it
-            // keeps them (borrowed now) until it is taken back from or done.
+            // keeps them (borrowed now) until it is taken back from or done. Decoding, it keeps
+            // what it has written; a cache that cannot be cut back is recomputed from scratch.
             let written = seq.kv.as_ref().map_or(0, |kv| kv.len() as u64);
-            seq.alloc.shrink_to_tokens(written);
-            let tokens = seq.alloc.tokens() as usize;
-            if let Some(kv) = seq.kv.as_mut() {
-                if let Err(e) = model.shrink_kv(kv, seq.alloc.ids(), tokens) {
-                    eprintln!(
-                        "kvgate-backend: cutting a demoted KV cache back failed, recomputing it whole: {e:#}"
-                    );
-                    seq.kv = None;
-                    seq.alloc.release();
+            if !Self::shrink_cache(&self.model, seq, written) {
+                if let Some(i) = running {
+                    let seq = self.running.remove(i);
+                    self.requeue_for_recompute(seq);
                 }
             }
         }
@@ -900,14 +893,27 @@ impl<M: Forward> Engine<M> {
     /// whole prompt and output. A cache that cannot be cut back is dropped: all of it is
     /// recomputed.
     fn give_back_borrowed(model: &M, seq: &mut Seq<M::Kv>) {
-        seq.alloc.shrink_to_tokens(seq.promised);
-        let tokens = seq.alloc.tokens() as usize;
-        if let Some(kv) = seq.kv.as_mut() {
-            if let Err(e) = model.shrink_kv(kv, seq.alloc.ids(), tokens) {
+        let promised = seq.promised;
+        Self::shrink_cache(model, seq, promised);
+    }
+
+    /// Cut a sequence's blocks back to what `tokens` need, and its cache to match. False when
+    /// the cache could not be cut back: it is dropped (recomputed whole when the sequence runs
+    /// again).
+    fn shrink_cache(model: &M, seq: &mut Seq<M::Kv>, tokens: u64) -> bool {
+        seq.alloc.shrink_to_tokens(tokens);
+        let capacity = seq.alloc.tokens() as usize;
+        let Some(kv) = seq.kv.as_mut() else {
+            return true;
+        };
+        match model.shrink_kv(kv, seq.alloc.ids(), capacity) {
+            Ok(()) => true,
+            Err(e) => {
                 eprintln!(
                     "kvgate-backend: cutting a KV cache back failed, recomputing it whole: {e:#}"
                 );
                 seq.kv = None;
+                false
             }
         }
     }

@@ -733,10 +733,12 @@ impl Backend {
                             s.elastic = true;
                             // Running, the blocks its reservation took and it has not written
                             // go back; waiting, all it holds (engine.rs's `demote`).
-                            let keep = if is_waiting { 0 } else { s.kv.unwrap_or(0) };
-                            shrink(s, keep, &mut self.free);
                             if is_waiting {
+                                release(s, &mut self.free);
                                 s.kv = None;
+                            } else {
+                                let written = s.kv.unwrap_or(0);
+                                shrink(s, written, &mut self.free);
                             }
                             self.demotions += 1;
                         }
