@@ -133,8 +133,21 @@ fn device(spec: &str) -> Result<Device> {
     bail!("unknown device {spec:?}: use cpu or cuda:N")
 }
 
+/// Any panic ends the process, as `panic = "abort"` would: a panic on the engine's thread or in
+/// a handler must not leave a server that accepts requests it will never answer. A hook and not
+/// the profile setting, so that `cargo test --release` (unwinding, for the test harness) and the
+/// binary share one build of the dependency tree (about 4 minutes of CI on 2 cores).
+fn abort_on_panic() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        report(info);
+        std::process::abort();
+    }));
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
+    abort_on_panic();
     let args = Args::parse();
     let dev = device(&args.device)?;
     if args.block_size == 0 {

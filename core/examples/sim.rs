@@ -5,10 +5,11 @@
 //! [--workload mix|live] [--seed S] [--jobs N] [--clients C | --rate R] [--give-up-s S]
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
-//! [--backfill on|off] [--lazy-blocks] [--patience first-token|retries] [--dump FILE]` prints one markdown table (`make
+//! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries] [--dump FILE]` prints one markdown table (`make
 //! bench-sim` runs the defaults).
 //!
-//! `--lazy-blocks` is the backend's `--lazy-blocks` (engine.rs since 2504f91): under
+//! `--lazy-blocks true` (the default, as the backend's since 0fd3d27; `false` takes blocks at
+//! admission) is the backend's `--lazy-blocks` (engine.rs since 2504f91): under
 //! `--admission reserve` a reservation is a promise of blocks, admitted while the promises of
 //! the live sequences fit the pool, and its blocks are taken only as the sequence grows into
 //! them (from free blocks, else back from the youngest sequence grown past its own reservation,
@@ -2211,7 +2212,7 @@ fn main() -> Res<()> {
     let mut queue_wait_ms: u64 = 20_000;
     let mut quantile: f64 = 0.9;
     let mut backfill = true;
-    let mut lazy_blocks = false;
+    let mut lazy_blocks = true;
     let mut cap = None;
     let mut blocks = None;
     let mut elastic_prior = 64u64;
@@ -2253,7 +2254,13 @@ fn main() -> Res<()> {
                 }
             }
             "--filter-config" => filter_path = parse(&a, args.next())?,
-            "--lazy-blocks" => lazy_blocks = true,
+            "--lazy-blocks" => {
+                lazy_blocks = match parse::<String>(&a, args.next())?.as_str() {
+                    "true" => true,
+                    "false" => false,
+                    v => return Err(format!("--lazy-blocks {v:?}: true or false")),
+                }
+            }
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
             "--prefill-ms" => prefill_ms = Some(parse(&a, args.next())?),
@@ -2340,7 +2347,7 @@ fn main() -> Res<()> {
         _ => String::new(),
     };
     println!(
-        "preset {} ({} backend(s) × {} blocks = {} tokens of KV each, context {}, step {} + {} ms × batch, prefill {} ms/token, max batch {}); workload {workload_name}: {n} requests in {} jobs, seed {seed}, {load}, give up after {give_up_s} s{} {}\n",
+        "preset {} ({} backend(s) × {} blocks = {} tokens of KV each, context {}, step {} + {} ms × batch, prefill {} ms/token, max batch {}); workload {workload_name}: {n} requests in {} jobs, seed {seed}, {load}, give up after {give_up_s} s{} {}; blocks {}\n",
         p.name,
         backends,
         p.blocks,
@@ -2356,6 +2363,11 @@ fn main() -> Res<()> {
             "without a first token (wherever the request waits)"
         } else {
             "of retries (a request waiting in a queue waits for ever)"
+        },
+        if lazy_blocks {
+            "lazy (a reservation is a promise, taken as the sequence grows)"
+        } else {
+            "taken at admission"
         },
     );
     if let Some(Arm::Cap(n)) = arms.iter().find(|a| matches!(a, Arm::Cap(_))) {
