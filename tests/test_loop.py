@@ -152,16 +152,27 @@ def test_a_hung_backend_gets_no_new_requests_keeps_its_streams_leases_and_comes_
 
 
 def test_full_budget_429_then_client_retry_succeeds(stack):
-    gw, b = stack(64, {"retry_after": {"min_ms": 500, "max_ms": 3000, "jitter": 0.1, "default_lease_ms": 2000}})
-    t, res = long_stream(gw, 700)
+    # 32 blocks: 460 tokens usable. The stream holds about 327; the same request beside it does not fit.
+    gw, b = stack(32, {"retry_after": {"min_ms": 500, "max_ms": 3000, "jitter": 0.1, "default_lease_ms": 2000}})
+    t, res = long_stream(gw, 300)
     gw.wait_for(lambda s: s["leases"] == 1)
-    r = requests.post(gw.url + "/v1/completions", timeout=30,
-                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 700, "temperature": 0})
+    req = {"model": MODEL, "prompt": COUNTING, "max_tokens": 300, "temperature": 0}
+    r = requests.post(gw.url + "/v1/completions", timeout=30, json=req)
     assert r.status_code == 429
     assert r.json()["error"]["code"] == "kv_capacity_exceeded"
     assert 500 <= int(r.headers["retry-after-ms"]) <= 3000
     assert b.metrics()["kvgate_backend_requests_total"] == 1, "the rejected request never reached the backend"
+    # The client honours Retry-After and tries again: admitted once the stream has ended.
+    tries = 1
+    while r.status_code == 429 and tries < 60:
+        time.sleep(int(r.headers["retry-after-ms"]) / 1000)
+        r = requests.post(gw.url + "/v1/completions", timeout=120, json=req)
+        tries += 1
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 300
+    assert tries > 1
     t.join()
+    assert res["status"] == 200 and res["events"][-1]["choices"][0]["finish_reason"] == "length"
     drained(gw, b)
     assert b.metrics()["kvgate_backend_kv_oom_total"] == 0
 
@@ -174,14 +185,14 @@ def test_preempt_demotes_the_youngest_lower_class_stream_which_is_only_delayed(s
     policy = {"default_class": "batch", "class_header": "x-tenant-class", "class_header_trusted": True, "classes": {
         "batch": {"action": "reject", "priority": 0},
         "vip": {"action": "reject", "priority": 5, "preempts": ["batch"]}}}
-    gw, b = stack(64, {"policy": policy})
-    t, res = long_stream(gw, 700, headers={"x-tenant-class": "batch"})
+    # 32 blocks: 460 tokens usable. The batch stream holds about 327, the vip needs about 227.
+    gw, b = stack(32, {"policy": policy})
+    t, res = long_stream(gw, 300, headers={"x-tenant-class": "batch"})
     gw.wait_for(lambda s: s["classes"]["batch"]["leases"] == 1)
-    # Unstreamed: 500 tokens on 2 shared cores can take a minute.
     r = requests.post(gw.url + "/v1/completions", timeout=180, headers={"x-tenant-class": "vip"},
-                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 500, "temperature": 0})
+                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 200, "temperature": 0})
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == 500
+    assert r.json()["usage"]["completion_tokens"] == 200
     t.join()
     # The preempted stream was only delayed: it ran to its cap, and (greedy, the same prompt)
     # its text goes on from the vip's: nothing lost or repeated across its pause.
@@ -363,14 +374,15 @@ def test_a_short_request_goes_ahead_of_a_queue_front_that_cannot_start_yet(stack
 
 def test_degrade_lowers_the_cap_and_says_so(stack):
     policy = {"classes": {"default": {"action": "degrade", "min_output_tokens": 50}}}
-    gw, b = stack(64, {"policy": policy})
-    t, res = long_stream(gw, 600)
+    # 32 blocks: 460 tokens usable. The stream holds about 327; the rest fits 50 or more.
+    gw, b = stack(32, {"policy": policy})
+    t, res = long_stream(gw, 300)
     gw.wait_for(lambda s: s["leases"] == 1)
     r = requests.post(gw.url + "/v1/completions", timeout=60,
-                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 600, "temperature": 0})
+                      json={"model": MODEL, "prompt": COUNTING, "max_tokens": 300, "temperature": 0})
     assert r.status_code == 200, r.text
     asked, granted = r.headers["x-kvgate-degraded"].removeprefix("max_tokens=").split("->")
-    assert asked == "600" and 50 <= int(granted) < 600
+    assert asked == "300" and 50 <= int(granted) < 300
     assert r.json()["usage"]["completion_tokens"] == int(granted)
     assert r.json()["choices"][0]["finish_reason"] == "length"
     t.join()
