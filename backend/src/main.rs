@@ -317,3 +317,41 @@ async fn main() -> Result<()> {
         .await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Command;
+
+    const CHILD: &str = "KVGATE_TEST_PANIC_CHILD";
+
+    /// A panic anywhere, here on a thread other than main (as the engine's is), ends the whole
+    /// process with SIGABRT. The test runs itself again as a child to see that happen.
+    #[test]
+    fn a_panic_on_any_thread_aborts_the_process() {
+        if std::env::var_os(CHILD).is_some() {
+            super::abort_on_panic();
+            let _ = std::thread::spawn(|| panic!("a fault on the engine's thread")).join();
+            // Unwinding would get here and exit 0: the hook must have aborted first.
+            std::process::exit(0);
+        }
+        let exe = std::env::current_exe().expect("the test binary");
+        let out = Command::new(exe)
+            .args([
+                "--exact",
+                "tests::a_panic_on_any_thread_aborts_the_process",
+                "--nocapture",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .expect("run the child");
+        assert_eq!(
+            out.status.signal(),
+            Some(6),
+            "{:?}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stderr).contains("a fault on the engine's thread"));
+    }
+}
