@@ -515,23 +515,27 @@ impl<M: Forward> Engine<M> {
         seq.promised = 0;
         seq.promised_blocks = 0;
         seq.elastic = true;
-        if running.is_none() {
-            // Waiting, it gives back everything it holds: only running sequences are taken
-            // back from when a sequence within its reservation needs a block (decode_step), so
-            // a waiting one holding borrowed blocks could leave it without one.
-            seq.alloc.release();
-            seq.kv = None;
-        } else if !seq.prefilling {
-            // Running part-way through a prefill it holds the blocks of its next chunks: it
-            // keeps them (borrowed now) until it is taken back from or done. Decoding, it keeps
-            // what it has written; a cache that cannot be cut back is recomputed from scratch.
-            let written = seq.kv.as_ref().map_or(0, |kv| kv.len() as u64);
-            if !Self::shrink_cache(&self.model, seq, written) {
-                if let Some(i) = running {
+        match running {
+            None => {
+                // Waiting, it gives back everything it holds: only running sequences are taken
+                // back from when a sequence within its reservation needs a block
+                // (decode_step), so a waiting one holding borrowed blocks could leave it
+                // without one.
+                seq.alloc.release();
+                seq.kv = None;
+            }
+            Some(i) if !seq.prefilling => {
+                // Decoding, it keeps what it has written; a cache that cannot be cut back is
+                // recomputed from scratch.
+                let written = seq.kv.as_ref().map_or(0, |kv| kv.len() as u64);
+                if !Self::shrink_cache(&self.model, seq, written) {
                     let seq = self.running.remove(i);
                     self.requeue_for_recompute(seq);
                 }
             }
+            // Running part-way through a prefill it holds the blocks of its next chunks: it
+            // keeps them (borrowed now) until it is taken back from or done.
+            Some(_) => {}
         }
         self.metrics.demoted.inc();
         Demoted::Lent

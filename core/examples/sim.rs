@@ -2197,6 +2197,15 @@ fn parse<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Res<T> {
     v.parse().map_err(|_| format!("{flag}: cannot parse {v:?}"))
 }
 
+/// A flag that takes one of two words: true for `yes`, false for `no`.
+fn either(flag: &str, v: Option<String>, yes: &str, no: &str) -> Res<bool> {
+    match parse::<String>(flag, v)? {
+        w if w == yes => Ok(true),
+        w if w == no => Ok(false),
+        w => Err(format!("{flag} {w:?}: {yes} or {no}")),
+    }
+}
+
 fn main() -> Res<()> {
     let mut args = std::env::args().skip(1);
     let mut preset_name = "cpu".to_string();
@@ -2234,11 +2243,7 @@ fn main() -> Res<()> {
             "--rate" => rate = Some(parse(&a, args.next())?),
             "--give-up-s" => give_up_s = parse(&a, args.next())?,
             "--patience" => {
-                patience_to_first_token = match parse::<String>(&a, args.next())?.as_str() {
-                    "first-token" => true,
-                    "retries" => false,
-                    v => return Err(format!("--patience {v:?}: first-token or retries")),
-                }
+                patience_to_first_token = either(&a, args.next(), "first-token", "retries")?
             }
             "--arms" => arms = parse(&a, args.next())?,
             "--cap" => cap = Some(parse(&a, args.next())?),
@@ -2246,21 +2251,9 @@ fn main() -> Res<()> {
             "--elastic-prior" => elastic_prior = parse(&a, args.next())?,
             "--queue-wait-ms" => queue_wait_ms = parse(&a, args.next())?,
             "--elastic-quantile" => quantile = parse(&a, args.next())?,
-            "--backfill" => {
-                backfill = match parse::<String>(&a, args.next())?.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    v => return Err(format!("--backfill {v:?}: on or off")),
-                }
-            }
+            "--backfill" => backfill = either(&a, args.next(), "on", "off")?,
             "--filter-config" => filter_path = parse(&a, args.next())?,
-            "--lazy-blocks" => {
-                lazy_blocks = match parse::<String>(&a, args.next())?.as_str() {
-                    "true" => true,
-                    "false" => false,
-                    v => return Err(format!("--lazy-blocks {v:?}: true or false")),
-                }
-            }
+            "--lazy-blocks" => lazy_blocks = either(&a, args.next(), "true", "false")?,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
             "--prefill-ms" => prefill_ms = Some(parse(&a, args.next())?),
