@@ -19,11 +19,21 @@ Arms (a fresh gateway + backend each, interleaved over rounds):
   progress  retry_after.from_progress = true (the default): expected ends from each lease's
             reported progress, the backend's decode rate and the usual output length.
   lifetime  from_progress = false: the mean lifetime of past leases (the earlier estimator).
+  elastic   as progress, but the fillers' class is elastic (a prior of 16 output tokens, the
+            0.9 quantile once 3 outputs are known), so a filler that runs long holds blocks
+            past its reservation (held back by the gateway until the report after it ends),
+            and the probe (its own worst-case class, by API key) lacks 48–320 tokens more than
+            is free: more than the fillers' reservations alone free.
+
+`--baseline-wasm PATH` runs every arm a second time, as `ARM@baseline`, with that filter module
+(an earlier build) in the same run, interleaved.
 
 Usage: .venv/bin/python bench/retry_after_bench.py [--probes 12] [--rounds 1]
+       [--arms progress,lifetime,elastic] [--baseline-wasm PATH]
 """
 
 import argparse
+import hashlib
 import json
 import random
 import statistics
@@ -51,9 +61,24 @@ PROMPTS = [
 # More than any filler's prompt takes once the chat template has wrapped it.
 FILLER_PROMPT_TOKENS = 96
 RETRY = {"min_ms": 500, "max_ms": 20000, "jitter": 0.1, "default_lease_ms": 3000}
+# The elastic arm's probe class, chosen by this API key (its SHA-256 in the config).
+PROBE_KEY = "kvgate-probe"
+ARMS = {  # name: (from_progress, elastic fillers)
+    "progress": (True, False),
+    "lifetime": (False, False),
+    "elastic": (True, True),
+}
 
 
-def run_arm(name, from_progress, probes, blocks, seed, workdir):
+def elastic_policy():
+    key = "sha256:" + hashlib.sha256(PROBE_KEY.encode()).hexdigest()
+    return {"default_class": "default", "api_keys": {key: "probe"}, "classes": {
+        "default": {"action": "reject", "reservation": "elastic", "elastic_quantile": 0.9,
+                    "elastic_min_samples": 3, "elastic_prior_tokens": 16},
+        "probe": {"action": "reject"}}}
+
+
+def run_arm(name, from_progress, elastic, probes, blocks, seed, workdir, wasm=None):
     d = Path(workdir) / name
     d.mkdir(parents=True, exist_ok=True)
     b = Backend(d, "--kv-cache-bytes", blocks * BLOCK_BYTES, "--step-delay-ms", 25).start()
@@ -65,9 +90,13 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
         "backend": {"poll_ms": 200, "timeout_ms": 1000, "lost_grace_ms": 5000,
                     "down_after_failures": 2, "secret": b.secret},
     })
-    gw = Envoy(d, b.port, cfg).start()
+    if elastic:
+        cfg["policy"] = elastic_policy()
+    gw = Envoy(d, b.port, cfg, wasm=wasm).start()
     patience_ms = cfg.get("fair_retry_patience_ms", 2000)
     rng = random.Random(seed)
+    # The elastic arm's extra deficit, from its own stream: the fillers are the same in every arm.
+    extra = random.Random(seed + 1000)
     samples = []
 
     def stream(body, out):
@@ -107,12 +136,15 @@ def run_arm(name, from_progress, probes, blocks, seed, workdir):
         free = s["capacity_bytes"] - s["committed_bytes"] - s["held_back_bytes"]
         per_token = s["model"]["kv_bytes_per_token"]
         cap_tokens = s["capacity_bytes"] // per_token
-        want = min(free // per_token + 48, cap_tokens - 40)
+        lack = extra.randint(48, 320) if elastic else 48
+        want = min(free // per_token + lack, cap_tokens - 40)
         if i >= 2 and s["leases"] > 0 and want * per_token > free:
             body = {"model": MODEL, "max_tokens": int(want), "temperature": 0,
                     "messages": [{"role": "user", "content": "Hi"}]}
+            headers = {"authorization": f"Bearer {PROBE_KEY}"} if elastic else {}
             t0 = time.monotonic()
-            r = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=60)
+            r = requests.post(gw.url + "/v1/chat/completions", json=body, headers=headers,
+                              timeout=60)
             if r.status_code == 429:
                 ra = int(r.headers.get("retry-after-ms", "0"))
                 err = r.json().get("error", {})
@@ -173,15 +205,21 @@ def main():
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--arms", default="progress,lifetime",
-                   help="comma-separated subset of progress,lifetime")
+                   help="comma-separated subset of " + ",".join(ARMS))
+    p.add_argument("--baseline-wasm", type=Path,
+                   help="also run every arm with this filter module, as ARM@baseline")
     a = p.parse_args()
-    arms = [(n, f) for n, f in (("progress", True), ("lifetime", False))
-            if n in a.arms.split(",")]
-    results = {n: [] for n, _ in arms}
+    names = a.arms.split(",")
+    if unknown := [n for n in names if n not in ARMS]:
+        p.error(f"unknown arms {unknown}; known: {','.join(ARMS)}")
+    modules = [("", None)] + ([("@baseline", a.baseline_wasm)] if a.baseline_wasm else [])
+    arms = [(n + tag, *ARMS[n], wasm) for n in names for tag, wasm in modules]
+    results = {n: [] for n, *_ in arms}
     with tempfile.TemporaryDirectory() as work:
         for rnd in range(a.rounds):
-            for name, flag in arms:
-                r = run_arm(f"{name}{rnd}", flag, a.probes, a.blocks, rnd, work)
+            for name, from_progress, elastic, wasm in arms:
+                r = run_arm(f"{name}{rnd}", from_progress, elastic, a.probes, a.blocks, rnd,
+                            work, wasm)
                 results[name].append(r)
                 print(f"round {rnd} {name}: {json.dumps(r)}", flush=True)
     print("\n| arm | probes | measured | within 0.5–2× of the real wait | median advertised/real | p10 | p90 |")

@@ -2,21 +2,22 @@
 //!
 //! Layout (little endian):
 //! ```text
-//! "KVGL" | version u8 = 5 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//! "KVGL" | version u8 = 6 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
 //!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64
 //!        | lease count u32
 //!        | per lease: id u64 | bytes u64 | priority u8 | fingerprint u64 | created_ms u64
-//!                     | deadline_ms u64 | owner u64 | eta_ms u64 | class length u8
+//!                     | deadline_ms u64 | owner u64 | eta_ms u64 | held u64 | class length u8
 //!                     | class bytes (UTF-8)
 //!        | claim count u32
 //!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64 | active u8
 //!        | lendable u64
 //! ```
-//! 58 bytes per lease plus its class name, 41 per claim, 8 after them. The decoder checks every length and the ledger
-//! invariant; garbage returns an error, never a panic.
+//! 66 bytes per lease plus its class name, 41 per claim, 8 after them. The decoder checks every
+//! length and the ledger invariant; garbage returns an error, never a panic.
 //!
-//! Versions 1 (no `held_back`, no lease owner), 2 (no claims), 3 (no lease eta) and 4 (no
-//! `lendable`: nothing lent until the next poll sets it) are still read, so a filter upgraded in place under
+//! Versions 1 (no `held_back`, no lease owner), 2 (no claims), 3 (no lease eta), 4 (no
+//! `lendable`: nothing lent until the next poll sets it) and 5 (no lease `held`: none until
+//! the next poll sets it) are still read, so a filter upgraded in place under
 //! the same `vm_id` migrates the ledger it finds instead of forgetting its leases: migrated
 //! leases have no owner and end at their deadline. An unknown version is an error, never an
 //! empty ledger.
@@ -24,13 +25,14 @@
 use crate::ledger::{Claim, Counters, Lease, Ledger, MAX_CLAIMS};
 
 const MAGIC: &[u8; 4] = b"KVGL";
-const VERSION: u8 = 5;
+const VERSION: u8 = 6;
 const CLAIM_LEN: usize = 5 * 8 + 1;
 const HEADER_LEN: usize = 4 + 1 + 9 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
 const LEASE_MIN_LEN_V1: usize = 8 + 8 + 1 + 8 + 8 + 8 + 1;
 const LEASE_MIN_LEN_V2: usize = LEASE_MIN_LEN_V1 + 8;
-const LEASE_MIN_LEN: usize = LEASE_MIN_LEN_V2 + 8;
+const LEASE_MIN_LEN_V4: usize = LEASE_MIN_LEN_V2 + 8;
+const LEASE_MIN_LEN: usize = LEASE_MIN_LEN_V4 + 8;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecodeError {
@@ -91,6 +93,7 @@ impl Ledger {
             out.extend_from_slice(&l.deadline_ms.to_le_bytes());
             out.extend_from_slice(&l.owner.to_le_bytes());
             out.extend_from_slice(&l.eta_ms.to_le_bytes());
+            out.extend_from_slice(&l.held.to_le_bytes());
             let class = truncate_utf8(&l.class, MAX_CLASS_LEN);
             out.push(class.len() as u8);
             out.extend_from_slice(class.as_bytes());
@@ -130,11 +133,12 @@ impl Ledger {
         let held_back = if v2 { r.u64()? } else { 0 };
         let n = r.u32()? as usize;
         // Refuse lease counts the input cannot hold before allocating.
-        let v4 = version >= 4;
-        let min_len = match (v2, v4) {
-            (_, true) => LEASE_MIN_LEN,
-            (true, false) => LEASE_MIN_LEN_V2,
-            (false, _) => LEASE_MIN_LEN_V1,
+        let (v4, v6) = (version >= 4, version >= 6);
+        let min_len = match (v2, v4, v6) {
+            (_, _, true) => LEASE_MIN_LEN,
+            (_, true, false) => LEASE_MIN_LEN_V4,
+            (true, false, _) => LEASE_MIN_LEN_V2,
+            (false, _, _) => LEASE_MIN_LEN_V1,
         };
         if n > r.0.len() / min_len {
             return Err(DecodeError::Truncated);
@@ -149,6 +153,7 @@ impl Ledger {
             let deadline_ms = r.u64()?;
             let owner = if v2 { r.u64()? } else { 0 };
             let eta_ms = if v4 { r.u64()? } else { 0 };
+            let held = if v6 { r.u64()? } else { 0 };
             let len = r.u8()? as usize;
             let class = std::str::from_utf8(r.take(len)?)
                 .map_err(|_| DecodeError::BadClassName)?
@@ -163,6 +168,7 @@ impl Ledger {
                 deadline_ms,
                 owner,
                 eta_ms,
+                held,
             });
         }
         let mut claims = Vec::new();
@@ -328,26 +334,51 @@ mod tests {
         assert_eq!(old.encode()[4], VERSION);
     }
 
+    /// `l` in an older layout, `version` 3 to 5: without the per-lease fields it did not have
+    /// (v3: eta and held; v4, v5: held) and, before v5, the trailing `lendable`.
+    fn encode_as(l: &Ledger, version: u8) -> Vec<u8> {
+        let mut out = l.encode();
+        out[4] = version;
+        if version < 5 {
+            out.truncate(out.len() - 8);
+        }
+        let dropped = if version < 4 { 16 } else { 8 };
+        let mut at = HEADER_LEN;
+        for x in l.leases() {
+            // id, bytes, priority, fingerprint, created_ms, deadline_ms, owner
+            let eta_at = at + 8 + 8 + 1 + 8 + 8 + 8 + 8;
+            let from = eta_at + 16 - dropped;
+            out.drain(from..eta_at + 16);
+            at = from + 1 + x.class.len();
+        }
+        out
+    }
+
     #[test]
     fn a_version_3_ledger_is_read_without_etas_and_an_eta_round_trips() {
         let mut l = sample();
-        // v3 is v5 without the 8-byte eta after each lease's owner and the trailing
-        // `lendable`.
-        let mut v3 = l.encode();
-        v3[4] = 3;
-        v3.truncate(v3.len() - 8);
-        let mut at = HEADER_LEN;
-        for x in l.leases() {
-            let eta_at = at + 8 + 8 + 1 + 8 + 8 + 8 + 8;
-            v3.drain(eta_at..eta_at + 8);
-            at = eta_at + 1 + x.class.len();
-        }
-        let old = Ledger::decode(&v3).unwrap();
+        let old = Ledger::decode(&encode_as(&l, 3)).unwrap();
         assert_eq!(old, l, "etas were 0");
         let id = l.leases()[0].id;
         l.set_eta(id, 123_456);
         let back = Ledger::decode(&l.encode()).unwrap();
         assert_eq!(back.lease(id).unwrap().eta_ms, 123_456);
+    }
+
+    #[test]
+    fn a_version_5_ledger_is_read_with_nothing_held_and_held_round_trips() {
+        let mut l = sample();
+        let id = l.leases()[0].id;
+        l.set_eta(id, 9_000);
+        l.set_held_back(4_000);
+        l.set_lendable(1_000);
+        let old = Ledger::decode(&encode_as(&l, 5)).unwrap();
+        assert_eq!(old, l, "held was 0");
+        l.set_held(|x| if x == id { 4_000 } else { 0 });
+        let back = Ledger::decode(&l.encode()).unwrap();
+        assert_eq!(back.lease(id).unwrap().held, 4_000);
+        assert_eq!(back.lease(id).unwrap().eta_ms, 9_000);
+        assert_eq!(back, l);
     }
 
     #[test]
@@ -357,11 +388,7 @@ mod tests {
         l.set_lendable(3_000);
         let back = Ledger::decode(&l.encode()).unwrap();
         assert_eq!((back.held_back(), back.lendable()), (5_000, 3_000));
-        // v4 is v5 without the trailing `lendable`.
-        let mut v4 = l.encode();
-        v4[4] = 4;
-        v4.truncate(v4.len() - 8);
-        let old = Ledger::decode(&v4).unwrap();
+        let old = Ledger::decode(&encode_as(&l, 4)).unwrap();
         assert_eq!((old.held_back(), old.lendable()), (5_000, 0));
         // More lendable than held back is not a ledger this code writes: refused.
         let mut bad = l.encode();

@@ -41,6 +41,10 @@ pub struct Lease {
     /// When it is expected to end, from the backend's report of its progress (0: unknown).
     /// Only Retry-After reads it.
     pub eta_ms: u64,
+    /// What the backend held for it beyond `bytes` at the last report (an elastic sequence
+    /// grown past its reservation; all a demoted lease holds): part of `held_back`, which
+    /// frees with the lease at the next report. Only Retry-After reads it.
+    pub held: u64,
 }
 
 impl Lease {
@@ -56,6 +60,7 @@ impl Lease {
             deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
             owner: req.owner,
             eta_ms: 0,
+            held: 0,
         }
     }
 }
@@ -328,6 +333,14 @@ impl Ledger {
     pub fn set_eta(&mut self, id: u64, eta_ms: u64) {
         if let Some(l) = self.leases.iter_mut().find(|l| l.id == id) {
             l.eta_ms = eta_ms;
+        }
+    }
+
+    /// Set every lease's `held` (what the backend holds for it beyond its reservation) from a
+    /// report: `held(id)`.
+    pub fn set_held(&mut self, held: impl Fn(u64) -> u64) {
+        for l in &mut self.leases {
+            l.held = held(l.id);
         }
     }
 
@@ -614,7 +627,8 @@ impl Ledger {
         retry: &RetryAfterConfig,
     ) -> bool {
         let uncommitted = self.capacity.saturating_sub(self.committed);
-        let ends = crate::retry::expected_ends(self, now_ms, retry);
+        // Reservations only: what is held back already counts as free in `uncommitted`.
+        let ends = crate::retry::expected_ends(self, now_ms, retry, |l| l.bytes);
         let freed_by = |at: u64| {
             ends.iter()
                 .take_while(|(wait, _)| *wait <= at)
@@ -816,6 +830,7 @@ impl Ledger {
         let lease = self.leases.iter_mut().find(|l| l.id == id && l.bytes > 0)?;
         let was = lease.clone();
         lease.bytes = 0;
+        lease.held = lease.held.saturating_add(was.bytes);
         self.committed = self.committed.saturating_sub(was.bytes);
         self.held_back = self.held_back.saturating_add(was.bytes);
         self.lendable = self.lendable.saturating_add(was.bytes);
@@ -996,9 +1011,9 @@ mod tests {
         assert_eq!(was.bytes, 60, "returned as it was");
         assert_eq!(l.committed(), 0);
         assert_eq!(
-            l.lease(a.id).map(|x| x.bytes),
-            Some(0),
-            "kept, reserving nothing"
+            l.lease(a.id).map(|x| (x.bytes, x.held)),
+            Some((0, 60)),
+            "kept, reserving nothing, what it held held back with it"
         );
         assert_eq!(l.demote(a.id), None, "a demoted lease frees nothing more");
         assert_eq!(l.demote(99), None);

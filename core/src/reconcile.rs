@@ -593,15 +593,19 @@ pub fn reconcile(
     // What own leases hold or need beyond their reservations: what they hold (running, or
     // part-way through a prefill), all of it; of those waiting to resume, the largest need.
     let (mut needed, mut resume) = (0u64, 0u64);
+    // Per own lease, what it holds beyond its reservation (held back; it frees with the lease).
+    // Not a preempted one's need to resume: only the largest of those is held back.
+    let mut held: HashMap<u64, u64> = HashMap::new();
     for e in &report.entries {
-        match e.id.and_then(|id| reserved.get(&id)) {
-            Some(bytes) => {
+        match e.id.and_then(|id| reserved.get(&id).map(|b| (id, b))) {
+            Some((id, bytes)) => {
                 own.push(e);
                 let grown = e.bytes.saturating_sub(*bytes);
                 out.grown_bytes = out.grown_bytes.saturating_add(grown);
                 if e.resuming {
                     resume = resume.max(grown);
                 } else {
+                    held.insert(id, grown);
                     needed = needed.saturating_add(grown);
                     if e.elastic {
                         out.lendable = out.lendable.saturating_add(grown);
@@ -622,6 +626,7 @@ pub fn reconcile(
             }
         }
     }
+    ledger.set_held(|id| held.get(&id).copied().unwrap_or(0));
     if let Some(etas) = progress.and_then(|p| p.joint_etas(&own, now_ms)) {
         for (e, eta) in own.iter().zip(etas) {
             if let Some(id) = e.id {
@@ -739,6 +744,9 @@ mod tests {
         };
         let r = reconcile(&mut l, &report, 100, 5_000, None, 0);
         assert_eq!(r.grown_bytes, 600);
+        // Each lease knows what of that it holds: it frees with the lease (Retry-After).
+        let held = |l: &Ledger, id| l.lease(id).map(|x| x.held);
+        assert_eq!((held(&l, 1), held(&l, 2)), (Some(600), Some(0)));
         // A preempted elastic sequence holds little but needs its growth back to resume: the
         // backend reports the need, and it is held back even though the pool does not use it.
         let mut waiting = l.clone();
@@ -756,6 +764,9 @@ mod tests {
         };
         let w = reconcile(&mut waiting, &needs, 100, 5_000, None, 0);
         assert_eq!((w.grown_bytes, w.held_back), (600, 600));
+        // A need to resume is not held for that lease alone (only the largest one is held
+        // back): its end is not counted on to free it.
+        assert_eq!(held(&waiting, 1), Some(0));
         // Two preempted, needing 600 and 4,000 beyond their reservations, and one running
         // 200 past its own: they resume one at a time, so room for the larger need is held
         // back (with the running growth), not both needs: 4,200 of the 4,800 grown.

@@ -4,12 +4,14 @@
 //! (its progress, its cap and the usual output length at the backend's decode rate: see
 //! `reconcile::Progress`); otherwise when it reaches the ledger's running mean lifetime (or its
 //! deadline, if that is sooner). Leases are taken in order of expected end until the bytes they
-//! free cover the deficit; the wait is that lease's expected remaining time. The result is
+//! free cover the deficit — their reservations, and what the backend held for them beyond
+//! (an elastic sequence's growth, a demoted lease's blocks: held back until the report after
+//! they end); the wait is that lease's expected remaining time. The result is
 //! clamped to `[min_ms, max_ms]` and then stretched by a random jitter of up to `jitter` (never
 //! shortened, so a client is not told to come back before the estimate), so rejected clients do
 //! not return in step.
 
-use crate::ledger::Ledger;
+use crate::ledger::{Lease, Ledger};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RetryAfterConfig {
@@ -88,7 +90,13 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
 /// `bytes`: the expected remaining time of the lease that completes it. `None`: all of them
 /// together hold less.
 fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig) -> Option<u64> {
-    wait_for(&expected_ends(ledger, now_ms, cfg), bytes)
+    wait_for(&expected_ends(ledger, now_ms, cfg, frees_all), bytes)
+}
+
+/// All that a lease's end frees: its reservation at once, and what the backend held for it
+/// beyond that (held back, so not free now) at the next report.
+fn frees_all(l: &Lease) -> u64 {
+    l.bytes.saturating_add(l.held)
 }
 
 /// Over `ends` ([`expected_ends`]), the wait until they have freed `bytes`; `None`: they
@@ -104,12 +112,14 @@ pub(crate) fn wait_for(ends: &[(u64, u64)], bytes: u64) -> Option<u64> {
     None
 }
 
-/// Each live lease's expected remaining time and its bytes, soonest first: its `eta_ms` when
-/// it has one, else when it reaches the running mean lifetime (or its deadline, if sooner).
+/// Each live lease's expected remaining time and what its end frees (`frees`: its `bytes`
+/// alone, or with its `held`), soonest first: its `eta_ms` when it has one, else when it
+/// reaches the running mean lifetime (or its deadline, if sooner).
 pub(crate) fn expected_ends(
     ledger: &Ledger,
     now_ms: u64,
     cfg: &RetryAfterConfig,
+    frees: impl Fn(&Lease) -> u64,
 ) -> Vec<(u64, u64)> {
     let mean = match ledger.mean_lease_ms() {
         0 => cfg.default_lease_ms,
@@ -120,13 +130,13 @@ pub(crate) fn expected_ends(
         .iter()
         .map(|l| {
             if l.eta_ms > 0 {
-                return (l.eta_ms.saturating_sub(now_ms), l.bytes);
+                return (l.eta_ms.saturating_sub(now_ms), frees(l));
             }
             let age = now_ms.saturating_sub(l.created_ms);
             // A lease older than the mean is expected to end "soon": a quarter of the mean.
             let by_mean = mean.checked_sub(age).unwrap_or(mean / 4);
             let by_deadline = l.deadline_ms.saturating_sub(now_ms);
-            (by_mean.min(by_deadline), l.bytes)
+            (by_mean.min(by_deadline), frees(l))
         })
         .collect();
     ends.sort_unstable();
@@ -197,6 +207,33 @@ mod tests {
         assert_eq!(estimate_retry_after(&l, 80, 1_000, &cfg, 1).ms, 17_000);
         // Past its expected end and still there: "any moment now" (the floor).
         assert_eq!(estimate_retry_after(&l, 40, 5_000, &cfg, 1).ms, cfg.min_ms);
+    }
+
+    #[test]
+    fn what_the_backend_holds_beyond_a_reservation_frees_with_the_lease() {
+        let cfg = no_jitter();
+        // An elastic lease reserved 30 of 100 and grew to hold 70 at the backend: 40 held
+        // back, free 30. It is expected to end at 5 s.
+        let mut l = Ledger::new(100, 1);
+        admit(&mut l, 30, 0, 1_000_000);
+        let id = l.leases()[0].id;
+        l.set_eta(id, 5_000);
+        l.set_held_back(40);
+        // Needing 80 (50 more than is free) waits for all 70 it holds to free at its end. Not
+        // knowing what it holds, its 30 never cover the 50: the longest wait.
+        assert_eq!(estimate_retry_after(&l, 80, 1_000, &cfg, 1).ms, cfg.max_ms);
+        l.set_held(|_| 40);
+        assert_eq!(estimate_retry_after(&l, 80, 1_000, &cfg, 1).ms, 4_000);
+        // The whole pool: free now, the reservation and what it holds, 30 + 30 + 40.
+        assert_eq!(estimate_retry_after(&l, 100, 1_000, &cfg, 1).ms, 4_000);
+
+        // A demoted lease reserves nothing and holds what it had: that frees at its end too.
+        let mut d = Ledger::new(100, 1);
+        admit(&mut d, 50, 0, 1_000_000);
+        let id = d.leases()[0].id;
+        d.set_eta(id, 7_000);
+        assert!(d.demote(id).is_some());
+        assert_eq!(estimate_retry_after(&d, 80, 1_000, &cfg, 1).ms, 6_000);
     }
 
     #[test]
