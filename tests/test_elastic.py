@@ -5,10 +5,12 @@ An elastic class reserves prompt + a learned quantile of its outputs (a prior un
 instead of prompt + cap; the backend lends free blocks to a sequence that outgrows that and takes
 them back first (recompute) when a reservation needs them. The tests check what a user relies on:
 more requests share the pool than worst-case pricing lets in, the class learns its outputs from
-the backend's reports, a sequence that outgrows its reservation is delayed and never fails, and
-everything returns to exactly zero.
+the backend's reports, a sequence that outgrows its reservation is delayed and never fails, a
+request refused for what it borrowed is told when that frees, and everything returns to exactly
+zero.
 """
 
+import hashlib
 import json
 import math
 import threading
@@ -129,6 +131,59 @@ def test_sequences_that_outgrow_their_reservations_are_delayed_and_never_fail(st
     assert m["kvgate_backend_recompute_preemptions_total"] >= 1
     assert m["kvgate_backend_kv_oom_total"] == 0
     assert gw.stats().get("kvgate.rejected.kv_capacity_exceeded", 0) == 0
+    drained(gw, b)
+
+
+def test_a_refused_request_is_told_when_an_outgrown_sequence_frees_what_it_borrowed(stack):
+    # 32 blocks = 512 tokens. An elastic stream counting to 250 reserves its prompt + 16 tokens
+    # and borrows the rest as it grows: the gateway holds that back. A worst-case request (its own
+    # class, by API key) that lacks more than the stream's reservation must wait for the borrowed
+    # blocks too, which free when the stream ends. Its Retry-After says when: within 0.5-2x of
+    # the real wait, not the longest wait (which it was told while only reservations counted).
+    key = "kvgate-test-probe"
+    policy = elastic_policy(min_samples=512)
+    policy["policy"]["api_keys"] = {"sha256:" + hashlib.sha256(key.encode()).hexdigest(): "probe"}
+    policy["policy"]["classes"]["probe"] = {"action": "reject"}
+    policy["retry_after"] = {"min_ms": 500, "max_ms": 30000, "jitter": 0.0, "default_lease_ms": 3000}
+    gw, b = stack(32, policy, "--admission", "reserve", "--step-delay-ms", "30")
+    active(gw)
+    # One output like it first: where a lease will end is estimated from outputs seen before.
+    first = {}
+    stream(gw, 250, first)
+    assert first["status"] == 200 and first["finish"] == "length", first
+    # Until the next report the gateway still holds back what it borrowed.
+    gw.wait_for(lambda s: s["leases"] == 0 and s["held_back_bytes"] == 0, 10, "its growth released")
+    filler = {}
+    t = threading.Thread(target=stream, args=(gw, 250, filler))
+    t.start()
+    s = gw.wait_for(lambda s: s["leases"] == 1 and s["held_back_bytes"] >= 6 * BLOCK_BYTES, 60,
+                    "the stream grown six blocks past its reservation")
+    per_token = s["model"]["kv_bytes_per_token"]
+    free = s["capacity_bytes"] - s["committed_bytes"] - s["held_back_bytes"]
+    # Lacking the reservation and about half of what is borrowed (the chat template's ~40 prompt
+    # tokens and the one-block margin priced in).
+    lack = s["committed_bytes"] + s["held_back_bytes"] // 2
+    max_tokens = (free + lack - BLOCK_BYTES) // per_token - 40
+    t0 = time.monotonic()
+    r = requests.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                      timeout=30, json={"model": MODEL, "max_tokens": max_tokens, "messages": [
+                          {"role": "user", "content": "What is the capital of France?"}]})
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    ra = int(r.headers["retry-after-ms"])
+    reserved = gw.status()["committed_bytes"]
+    assert err["need_bytes"] - err["free_bytes"] > reserved, (err, reserved, "lacks more than reserved")
+    real = None
+    while real is None and time.monotonic() - t0 < 60:
+        st = gw.status()
+        if st["capacity_bytes"] - st["committed_bytes"] - st["held_back_bytes"] >= err["need_bytes"]:
+            real = time.monotonic() - t0
+        time.sleep(0.05)
+    t.join(timeout=60)
+    assert filler["status"] == 200 and filler["finish"] == "length", filler
+    assert real is not None, "the stream's end freed what the request needed"
+    assert 0.5 <= ra / max(real * 1000, 500) <= 2.0, (ra, real)
+    assert b.metrics()["kvgate_backend_kv_oom_total"] == 0
     drained(gw, b)
 
 
