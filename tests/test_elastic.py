@@ -180,6 +180,7 @@ def test_a_refused_request_is_told_when_an_outgrown_sequence_frees_what_it_borro
             real = time.monotonic() - t0
         time.sleep(0.05)
     t.join(timeout=60)
+    assert not t.is_alive(), "the stream ended"
     assert filler["status"] == 200 and filler["finish"] == "length", filler
     assert real is not None, "the stream's end freed what the request needed"
     assert 0.5 <= ra / max(real * 1000, 500) <= 2.0, (ra, real)

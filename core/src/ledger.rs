@@ -42,8 +42,9 @@ pub struct Lease {
     /// Only Retry-After reads it.
     pub eta_ms: u64,
     /// What the backend held for it beyond `bytes` at the last report (an elastic sequence
-    /// grown past its reservation; all a demoted lease holds): part of `held_back`, which
-    /// frees with the lease at the next report. Only Retry-After reads it.
+    /// grown past its reservation; all a demoted lease holds), held back until the report
+    /// after the lease ends. Part of it may have been lent since (`admit_into_lent`, claims):
+    /// Retry-After, the only reader, counts it as freed only up to what was not.
     pub held: u64,
 }
 
@@ -281,7 +282,7 @@ impl Ledger {
     }
 
     /// Capacity less committed and held back (claims included).
-    fn unclaimed(&self) -> u64 {
+    pub(crate) fn unclaimed(&self) -> u64 {
         self.unclaimed_at(self.committed)
     }
 

@@ -89,14 +89,28 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
 /// How long until the live leases, ending in the order they are expected to, have freed
 /// `bytes`: the expected remaining time of the lease that completes it. `None`: all of them
 /// together hold less.
+///
+/// A lease's end frees its reservation at once, and what the backend held for it beyond that
+/// (held back, so not free now) at the next report — but only held bytes nobody else has been
+/// given since: what was lent from held back to a reservation (`committed + held_back` past
+/// the capacity: the backend takes those blocks back from their borrower) or to a claim (what
+/// claims hold beyond the room not held back) is not freed again when the borrower ends. So at
+/// most `min(held_back, capacity − committed)` less that lent to claims is counted, taken in
+/// the order the leases are expected to end.
 fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig) -> Option<u64> {
-    wait_for(&expected_ends(ledger, now_ms, cfg, frees_all), bytes)
-}
-
-/// All that a lease's end frees: its reservation at once, and what the backend held for it
-/// beyond that (held back, so not free now) at the next report.
-fn frees_all(l: &Lease) -> u64 {
-    l.bytes.saturating_add(l.held)
+    let mut held_room = ledger
+        .held_back()
+        .min(ledger.capacity().saturating_sub(ledger.committed()))
+        .saturating_sub(ledger.claimed().saturating_sub(ledger.unclaimed()));
+    let ends: Vec<(u64, u64)> = expected_ends(ledger, now_ms, cfg, |l| (l.bytes, l.held))
+        .into_iter()
+        .map(|(wait, (reserved, held))| {
+            let held = held.min(held_room);
+            held_room -= held;
+            (wait, reserved.saturating_add(held))
+        })
+        .collect();
+    wait_for(&ends, bytes)
 }
 
 /// Over `ends` ([`expected_ends`]), the wait until they have freed `bytes`; `None`: they
@@ -112,20 +126,20 @@ pub(crate) fn wait_for(ends: &[(u64, u64)], bytes: u64) -> Option<u64> {
     None
 }
 
-/// Each live lease's expected remaining time and what its end frees (`frees`: its `bytes`
-/// alone, or with its `held`), soonest first: its `eta_ms` when it has one, else when it
-/// reaches the running mean lifetime (or its deadline, if sooner).
-pub(crate) fn expected_ends(
+/// Each live lease's expected remaining time and what its end frees (`frees`: its `bytes`,
+/// or with its `held`), soonest first: its `eta_ms` when it has one, else when it reaches the
+/// running mean lifetime (or its deadline, if sooner).
+pub(crate) fn expected_ends<T>(
     ledger: &Ledger,
     now_ms: u64,
     cfg: &RetryAfterConfig,
-    frees: impl Fn(&Lease) -> u64,
-) -> Vec<(u64, u64)> {
+    frees: impl Fn(&Lease) -> T,
+) -> Vec<(u64, T)> {
     let mean = match ledger.mean_lease_ms() {
         0 => cfg.default_lease_ms,
         m => m,
     };
-    let mut ends: Vec<(u64, u64)> = ledger
+    let mut ends: Vec<(u64, T)> = ledger
         .leases()
         .iter()
         .map(|l| {
@@ -139,7 +153,7 @@ pub(crate) fn expected_ends(
             (by_mean.min(by_deadline), frees(l))
         })
         .collect();
-    ends.sort_unstable();
+    ends.sort_by_key(|(wait, _)| *wait);
     ends
 }
 
@@ -234,6 +248,36 @@ mod tests {
         d.set_eta(id, 7_000);
         assert!(d.demote(id).is_some());
         assert_eq!(estimate_retry_after(&d, 80, 1_000, &cfg, 1).ms, 6_000);
+    }
+
+    #[test]
+    fn what_was_lent_since_the_report_is_not_counted_as_freed_twice() {
+        let cfg = no_jitter();
+        // A lease of 50, expected to end at 7 s, is demoted for a preemptor of 80, admitted into
+        // what the victim held: the backend takes the victim's blocks back for it, all but 20.
+        let mut l = Ledger::new(100, 1);
+        admit(&mut l, 50, 0, 1_000_000);
+        let victim = l.leases()[0].id;
+        l.set_eta(victim, 7_000);
+        assert!(l.demote(victim).is_some());
+        let preemptor = AdmitRequest {
+            id: None,
+            bytes: 80,
+            class: "vip",
+            priority: 9,
+            fingerprint: 0,
+            now_ms: 1_000,
+            ttl_ms: 1_000_000,
+            owner: 1,
+            claim: None,
+        };
+        let p = l
+            .admit_into_lent(&preemptor)
+            .expect("admitted into the victim's blocks");
+        l.set_eta(p.id, 20_000);
+        // The victim's end frees 20 at most (its `held` says 50); 30 waits for the preemptor's.
+        assert_eq!(estimate_retry_after(&l, 20, 1_000, &cfg, 1).ms, 6_000);
+        assert_eq!(estimate_retry_after(&l, 30, 1_000, &cfg, 1).ms, 19_000);
     }
 
     #[test]
