@@ -33,7 +33,6 @@ Usage: .venv/bin/python bench/retry_after_bench.py [--probes 12] [--rounds 1]
 """
 
 import argparse
-import hashlib
 import json
 import random
 import statistics
@@ -47,7 +46,8 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from harness import BLOCK_BYTES, Backend, Envoy, shipped_plugin_config  # noqa: E402
+from harness import (BLOCK_BYTES, Backend, Envoy, api_key_entry,  # noqa: E402
+                     shipped_plugin_config, unclaimed_bytes)
 
 MODEL = "smollm2-135m-instruct"
 PROMPTS = [
@@ -71,8 +71,7 @@ ARMS = {  # name: (from_progress, elastic fillers)
 
 
 def elastic_policy():
-    key = "sha256:" + hashlib.sha256(PROBE_KEY.encode()).hexdigest()
-    return {"default_class": "default", "api_keys": {key: "probe"}, "classes": {
+    return {"default_class": "default", "api_keys": {api_key_entry(PROBE_KEY): "probe"}, "classes": {
         "default": {"action": "reject", "reservation": "elastic", "elastic_quantile": 0.9,
                     "elastic_min_samples": 3, "elastic_prior_tokens": 16},
         "probe": {"action": "reject"}}}
@@ -122,7 +121,7 @@ def run_arm(name, from_progress, elastic, probes, blocks, seed, workdir, wasm=No
             # comes back for (it expires instead), so the probe's real wait would not be the one
             # it was told about.
             s = gw.status()
-            free = s["capacity_bytes"] - s["committed_bytes"] - s["held_back_bytes"]
+            free = unclaimed_bytes(s)
             per_token = s["model"]["kv_bytes_per_token"]
             if (FILLER_PROMPT_TOKENS + body["max_tokens"]) * per_token + BLOCK_BYTES > free:
                 continue
@@ -133,7 +132,7 @@ def run_arm(name, from_progress, elastic, probes, blocks, seed, workdir, wasm=No
             time.sleep(0.05)
         time.sleep(rng.uniform(0.5, 3.0))
         s = gw.status()
-        free = s["capacity_bytes"] - s["committed_bytes"] - s["held_back_bytes"]
+        free = unclaimed_bytes(s)
         per_token = s["model"]["kv_bytes_per_token"]
         cap_tokens = s["capacity_bytes"] // per_token
         lack = extra.randint(48, 320) if elastic else 48
@@ -151,8 +150,7 @@ def run_arm(name, from_progress, elastic, probes, blocks, seed, workdir, wasm=No
                 need = err.get("need_bytes", 0)
                 real = None
                 while real is None and time.monotonic() - t0 < 120:
-                    st = gw.status()
-                    if st["capacity_bytes"] - st["committed_bytes"] - st["held_back_bytes"] >= need:
+                    if unclaimed_bytes(gw.status()) >= need:
                         real = time.monotonic() - t0
                     else:
                         time.sleep(0.05)

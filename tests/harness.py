@@ -6,6 +6,7 @@ child is alive; logs are dumped when a test fails; teardown always kills the pro
 """
 
 import copy
+import hashlib
 import json
 import os
 import signal
@@ -32,6 +33,18 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def api_key_entry(key):
+    """How `policy.api_keys` names an API key: its SHA-256, never the key itself."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def unclaimed_bytes(status):
+    """From a /kvgate/status document, the room neither committed nor held back. Unlike its
+    `free_bytes`, what places in the fair-retry line hold counts as room: a refused request's own
+    place holds part of what it waits for."""
+    return status["capacity_bytes"] - status["committed_bytes"] - status["held_back_bytes"]
 
 
 def shipped_bootstrap():

@@ -10,7 +10,6 @@ request refused for what it borrowed is told when that frees, and everything ret
 zero.
 """
 
-import hashlib
 import json
 import math
 import threading
@@ -18,7 +17,7 @@ import time
 
 import requests
 
-from harness import BLOCK_BYTES
+from harness import BLOCK_BYTES, api_key_entry, unclaimed_bytes
 
 MODEL = "smollm2-135m-instruct"
 COUNTING = "1, 2, 3, 4,"  # greedy SmolLM2 keeps counting: a generation that runs to max_tokens
@@ -142,7 +141,7 @@ def test_a_refused_request_is_told_when_an_outgrown_sequence_frees_what_it_borro
     # the real wait, not the longest wait (which it was told while only reservations counted).
     key = "kvgate-test-probe"
     policy = elastic_policy(min_samples=512)
-    policy["policy"]["api_keys"] = {"sha256:" + hashlib.sha256(key.encode()).hexdigest(): "probe"}
+    policy["policy"]["api_keys"] = {api_key_entry(key): "probe"}
     policy["policy"]["classes"]["probe"] = {"action": "reject"}
     policy["retry_after"] = {"min_ms": 500, "max_ms": 30000, "jitter": 0.0, "default_lease_ms": 3000}
     gw, b = stack(32, policy, "--admission", "reserve", "--step-delay-ms", "30")
@@ -159,7 +158,7 @@ def test_a_refused_request_is_told_when_an_outgrown_sequence_frees_what_it_borro
     s = gw.wait_for(lambda s: s["leases"] == 1 and s["held_back_bytes"] >= 6 * BLOCK_BYTES, 60,
                     "the stream grown six blocks past its reservation")
     per_token = s["model"]["kv_bytes_per_token"]
-    free = s["capacity_bytes"] - s["committed_bytes"] - s["held_back_bytes"]
+    free = unclaimed_bytes(s)
     # Lacking the reservation and about half of what is borrowed (the chat template's ~40 prompt
     # tokens and the one-block margin priced in).
     lack = s["committed_bytes"] + s["held_back_bytes"] // 2
@@ -175,8 +174,7 @@ def test_a_refused_request_is_told_when_an_outgrown_sequence_frees_what_it_borro
     assert err["need_bytes"] - err["free_bytes"] > reserved, (err, reserved, "lacks more than reserved")
     real = None
     while real is None and time.monotonic() - t0 < 60:
-        st = gw.status()
-        if st["capacity_bytes"] - st["committed_bytes"] - st["held_back_bytes"] >= err["need_bytes"]:
+        if unclaimed_bytes(gw.status()) >= err["need_bytes"]:
             real = time.monotonic() - t0
         time.sleep(0.05)
     t.join(timeout=60)

@@ -652,7 +652,7 @@ impl Ledger {
             any = true;
             let fits_ms = match need.checked_sub(uncommitted).filter(|s| *s > 0) {
                 None => 0,
-                Some(short) => crate::retry::wait_for(&ends, short)
+                Some(short) => crate::retry::wait_for(ends.iter().copied(), short)
                     .unwrap_or_else(|| ends.last().map_or(0, |(wait, _)| *wait)),
             };
             let back_ms = match c.active {

@@ -102,25 +102,24 @@ fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig
         .held_back()
         .min(ledger.capacity().saturating_sub(ledger.committed()))
         .saturating_sub(ledger.claimed().saturating_sub(ledger.unclaimed()));
-    let ends: Vec<(u64, u64)> = expected_ends(ledger, now_ms, cfg, |l| (l.bytes, l.held))
+    let ends = expected_ends(ledger, now_ms, cfg, |l| (l.bytes, l.held))
         .into_iter()
         .map(|(wait, (reserved, held))| {
             let held = held.min(held_room);
             held_room -= held;
             (wait, reserved.saturating_add(held))
-        })
-        .collect();
-    wait_for(&ends, bytes)
+        });
+    wait_for(ends, bytes)
 }
 
-/// Over `ends` ([`expected_ends`]), the wait until they have freed `bytes`; `None`: they
-/// hold less.
-pub(crate) fn wait_for(ends: &[(u64, u64)], bytes: u64) -> Option<u64> {
+/// Over `ends` (`(wait, bytes freed)`, soonest first: [`expected_ends`]), the wait until they
+/// have freed `bytes`; `None`: they hold less.
+pub(crate) fn wait_for(ends: impl IntoIterator<Item = (u64, u64)>, bytes: u64) -> Option<u64> {
     let mut freed: u64 = 0;
     for (wait, b) in ends {
-        freed = freed.saturating_add(*b);
+        freed = freed.saturating_add(b);
         if freed >= bytes {
-            return Some(*wait);
+            return Some(wait);
         }
     }
     None
@@ -153,7 +152,7 @@ pub(crate) fn expected_ends<T>(
             (by_mean.min(by_deadline), frees(l))
         })
         .collect();
-    ends.sort_by_key(|(wait, _)| *wait);
+    ends.sort_unstable_by_key(|(wait, _)| *wait);
     ends
 }
 
@@ -163,8 +162,8 @@ mod tests {
     use crate::ledger::{AdmitOutcome, AdmitRequest};
     use proptest::prelude::*;
 
-    fn admit(l: &mut Ledger, bytes: u64, now: u64, ttl: u64) {
-        let r = AdmitRequest {
+    fn request(bytes: u64, now: u64, ttl: u64) -> AdmitRequest<'static> {
+        AdmitRequest {
             id: None,
             bytes,
             class: "c",
@@ -174,11 +173,24 @@ mod tests {
             ttl_ms: ttl,
             owner: 0,
             claim: None,
-        };
+        }
+    }
+
+    fn admit(l: &mut Ledger, bytes: u64, now: u64, ttl: u64) {
         assert!(matches!(
-            l.try_admit(&r, &RetryAfterConfig::default(), 0),
+            l.try_admit(&request(bytes, now, ttl), &RetryAfterConfig::default(), 0),
             AdmitOutcome::Admitted { .. }
         ));
+    }
+
+    /// A pool of 100 with one lease of `bytes`, admitted at 0 and expected to end at `eta_ms`;
+    /// and its id.
+    fn one_lease(bytes: u64, eta_ms: u64) -> (Ledger, u64) {
+        let mut l = Ledger::new(100, 1);
+        admit(&mut l, bytes, 0, 1_000_000);
+        let id = l.leases()[0].id;
+        l.set_eta(id, eta_ms);
+        (l, id)
     }
 
     fn no_jitter() -> RetryAfterConfig {
@@ -228,10 +240,7 @@ mod tests {
         let cfg = no_jitter();
         // An elastic lease reserved 30 of 100 and grew to hold 70 at the backend: 40 held
         // back, free 30. It is expected to end at 5 s.
-        let mut l = Ledger::new(100, 1);
-        admit(&mut l, 30, 0, 1_000_000);
-        let id = l.leases()[0].id;
-        l.set_eta(id, 5_000);
+        let (mut l, _) = one_lease(30, 5_000);
         l.set_held_back(40);
         // Needing 80 (50 more than is free) waits for all 70 it holds to free at its end. Not
         // knowing what it holds, its 30 never cover the 50: the longest wait.
@@ -242,10 +251,7 @@ mod tests {
         assert_eq!(estimate_retry_after(&l, 100, 1_000, &cfg, 1).ms, 4_000);
 
         // A demoted lease reserves nothing and holds what it had: that frees at its end too.
-        let mut d = Ledger::new(100, 1);
-        admit(&mut d, 50, 0, 1_000_000);
-        let id = d.leases()[0].id;
-        d.set_eta(id, 7_000);
+        let (mut d, id) = one_lease(50, 7_000);
         assert!(d.demote(id).is_some());
         assert_eq!(estimate_retry_after(&d, 80, 1_000, &cfg, 1).ms, 6_000);
     }
@@ -255,24 +261,10 @@ mod tests {
         let cfg = no_jitter();
         // A lease of 50, expected to end at 7 s, is demoted for a preemptor of 80, admitted into
         // what the victim held: the backend takes the victim's blocks back for it, all but 20.
-        let mut l = Ledger::new(100, 1);
-        admit(&mut l, 50, 0, 1_000_000);
-        let victim = l.leases()[0].id;
-        l.set_eta(victim, 7_000);
+        let (mut l, victim) = one_lease(50, 7_000);
         assert!(l.demote(victim).is_some());
-        let preemptor = AdmitRequest {
-            id: None,
-            bytes: 80,
-            class: "vip",
-            priority: 9,
-            fingerprint: 0,
-            now_ms: 1_000,
-            ttl_ms: 1_000_000,
-            owner: 1,
-            claim: None,
-        };
         let p = l
-            .admit_into_lent(&preemptor)
+            .admit_into_lent(&request(80, 1_000, 1_000_000))
             .expect("admitted into the victim's blocks");
         l.set_eta(p.id, 20_000);
         // The victim's end frees 20 at most (its `held` says 50); 30 waits for the preemptor's.
