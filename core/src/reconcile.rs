@@ -200,7 +200,9 @@ impl ProgressTracker {
             .filter_map(|e| Some((e.id?, e.generated())))
             .collect();
         self.last_ms = now_ms;
-        if self.outputs.len() < OUTPUTS_NEEDED || self.tokens_per_s <= 0.0 {
+        // The rate alone is enough to start: until OUTPUTS_NEEDED outputs have finished, what
+        // they say weighs only their share (see `Progress::lengths_after`).
+        if self.tokens_per_s <= 0.0 {
             return None;
         }
         let mut outputs: Vec<Output> = self.outputs.iter().copied().collect();
@@ -213,6 +215,12 @@ impl ProgressTracker {
 }
 
 impl Progress {
+    /// Have enough outputs finished ([`OUTPUTS_NEEDED`]) for run estimates? Backfills wait for
+    /// it; Retry-After does not (see [`Progress::lengths_after`]).
+    pub fn warm(&self) -> bool {
+        self.outputs.len() >= OUTPUTS_NEEDED
+    }
+
     /// When `e` is expected to end: at the median of the lengths it may still reach (see
     /// [`Progress::lengths_after`]), never past its cap; at the midpoint of what its cap still
     /// allows when no finished output that counts was longer than what it has produced. A
@@ -234,7 +242,24 @@ impl Progress {
     /// what `e` has produced only they count; before that, their estimate weighs one
     /// [`OUTPUTS_NEEDED`]th for each of them, and the estimate over all outputs the rest.
     /// `None` when no output that counts was longer.
+    ///
+    /// Cold (fewer than [`OUTPUTS_NEEDED`] finished outputs seen: a new backend's first
+    /// requests; a restarted gateway relearns those its backend still reports): what they say
+    /// weighs one [`OUTPUTS_NEEDED`]th each, and the rest of the chance is spread
+    /// uniformly up to the cap, as when nothing is known. Not the mean lifetime of the few
+    /// leases that ended: one short answer would make every long run look about to end.
     fn lengths_after(&self, e: &LiveEntry) -> Option<Law> {
+        let learned = self.learned_after(e)?;
+        let seen = self.outputs.len();
+        if seen >= OUTPUTS_NEEDED {
+            return Some(learned);
+        }
+        let w = seen as f64 / OUTPUTS_NEEDED as f64;
+        Some(mix(&learned, w, &Law::default(), 1.0 - w))
+    }
+
+    /// [`Progress::lengths_after`] from the finished outputs alone.
+    fn learned_after(&self, e: &LiveEntry) -> Option<Law> {
         let done = e.generated();
         let like = |o: &&Output| o.answered_like(e.prompt_tokens);
         let longer = |o: &&Output| o.tokens > done;
@@ -1182,6 +1207,43 @@ mod tests {
     }
 
     #[test]
+    fn a_cold_gateway_expects_ends_within_the_cap_until_enough_outputs_have_finished() {
+        let running = |generated: u64| LiveEntry {
+            id: Some(1),
+            bytes: 100,
+            running: true,
+            prompt_tokens: 20,
+            max_tokens: 400,
+            used_tokens: 20 + generated,
+            ..LiveEntry::default()
+        };
+        let seen = |n: usize| Progress {
+            tokens_per_s: 10.0,
+            outputs: vec![Output::stopped(10); n],
+        };
+        // Nothing finished yet: halfway through what its cap still allows, at the rate (190
+        // more of the 380 tokens left, at 10/s).
+        assert_eq!(seen(0).eta_ms(&running(20), 0), Some(19_000));
+        // One short answer seen weighs a fifth: the median is still in what the cap allows,
+        // (0.5 − 0.2) / 0.8 of the 395 tokens it has left: 149 more (rounded up).
+        assert_eq!(seen(1).eta_ms(&running(5), 0), Some(14_900));
+        // Four of them, four fifths: the median is the short answer (5 more tokens).
+        assert_eq!(seen(4).eta_ms(&running(5), 0), Some(500));
+        // Five: trusted alone, as before.
+        assert_eq!(seen(5).eta_ms(&running(5), 0), Some(500));
+        // Past every output seen, cold or not: uniformly up to the cap (190 more).
+        assert_eq!(seen(2).eta_ms(&running(20), 0), Some(19_000));
+        // Jointly, of three just started with nothing seen, the first is expected to end well
+        // before the middle of its cap, and the last after it.
+        let a = running(0);
+        let b = LiveEntry { id: Some(2), ..a };
+        let c = LiveEntry { id: Some(3), ..a };
+        let mut etas = seen(0).joint_etas(&[&a, &b, &c], 0).unwrap();
+        etas.sort_unstable();
+        assert!(etas[0] < 15_000 && etas[2] > 25_000, "{etas:?}");
+    }
+
+    #[test]
     fn the_tracker_learns_the_rate_and_the_typical_output() {
         let mut t = ProgressTracker::default();
         let at = |generated: u64, finished: Vec<u64>| BackendReport {
@@ -1196,10 +1258,16 @@ mod tests {
             finished_outputs: finished.into_iter().map(Output::stopped).collect(),
             ..Default::default()
         };
+        // No rate before two reports have seen a sequence move.
         assert_eq!(t.observe(&at(0, vec![]), 1_000), None);
-        // 20 tokens in 1 s, but too few finished outputs yet.
-        assert_eq!(t.observe(&at(20, vec![30, 40]), 2_000), None);
+        // 20 tokens in 1 s: the rate is known, with the two outputs finished so far (cold:
+        // `lengths_after` weighs them by their number).
+        let p = t.observe(&at(20, vec![30, 40]), 2_000).unwrap();
+        assert!((p.tokens_per_s - 20.0).abs() < 1e-9);
+        assert_eq!(p.outputs, [30, 40].map(Output::stopped));
+        assert!(!p.warm(), "too few outputs for run estimates (backfills)");
         let p = t.observe(&at(40, vec![50, 60, 200]), 3_000).unwrap();
+        assert!(p.warm());
         assert!((p.tokens_per_s - 20.0).abs() < 1e-9);
         assert_eq!(p.outputs, [30, 40, 50, 60, 200].map(Output::stopped));
         // Rates are smoothed: a slower second keeps most of the earlier estimate.

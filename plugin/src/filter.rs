@@ -467,7 +467,10 @@ impl HttpContext for Filter {
         });
         let class = class_policy.name.clone();
         // Elastic classes reserve a learned allowance instead of the whole cap; the backend is
-        // told it here (headers cannot be set from the body callback) and clamps it to the cap.
+        // told it here and clamps it to the cap. Not from the body callback, after the prompt is
+        // counted: headers let continue answer `NotFound` there, and headers held back with
+        // `Pause` hold the body back too (proxy-wasm turns a headers `StopIteration` into
+        // `StopAllIterationAndWatermark`), so the body callback never comes (tried: 504).
         let allowance = (rt.cfg.mode != kvgate_core::config::Mode::Shadow)
             .then(|| self.worker.elastic_allowance(class_policy))
             .flatten();

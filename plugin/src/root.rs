@@ -525,8 +525,12 @@ impl Root {
             .filter(|_| rt.cfg.retry_from_progress);
         // No rate (too few outputs seen yet, or Retry-After not estimated from progress): no
         // run estimates, so no backfills.
-        e.tokens_per_s
-            .set(progress.as_ref().map_or(0.0, |p| p.tokens_per_s));
+        e.tokens_per_s.set(
+            progress
+                .as_ref()
+                .filter(|p| p.warm())
+                .map_or(0.0, |p| p.tokens_per_s),
+        );
         let done = store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
             if let Some(c) = capacity {
                 l.set_capacity(c);
