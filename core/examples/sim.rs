@@ -1157,7 +1157,7 @@ struct Gateway {
     /// Live lease id → (request, endpoint).
     leases: HashMap<u64, (usize, usize)>,
     /// Per backend, output tokens a second of one decoding sequence as the polls see it (the
-    /// filter's `Endpoint::tokens_per_s`; 0 until its tracker has a model).
+    /// filter's `Endpoint::tokens_per_s`; 0 until its tracker's model is warm).
     tokens_per_s: Vec<f64>,
     /// Per backend, the filter's `ProgressTracker`.
     progress: Vec<ProgressTracker>,

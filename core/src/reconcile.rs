@@ -246,7 +246,8 @@ impl Progress {
     /// Cold (fewer than [`OUTPUTS_NEEDED`] finished outputs seen: a new backend's first
     /// requests; a restarted gateway relearns those its backend still reports): what they say
     /// weighs one [`OUTPUTS_NEEDED`]th each, and the rest of the chance is spread
-    /// uniformly up to the cap, as when nothing is known. Not the mean lifetime of the few
+    /// uniformly from what it has produced up to its cap ([`Law::uniform`]), as when nothing
+    /// is known. Not the mean lifetime of the few
     /// leases that ended: one short answer would make every long run look about to end.
     fn lengths_after(&self, e: &LiveEntry) -> Option<Law> {
         let learned = self.learned_after(e)?;
@@ -255,7 +256,9 @@ impl Progress {
             return Some(learned);
         }
         let w = seen as f64 / OUTPUTS_NEEDED as f64;
-        Some(mix(&learned, w, &Law::default(), 1.0 - w))
+        let done = e.generated();
+        let cap = e.max_tokens.max(done.saturating_add(1));
+        Some(mix(&learned, w, &Law::uniform(done, cap), 1.0 - w))
     }
 
     /// [`Progress::lengths_after`] from the finished outputs alone.
@@ -408,7 +411,29 @@ pub(crate) fn kaplan_meier(at_risk: impl Iterator<Item = (u64, bool)> + Clone) -
     Some(certain_at_the_end(law))
 }
 
+/// Steps of [`Law::uniform`].
+const UNIFORM_STEPS: u64 = 64;
+
 impl Law {
+    /// Every length in `(done, cap]` as likely as another, in at most [`UNIFORM_STEPS`] equal
+    /// steps (each at its upper end): what is known of a lease when nothing is, as explicit
+    /// steps so that [`mix`] weighs it point by point.
+    fn uniform(done: u64, cap: u64) -> Law {
+        let span = cap.saturating_sub(done).max(1);
+        let n = span.min(UNIFORM_STEPS);
+        certain_at_the_end(Law {
+            steps: (1..=n)
+                .map(|i| {
+                    // At most `span`: no overflow, even for an absurd cap.
+                    let up = (u128::from(i) * u128::from(span)).div_ceil(u128::from(n));
+                    let at = done.saturating_add(u64::try_from(up).unwrap_or(span));
+                    (at, i as f64 / n as f64)
+                })
+                .collect(),
+            tail_from: 0,
+        })
+    }
+
     /// The shortest length that outputs end at or before with at least chance `share`; when
     /// the steps never reach it (the rest ran to their caps), the longest output seen, a lower
     /// bound. The tolerance keeps exact shares (9 of 10 for 0.9) exact in floating point.
@@ -1224,23 +1249,39 @@ mod tests {
         // Nothing finished yet: halfway through what its cap still allows, at the rate (190
         // more of the 380 tokens left, at 10/s).
         assert_eq!(seen(0).eta_ms(&running(20), 0), Some(19_000));
-        // One short answer seen weighs a fifth: the median is still in what the cap allows,
-        // (0.5 − 0.2) / 0.8 of the 395 tokens it has left: 149 more (rounded up).
-        assert_eq!(seen(1).eta_ms(&running(5), 0), Some(14_900));
+        // One short answer seen weighs a fifth, the even spread over the 395 tokens it has left
+        // four fifths: the median is where 0.2 + 0.8 × spread passes 0.5, the 25th of the 64
+        // steps (5 + ⌈25 × 395 / 64⌉ = 160): 155 more tokens (the exact median is 148.1 more).
+        assert_eq!(seen(1).eta_ms(&running(5), 0), Some(15_500));
+        // The same with a long answer seen (300): it weighs a fifth above the median, which is
+        // where 0.8 × spread passes 0.5, the 41st step (5 + ⌈41 × 395 / 64⌉ = 259), not the
+        // 300 it said nor anything counted from it.
+        let long = |capped: bool| Progress {
+            tokens_per_s: 10.0,
+            outputs: vec![if capped {
+                Output::capped(300)
+            } else {
+                Output::stopped(300)
+            }],
+        };
+        assert_eq!(long(false).eta_ms(&running(5), 0), Some(25_400));
+        // One its cap ended at 300 (it could have run longer): the same; the spread still
+        // starts from what the lease has produced, not from 300.
+        assert_eq!(long(true).eta_ms(&running(5), 0), Some(25_400));
         // Four of them, four fifths: the median is the short answer (5 more tokens).
         assert_eq!(seen(4).eta_ms(&running(5), 0), Some(500));
         // Five: trusted alone, as before.
         assert_eq!(seen(5).eta_ms(&running(5), 0), Some(500));
         // Past every output seen, cold or not: uniformly up to the cap (190 more).
         assert_eq!(seen(2).eta_ms(&running(20), 0), Some(19_000));
-        // Jointly, of three just started with nothing seen, the first is expected to end well
-        // before the middle of its cap, and the last after it.
+        // Jointly, of three just started with one short answer seen, the first is expected to
+        // end with the short answer or early in the spread, and the last late in it.
         let a = running(0);
         let b = LiveEntry { id: Some(2), ..a };
         let c = LiveEntry { id: Some(3), ..a };
-        let mut etas = seen(0).joint_etas(&[&a, &b, &c], 0).unwrap();
+        let mut etas = seen(1).joint_etas(&[&a, &b, &c], 0).unwrap();
         etas.sort_unstable();
-        assert!(etas[0] < 15_000 && etas[2] > 25_000, "{etas:?}");
+        assert!(etas[0] < 12_000 && etas[2] > 25_000, "{etas:?}");
     }
 
     #[test]

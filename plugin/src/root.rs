@@ -523,8 +523,8 @@ impl Root {
             .get_mut(i)
             .and_then(|p| p.progress.observe(&report, now))
             .filter(|_| rt.cfg.retry_from_progress);
-        // No rate (too few outputs seen yet, or Retry-After not estimated from progress): no
-        // run estimates, so no backfills.
+        // No rate for run estimates (no decode rate measured yet, fewer than 5 outputs seen —
+        // `Progress::warm` — or Retry-After not estimated from progress): no backfills.
         e.tokens_per_s.set(
             progress
                 .as_ref()
