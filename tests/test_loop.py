@@ -10,7 +10,7 @@ import time
 
 import requests
 
-from harness import BLOCK_BYTES
+from harness import BLOCK_BYTES, unclaimed_bytes
 
 MODEL = "smollm2-135m-instruct"
 COUNTING = "1, 2, 3, 4,"  # greedy SmolLM2 keeps counting: a generation that runs to max_tokens
@@ -178,6 +178,39 @@ def test_full_budget_429_then_client_retry_succeeds(stack):
 
 def streamed_text(events):
     return "".join(e["choices"][0].get("text", "") for e in events if e.get("choices"))
+
+
+def test_a_cold_gateway_does_not_tell_a_refused_request_the_shortest_wait(stack):
+    # A fresh backend and gateway: nothing has finished yet, so no output length is known. A
+    # stream counting to its cap of 300 holds most of the 32 blocks; the same request beside it
+    # is refused. Its Retry-After comes from the stream's progress, its cap and the measured
+    # decode rate: a real fraction of the wait, not a short lease lifetime nobody measured
+    # (`default_lease_ms`, quartered for a lease older than it: the shortest wait, 20x short).
+    gw, b = stack(32, {"retry_after": {"min_ms": 500, "max_ms": 60000, "jitter": 0.0,
+                                       "default_lease_ms": 1000}},
+                  "--step-delay-ms", "30")
+    t, res = long_stream(gw, 300)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    # Two polls 200 ms apart that see it move give the decode rate.
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        e = b.leases()["leases"]
+        if e and e[0]["used_tokens"] - e[0]["prompt_tokens"] >= 40:
+            break
+        time.sleep(0.1)
+    time.sleep(0.6)
+    req = {"model": MODEL, "prompt": COUNTING, "max_tokens": 300, "temperature": 0}
+    t0 = time.time()
+    r = requests.post(gw.url + "/v1/completions", timeout=30, json=req)
+    assert r.status_code == 429, r.text
+    told = int(r.headers["retry-after-ms"]) / 1000
+    need = r.json()["error"]["need_bytes"]
+    gw.wait_for(lambda s: unclaimed_bytes(s) >= need, 120, "room for the refused request")
+    real = time.time() - t0
+    assert 0.3 * real <= told <= 2 * real, (told, real)
+    t.join()
+    assert res["status"] == 200
+    drained(gw, b)
 
 
 def test_preempt_demotes_the_youngest_lower_class_stream_which_is_only_delayed(stack):

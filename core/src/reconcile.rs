@@ -244,18 +244,19 @@ impl Progress {
     /// `None` when no output that counts was longer.
     ///
     /// Cold (fewer than [`OUTPUTS_NEEDED`] finished outputs seen: a new backend's first
-    /// requests; a restarted gateway relearns those its backend still reports): what they say
-    /// weighs one [`OUTPUTS_NEEDED`]th each, and the rest of the chance is spread
-    /// uniformly from what it has produced up to its cap ([`Law::uniform`]), as when nothing
-    /// is known. Not the mean lifetime of the few
-    /// leases that ended: one short answer would make every long run look about to end.
+    /// requests; a restarted gateway relearns those its backend still reports): the `n` seen
+    /// weigh `n / (n + 1)`, and the rest of the chance, as much as one more output, is spread
+    /// evenly from what the lease has produced up to its cap ([`Law::uniform`]), as when
+    /// nothing is known. Not the mean lifetime of the few leases that ended: one short answer
+    /// would make every long run look about to end. Not a fifth per output either: one run to
+    /// its cap, repeated, would then be expected well before its cap.
     fn lengths_after(&self, e: &LiveEntry) -> Option<Law> {
         let learned = self.learned_after(e)?;
         let seen = self.outputs.len();
         if seen >= OUTPUTS_NEEDED {
             return Some(learned);
         }
-        let w = seen as f64 / OUTPUTS_NEEDED as f64;
+        let w = seen as f64 / (seen as f64 + 1.0);
         let done = e.generated();
         let cap = e.max_tokens.max(done.saturating_add(1));
         Some(mix(&learned, w, &Law::uniform(done, cap), 1.0 - w))
@@ -1249,13 +1250,11 @@ mod tests {
         // Nothing finished yet: halfway through what its cap still allows, at the rate (190
         // more of the 380 tokens left, at 10/s).
         assert_eq!(seen(0).eta_ms(&running(20), 0), Some(19_000));
-        // One short answer seen weighs a fifth, the even spread over the 395 tokens it has left
-        // four fifths: the median is where 0.2 + 0.8 × spread passes 0.5, the 25th of the 64
-        // steps (5 + ⌈25 × 395 / 64⌉ = 160): 155 more tokens (the exact median is 148.1 more).
-        assert_eq!(seen(1).eta_ms(&running(5), 0), Some(15_500));
-        // The same with a long answer seen (300): it weighs a fifth above the median, which is
-        // where 0.8 × spread passes 0.5, the 41st step (5 + ⌈41 × 395 / 64⌉ = 259), not the
-        // 300 it said nor anything counted from it.
+        // One short answer seen weighs a half, the even spread over the 395 tokens left the
+        // other half: the median is just past the answer (the spread's first step, at 12).
+        assert_eq!(seen(1).eta_ms(&running(5), 0), Some(700));
+        // A long answer seen (300) weighs a half too: the spread reaches only 0.37 below it, so
+        // the median is the answer.
         let long = |capped: bool| Progress {
             tokens_per_s: 10.0,
             outputs: vec![if capped {
@@ -1264,24 +1263,25 @@ mod tests {
                 Output::stopped(300)
             }],
         };
-        assert_eq!(long(false).eta_ms(&running(5), 0), Some(25_400));
-        // One its cap ended at 300 (it could have run longer): the same; the spread still
-        // starts from what the lease has produced, not from 300.
-        assert_eq!(long(true).eta_ms(&running(5), 0), Some(25_400));
-        // Four of them, four fifths: the median is the short answer (5 more tokens).
-        assert_eq!(seen(4).eta_ms(&running(5), 0), Some(500));
+        assert_eq!(long(false).eta_ms(&running(5), 0), Some(29_500));
+        // One its cap ended at 300 (it could have run longer) says only "past 300": the spread
+        // holds the whole half below the median, which is where runs past 300 start.
+        assert_eq!(long(true).eta_ms(&running(5), 0), Some(29_500));
+        // Two of the same short answer weigh two thirds: the median is the answer (5 more).
+        assert_eq!(seen(2).eta_ms(&running(5), 0), Some(500));
         // Five: trusted alone, as before.
         assert_eq!(seen(5).eta_ms(&running(5), 0), Some(500));
         // Past every output seen, cold or not: uniformly up to the cap (190 more).
         assert_eq!(seen(2).eta_ms(&running(20), 0), Some(19_000));
         // Jointly, of three just started with one short answer seen, the first is expected to
-        // end with the short answer or early in the spread, and the last late in it.
+        // end as the short answer (1 s) and the last in the spread: all three end short only
+        // once in eight draws.
         let a = running(0);
         let b = LiveEntry { id: Some(2), ..a };
         let c = LiveEntry { id: Some(3), ..a };
         let mut etas = seen(1).joint_etas(&[&a, &b, &c], 0).unwrap();
         etas.sort_unstable();
-        assert!(etas[0] < 12_000 && etas[2] > 25_000, "{etas:?}");
+        assert!(etas[0] <= 1_200 && etas[2] > 15_000, "{etas:?}");
     }
 
     #[test]
