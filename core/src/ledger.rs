@@ -42,9 +42,10 @@ pub struct Lease {
     /// Only Retry-After reads it.
     pub eta_ms: u64,
     /// What the backend held for it beyond `bytes` at the last report (an elastic sequence
-    /// grown past its reservation; all a demoted lease holds), held back until the report
-    /// after the lease ends. Part of it may have been lent since (`admit_into_lent`, claims):
-    /// Retry-After, the only reader, counts it as freed only up to what was not.
+    /// grown past its reservation; all a demoted lease holds): held back, and given back to
+    /// admission when the lease is released (`Ledger::release`). Part of it may have been lent
+    /// since (`admit_into_lent`, claims): Retry-After counts it as freed only up to what was
+    /// not.
     pub held: u64,
 }
 
@@ -781,6 +782,16 @@ impl Ledger {
         let Some(lease) = self.take(id) else {
             return ReleaseOutcome::Unknown;
         };
+        // What the backend held for it past its reservation at the last report (growth, or all
+        // a demoted lease holds) is held back, and frees with it: the backend gives a
+        // sequence's blocks back before its stream ends. Held back since that report, its
+        // growth went to nobody else: a reservation lent it since took it back from the
+        // borrower (preempted, holding nothing past its reservation), so held back was already
+        // that much above what the backend holds, and less what it frees stays as accurate as
+        // the report. Not lendable any more either (borrowed growth never is firm, so this
+        // errs towards lending less when the lease's part was firm: block rounding).
+        self.held_back = self.held_back.saturating_sub(lease.held);
+        self.lendable = self.lendable.saturating_sub(lease.held).min(self.held_back);
         self.counters.released = self.counters.released.saturating_add(1);
         self.observe_lifetime(now_ms.saturating_sub(lease.created_ms));
         ReleaseOutcome::Released(lease)
@@ -1568,6 +1579,54 @@ mod tests {
         l.release(lease.id, 6);
         l.drop_claim(8);
         assert_eq!(l.free(), 100 - 30 - 10);
+    }
+
+    #[test]
+    fn what_the_backend_held_past_a_reservation_frees_when_the_lease_ends_not_at_the_next_poll() {
+        // A report: an elastic lease of 30 has grown 40 past it (lendable), 5 more are held
+        // back that nobody can give back; a worst-case lease of 20 beside it.
+        let reported = || {
+            let mut l = Ledger::new(100, 1);
+            let a = lease_ending_at(&mut l, 30, 0);
+            lease_ending_at(&mut l, 20, 0);
+            l.set_held(|id| if id == a { 40 } else { 0 });
+            l.set_held_back(45);
+            l.set_lendable(40);
+            (l, a)
+        };
+        let (mut l, a) = reported();
+        assert_eq!(l.free(), 5);
+        assert!(matches!(l.release(a, 10), ReleaseOutcome::Released(x) if x.held == 40));
+        // The backend gave back all 70 of its blocks with the stream: 75 free, not 35 until
+        // the next poll; the 5 nobody can give back stay held back, and nothing is lendable.
+        assert_eq!((l.free(), l.held_back(), l.lendable()), (75, 5, 0));
+        l.check().unwrap();
+
+        // The same, but a request in line was lent 25 of the growth (the backend preempted the
+        // borrower to give it those blocks) before the lease ended: what is free after is what
+        // the backend has free, 100 − 20 − 30 − 5, not 25 more.
+        let (mut l, a) = reported();
+        let waiting = |now| AdmitRequest {
+            claim: Some(ClaimTicket {
+                key: 7,
+                patience_ms: 1000,
+                run_ms: 0,
+                max_line_permille: 0,
+            }),
+            ..req(30, now)
+        };
+        assert!(matches!(
+            l.try_admit(&waiting(1), &exact_retry(), 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        assert!(matches!(
+            l.try_admit(&waiting(2), &exact_retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert_eq!((l.committed(), l.free()), (80, 0));
+        l.release(a, 10);
+        assert_eq!((l.free(), l.held_back(), l.lendable()), (45, 5, 0));
+        l.check().unwrap();
     }
 
     #[test]

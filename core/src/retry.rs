@@ -90,8 +90,8 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
 /// `bytes`: the expected remaining time of the lease that completes it. `None`: all of them
 /// together hold less.
 ///
-/// A lease's end frees its reservation at once, and what the backend held for it beyond that
-/// (held back, so not free now) at the next report — but only held bytes nobody else has been
+/// A lease's end frees its reservation and what the backend held for it beyond that (held
+/// back, so not free now; `Ledger::release` gives it back) — but only held bytes nobody else has been
 /// given since: what was lent from held back to a reservation (`committed + held_back` past
 /// the capacity: the backend takes those blocks back from their borrower) or to a claim (what
 /// claims hold beyond the room not held back) is not freed again when the borrower ends. So at
