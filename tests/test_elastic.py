@@ -150,7 +150,7 @@ def test_a_refused_request_is_told_when_an_outgrown_sequence_frees_what_it_borro
     first = {}
     stream(gw, 250, first)
     assert first["status"] == 200 and first["finish"] == "length", first
-    # Until the next report the gateway still holds back what it borrowed.
+    # What it borrowed is given back with its lease.
     gw.wait_for(lambda s: s["leases"] == 0 and s["held_back_bytes"] == 0, 10, "its growth released")
     filler = {}
     t = threading.Thread(target=stream, args=(gw, 250, filler))
@@ -186,6 +186,55 @@ def test_a_refused_request_is_told_when_an_outgrown_sequence_frees_what_it_borro
     drained(gw, b)
 
 
+def test_what_an_outgrown_sequence_borrowed_is_admitted_again_when_it_ends_not_at_the_next_poll(stack):
+    # 32 blocks = 512 tokens, one worker polling every 4 s. An elastic stream counting to 300
+    # reserves its prompt + 16 tokens and grows far past that: the polls hold its growth back.
+    # When it ends, the backend has given all its blocks back with the stream, so the gateway
+    # gives back the growth with the reservation, at once: a worst-case request that needs
+    # most of the pool is admitted right after, where it was refused until the next poll.
+    policy = elastic_policy(min_samples=512)
+    policy["backend"] = {"poll_ms": 4000, "timeout_ms": 1000, "lost_grace_ms": 10000,
+                         "down_after_failures": 2}
+    key = "kvgate-test-worst-case"
+    policy["policy"]["api_keys"] = {api_key_entry(key): "worst"}
+    policy["policy"]["classes"]["worst"] = {"action": "reject"}
+    gw, b = stack(32, policy, "--admission", "reserve", "--step-delay-ms", "30", concurrency=1)
+    gw.wait_for(lambda s: s["elastic"]["default"]["active"], 15, "the backend known to lend")
+    for attempt in range(3):
+        # A poll between the last look at the growth and the first look after the end would
+        # clear it either way: such a try proves nothing and is run again.
+        filler = {}
+        t = threading.Thread(target=stream, args=(gw, 300, filler))
+        t.start()
+        grown = None
+        while t.is_alive():
+            s = gw.status()
+            if s["leases"] == 1 and s["held_back_bytes"] >= 6 * BLOCK_BYTES:
+                grown = s
+            time.sleep(0.02)
+        after = gw.wait_for(lambda s: s["leases"] == 0, 5, "the stream's lease released")
+        assert filler["status"] == 200 and filler["finish"] == "length", filler
+        assert grown is not None, "a poll saw the stream grown six blocks past its reservation"
+        if after["backend"]["last_ok_ms"] == grown["backend"]["last_ok_ms"]:
+            break
+        gw.wait_for(lambda s: s["held_back_bytes"] == 0, 10, "the growth cleared")
+    else:
+        raise AssertionError("a poll fell between the stream's end and the look after it 3 times")
+    assert after["held_back_bytes"] == 0, (grown, after)
+    assert after["free_bytes"] >= grown["free_bytes"] + grown["committed_bytes"] + grown["held_back_bytes"], (grown, after)
+    # Priced at all that is free now (the chat template's ~40 prompt tokens and the one-block
+    # margin priced in): more than the stream's reservation alone gave back.
+    per_token = after["model"]["kv_bytes_per_token"]
+    max_tokens = (after["free_bytes"] - BLOCK_BYTES) // per_token - 40
+    assert max_tokens * per_token > grown["free_bytes"] + grown["committed_bytes"], (grown, max_tokens)
+    r = requests.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
+                      timeout=120, json={"model": MODEL, "max_tokens": max_tokens, "messages": [
+                          {"role": "user", "content": "What is the capital of France?"}]})
+    assert r.status_code == 200, r.text
+    assert b.metrics()["kvgate_backend_kv_oom_total"] == 0
+    drained(gw, b)
+
+
 def test_elastic_classes_stay_at_the_worst_case_in_front_of_a_backend_that_does_not_reserve(stack):
     # A backend that does not reserve (--admission none) cannot lend and reclaim: an elastic
     # class there would let it run out of KV mid-decode, so the filter prices the worst case.
@@ -216,7 +265,7 @@ def test_a_request_in_line_is_admitted_into_what_a_long_sequence_borrowed(stack)
     stream(gw, 200, alone)
     assert alone["status"] == 200 and alone["finish"] == "length", alone
     drained(gw, b)
-    # What that run held back and lent stays until the next poll: wait for it to clear.
+    # What that run held back is given back with its lease (rounding at the next poll).
     gw.wait_for(lambda s: s["held_back_bytes"] == 0, 10, "the growth cleared")
     long, ended = {"chunks": 0}, {}
 
