@@ -1606,21 +1606,12 @@ mod tests {
         // borrower to give it those blocks) before the lease ended: what is free after is what
         // the backend has free, 100 − 20 − 30 − 5, not 25 more.
         let (mut l, a) = reported();
-        let waiting = |now| AdmitRequest {
-            claim: Some(ClaimTicket {
-                key: 7,
-                patience_ms: 1000,
-                run_ms: 0,
-                max_line_permille: 0,
-            }),
-            ..req(30, now)
-        };
         assert!(matches!(
-            l.try_admit(&waiting(1), &exact_retry(), 1),
+            l.try_admit(&keyed(30, 7, 0, 1), &exact_retry(), 1),
             AdmitOutcome::Rejected { .. }
         ));
         assert!(matches!(
-            l.try_admit(&waiting(2), &exact_retry(), 1),
+            l.try_admit(&keyed(30, 7, 0, 2), &exact_retry(), 1),
             AdmitOutcome::Admitted { .. }
         ));
         assert_eq!((l.committed(), l.free()), (80, 0));
