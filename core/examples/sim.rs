@@ -6,8 +6,9 @@
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
 //! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries]
-//! [--allowance-by-prompt] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
-//! defaults).
+//! [--allowance-by-prompt] [--poll-ms M] [--dump FILE]` prints one markdown table (`make
+//! bench-sim` runs the defaults). `--poll-ms` is how often the gateway polls each backend (500,
+//! the shipped configs' `backend.poll_ms`).
 //!
 //! `--allowance-by-prompt` is a what-if of the filter, not what it does: an elastic request's
 //! allowance is the class's quantile over the outputs that answered prompts of about its length
@@ -2274,6 +2275,7 @@ fn main() -> Res<()> {
     let mut prefill_ms = None;
     let mut dump: Option<String> = None;
     let mut context = None;
+    let mut poll_ms = 500u64;
     let mut filter_path =
         concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/kvgate-filter.yaml").to_string();
     while let Some(a) = args.next() {
@@ -2304,6 +2306,7 @@ fn main() -> Res<()> {
             "--prefill-ms" => prefill_ms = Some(parse(&a, args.next())?),
             "--dump" => dump = Some(parse(&a, args.next())?),
             "--context" => context = Some(parse(&a, args.next())?),
+            "--poll-ms" => poll_ms = parse(&a, args.next())?,
             "-h" | "--help" => {
                 println!("see the header of core/examples/sim.rs");
                 return Ok(());
@@ -2375,7 +2378,7 @@ fn main() -> Res<()> {
         patience_to_first_token,
         max_tries,
         seed,
-        poll_ms: 500,
+        poll_ms,
         lazy_blocks,
     };
     let n: usize = workload.iter().map(Vec::len).sum();
