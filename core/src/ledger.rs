@@ -713,8 +713,8 @@ impl Ledger {
     /// use nobody reported, other gateways' share) can never be given back, so it stays out of
     /// reach: what is poured into claims (the spare, then this) never goes past the capacity
     /// less committed less that firm part. Held back may be more than is left uncommitted
-    /// (right after lent bytes were admitted, until the next poll), and what was lent since
-    /// the poll is then no longer lendable.
+    /// (right after lent bytes were admitted, until the next poll or the borrower's release),
+    /// and what was lent since the poll is then no longer lendable.
     fn lendable_now(&self) -> u64 {
         self.lendable_now_at(self.committed)
     }
@@ -834,7 +834,7 @@ impl Ledger {
     /// nothing, until its request ends (released then, like any lease). Its request goes on at
     /// the backend in borrowed blocks, which the backend takes back (recomputing it later) when
     /// a reservation needs them. So its bytes become borrowed growth until the next report
-    /// says what it really holds: held back and lendable — room for the request that demoted
+    /// says what it really holds (or its release gives them back): held back and lendable — room for the request that demoted
     /// it and for requests in line (`admit_into_lent`), not for a newcomer. Returns the lease
     /// as it was; `None` (nothing changed) for an unknown id or a lease already reserving
     /// nothing.
@@ -1878,6 +1878,9 @@ mod tests {
         Reap(u64),
         /// A poll: held back, and how much of it is lendable.
         HoldBack(u64, u64),
+        /// A poll's report of what one lease holds past its reservation.
+        Held(usize, u64),
+        Demote(usize),
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -1888,6 +1891,8 @@ mod tests {
             Just(Op::ReleaseUnknown),
             (0u64..50).prop_map(Op::Reap),
             (0u64..600, 0u64..600).prop_map(|(h, l)| Op::HoldBack(h, l)),
+            (0usize..64, 0u64..300).prop_map(|(i, h)| Op::Held(i, h)),
+            (0usize..64).prop_map(Op::Demote),
         ]
     }
 
@@ -1931,8 +1936,12 @@ mod tests {
                         }
                     }
                     Op::Release(i) => {
-                        if let Some(id) = l.leases().get(i % l.leases().len().max(1)).map(|x| x.id) {
+                        if let Some((id, held)) = l.leases().get(i % l.leases().len().max(1)).map(|x| (x.id, x.held)) {
+                            let (back, lend) = (l.held_back(), l.lendable());
                             prop_assert!(matches!(l.release(id, now), ReleaseOutcome::Released(_)));
+                            // What it held past its reservation is given back with it.
+                            prop_assert_eq!(l.held_back(), back.saturating_sub(held));
+                            prop_assert!(l.lendable() <= lend);
                             prop_assert_eq!(l.release(id, now), ReleaseOutcome::Unknown);
                         }
                     }
@@ -1950,6 +1959,16 @@ mod tests {
                     Op::HoldBack(h, lend) => {
                         l.set_held_back(h);
                         l.set_lendable(lend);
+                    }
+                    Op::Held(i, h) => {
+                        if let Some(id) = l.leases().get(i % l.leases().len().max(1)).map(|x| x.id) {
+                            l.set_held(|x| if x == id { h } else { 0 });
+                        }
+                    }
+                    Op::Demote(i) => {
+                        if let Some(id) = l.leases().get(i % l.leases().len().max(1)).map(|x| x.id) {
+                            l.demote(id);
+                        }
                     }
                 }
                 prop_assert!(l.check().is_ok());

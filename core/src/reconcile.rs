@@ -10,7 +10,8 @@
 //!   wrong; only the end of the request or the loss of its owner ends a lease);
 //! - bytes the backend uses beyond what the ledger has committed (negative drift: requests that
 //!   bypassed this gateway, block rounding, a release the backend has not caught up with) are
-//!   held back from admission until the next report says otherwise.
+//!   held back from admission until the next report says otherwise; what an own lease held
+//!   past its reservation is given back when that lease is released (`Ledger::release`).
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 

@@ -5,8 +5,7 @@
 //! `reconcile::Progress`); otherwise when it reaches the ledger's running mean lifetime (or its
 //! deadline, if that is sooner). Leases are taken in order of expected end until the bytes they
 //! free cover the deficit — their reservations, and what the backend held for them beyond
-//! (an elastic sequence's growth, a demoted lease's blocks: held back until the report after
-//! they end); the wait is that lease's expected remaining time. The result is
+//! (an elastic sequence's growth, a demoted lease's blocks: held back until they end); the wait is that lease's expected remaining time. The result is
 //! clamped to `[min_ms, max_ms]` and then stretched by a random jitter of up to `jitter` (never
 //! shortened, so a client is not told to come back before the estimate), so rejected clients do
 //! not return in step.
@@ -94,13 +93,24 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
 /// back, so not free now; `Ledger::release` gives it back) — but only held bytes nobody else has been
 /// given since: what was lent from held back to a reservation (`committed + held_back` past
 /// the capacity: the backend takes those blocks back from their borrower) or to a claim (what
-/// claims hold beyond the room not held back) is not freed again when the borrower ends. So at
-/// most `min(held_back, capacity − committed)` less that lent to claims is counted, taken in
-/// the order the leases are expected to end.
+/// claims hold beyond the room not held back) is not freed again when the borrower ends. What
+/// is lent comes out of the leases' `held` (lendable is their growth), never out of the rest of
+/// held back (foreign use, other gateways' share, rounding), so at most the leases' `held`
+/// (within held back) less both lent parts is counted, taken in the order the leases are
+/// expected to end.
 fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig) -> Option<u64> {
-    let mut held_room = ledger
-        .held_back()
-        .min(ledger.capacity().saturating_sub(ledger.committed()))
+    let held: u64 = ledger
+        .leases()
+        .iter()
+        .map(|l| l.held)
+        .fold(0, u64::saturating_add);
+    let lent = ledger
+        .committed()
+        .saturating_add(ledger.held_back())
+        .saturating_sub(ledger.capacity());
+    let mut held_room = held
+        .min(ledger.held_back())
+        .saturating_sub(lent)
         .saturating_sub(ledger.claimed().saturating_sub(ledger.unclaimed()));
     let ends = expected_ends(ledger, now_ms, cfg, |l| (l.bytes, l.held))
         .into_iter()
@@ -270,6 +280,28 @@ mod tests {
         // The victim's end frees 20 at most (its `held` says 50); 30 waits for the preemptor's.
         assert_eq!(estimate_retry_after(&l, 20, 1_000, &cfg, 1).ms, 6_000);
         assert_eq!(estimate_retry_after(&l, 30, 1_000, &cfg, 1).ms, 19_000);
+    }
+
+    #[test]
+    fn what_was_lent_comes_out_of_the_leases_held_not_out_of_other_held_back_bytes() {
+        let cfg = no_jitter();
+        // A lease of 10, expected to end at 7 s, has grown 40 past it (lendable); 30 more are
+        // held back that no lease holds (another gateway's use). A request of 45 is admitted
+        // into 20 spare and 25 of the growth: the backend takes those back from the grown one.
+        let (mut l, grown) = one_lease(10, 7_000);
+        l.set_held(|id| if id == grown { 40 } else { 0 });
+        l.set_held_back(70);
+        l.set_lendable(40);
+        let p = l
+            .admit_into_lent(&request(45, 1_000, 1_000_000))
+            .expect("admitted into the growth");
+        l.set_eta(p.id, 20_000);
+        // The grown one's end frees its 10 and the 15 of its growth not lent: 25, what the
+        // ledger then has free (100 − 45 − 30), not 50.
+        assert_eq!(estimate_retry_after(&l, 25, 1_000, &cfg, 1).ms, 6_000);
+        assert_eq!(estimate_retry_after(&l, 30, 1_000, &cfg, 1).ms, 19_000);
+        l.release(grown, 7_000);
+        assert_eq!(l.free(), 25);
     }
 
     #[test]
