@@ -266,25 +266,36 @@ mod tests {
         assert_eq!(estimate_retry_after(&d, 80, 1_000, &cfg, 1).ms, 6_000);
     }
 
+    /// A request of `bytes` admitted into lent bytes at 1 s, expected to end at `eta_ms`.
+    fn lent_until(l: &mut Ledger, bytes: u64, eta_ms: u64) {
+        let p = l
+            .admit_into_lent(&request(bytes, 1_000, 1_000_000))
+            .expect("admitted into lent bytes");
+        l.set_eta(p.id, eta_ms);
+    }
+
+    /// What requests of each of `needs` bytes are told at 1 s, without jitter.
+    fn waits(l: &Ledger, needs: &[u64]) -> Vec<u64> {
+        let cfg = no_jitter();
+        needs
+            .iter()
+            .map(|n| estimate_retry_after(l, *n, 1_000, &cfg, 1).ms)
+            .collect()
+    }
+
     #[test]
     fn what_was_lent_since_the_report_is_not_counted_as_freed_twice() {
-        let cfg = no_jitter();
         // A lease of 50, expected to end at 7 s, is demoted for a preemptor of 80, admitted into
         // what the victim held: the backend takes the victim's blocks back for it, all but 20.
         let (mut l, victim) = one_lease(50, 7_000);
         assert!(l.demote(victim).is_some());
-        let p = l
-            .admit_into_lent(&request(80, 1_000, 1_000_000))
-            .expect("admitted into the victim's blocks");
-        l.set_eta(p.id, 20_000);
+        lent_until(&mut l, 80, 20_000);
         // The victim's end frees 20 at most (its `held` says 50); 30 waits for the preemptor's.
-        assert_eq!(estimate_retry_after(&l, 20, 1_000, &cfg, 1).ms, 6_000);
-        assert_eq!(estimate_retry_after(&l, 30, 1_000, &cfg, 1).ms, 19_000);
+        assert_eq!(waits(&l, &[20, 30]), [6_000, 19_000]);
     }
 
     #[test]
     fn what_was_lent_comes_out_of_the_leases_held_not_out_of_other_held_back_bytes() {
-        let cfg = no_jitter();
         // A lease of 10, expected to end at 7 s, has grown 40 past it (lendable); 30 more are
         // held back that no lease holds (another gateway's use). A request of 45 is admitted
         // into 20 spare and 25 of the growth: the backend takes those back from the grown one.
@@ -292,14 +303,10 @@ mod tests {
         l.set_held(|id| if id == grown { 40 } else { 0 });
         l.set_held_back(70);
         l.set_lendable(40);
-        let p = l
-            .admit_into_lent(&request(45, 1_000, 1_000_000))
-            .expect("admitted into the growth");
-        l.set_eta(p.id, 20_000);
+        lent_until(&mut l, 45, 20_000);
         // The grown one's end frees its 10 and the 15 of its growth not lent: 25, what the
         // ledger then has free (100 − 45 − 30), not 50.
-        assert_eq!(estimate_retry_after(&l, 25, 1_000, &cfg, 1).ms, 6_000);
-        assert_eq!(estimate_retry_after(&l, 30, 1_000, &cfg, 1).ms, 19_000);
+        assert_eq!(waits(&l, &[25, 30]), [6_000, 19_000]);
         l.release(grown, 7_000);
         assert_eq!(l.free(), 25);
     }
