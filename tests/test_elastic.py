@@ -200,7 +200,7 @@ def test_what_an_outgrown_sequence_borrowed_is_admitted_again_when_it_ends_not_a
     policy["policy"]["classes"]["worst"] = {"action": "reject"}
     gw, b = stack(32, policy, "--admission", "reserve", "--step-delay-ms", "30", concurrency=1)
     gw.wait_for(lambda s: s["elastic"]["default"]["active"], 15, "the backend known to lend")
-    for attempt in range(3):
+    for _ in range(3):
         # A poll between the last look at the growth and the first look after the end would
         # clear it either way: such a try proves nothing and is run again.
         filler = {}
@@ -221,12 +221,13 @@ def test_what_an_outgrown_sequence_borrowed_is_admitted_again_when_it_ends_not_a
     else:
         raise AssertionError("a poll fell between the stream's end and the look after it 3 times")
     assert after["held_back_bytes"] == 0, (grown, after)
-    assert after["free_bytes"] >= grown["free_bytes"] + grown["committed_bytes"] + grown["held_back_bytes"], (grown, after)
+    freed = grown["committed_bytes"] + grown["held_back_bytes"]
+    assert after["free_bytes"] >= grown["free_bytes"] + freed, (grown, after)
     # Priced at all that is free now (the chat template's ~40 prompt tokens and the one-block
     # margin priced in): more than the stream's reservation alone gave back.
     per_token = after["model"]["kv_bytes_per_token"]
     max_tokens = (after["free_bytes"] - BLOCK_BYTES) // per_token - 40
-    assert max_tokens * per_token > grown["free_bytes"] + grown["committed_bytes"], (grown, max_tokens)
+    assert max_tokens * per_token > grown["free_bytes"] + grown["committed_bytes"], grown
     r = requests.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
                       timeout=120, json={"model": MODEL, "max_tokens": max_tokens, "messages": [
                           {"role": "user", "content": "What is the capital of France?"}]})

@@ -790,8 +790,8 @@ impl Ledger {
         // that much above what the backend holds, and less what it frees stays as accurate as
         // the report. Not lendable any more either (borrowed growth never is firm, so this
         // errs towards lending less when the lease's part was firm: block rounding).
-        self.held_back = self.held_back.saturating_sub(lease.held);
-        self.lendable = self.lendable.saturating_sub(lease.held).min(self.held_back);
+        self.set_lendable(self.lendable.saturating_sub(lease.held));
+        self.set_held_back(self.held_back.saturating_sub(lease.held));
         self.counters.released = self.counters.released.saturating_add(1);
         self.observe_lifetime(now_ms.saturating_sub(lease.created_ms));
         ReleaseOutcome::Released(lease)
@@ -834,10 +834,10 @@ impl Ledger {
     /// nothing, until its request ends (released then, like any lease). Its request goes on at
     /// the backend in borrowed blocks, which the backend takes back (recomputing it later) when
     /// a reservation needs them. So its bytes become borrowed growth until the next report
-    /// says what it really holds (or its release gives them back): held back and lendable — room for the request that demoted
-    /// it and for requests in line (`admit_into_lent`), not for a newcomer. Returns the lease
-    /// as it was; `None` (nothing changed) for an unknown id or a lease already reserving
-    /// nothing.
+    /// says what it really holds (or its release gives them back): held back and lendable —
+    /// room for the request that demoted it and for requests in line (`admit_into_lent`), not
+    /// for a newcomer. Returns the lease as it was; `None` (nothing changed) for an unknown id
+    /// or a lease already reserving nothing.
     pub fn demote(&mut self, id: u64) -> Option<Lease> {
         let lease = self.leases.iter_mut().find(|l| l.id == id && l.bytes > 0)?;
         let was = lease.clone();

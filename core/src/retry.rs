@@ -5,8 +5,8 @@
 //! `reconcile::Progress`); otherwise when it reaches the ledger's running mean lifetime (or its
 //! deadline, if that is sooner). Leases are taken in order of expected end until the bytes they
 //! free cover the deficit — their reservations, and what the backend held for them beyond
-//! (an elastic sequence's growth, a demoted lease's blocks: held back until they end); the wait is that lease's expected remaining time. The result is
-//! clamped to `[min_ms, max_ms]` and then stretched by a random jitter of up to `jitter` (never
+//! (an elastic sequence's growth, a demoted lease's blocks: held back until they end); the
+//! wait is that lease's expected remaining time. The result is clamped to `[min_ms, max_ms]` and then stretched by a random jitter of up to `jitter` (never
 //! shortened, so a client is not told to come back before the estimate), so rejected clients do
 //! not return in step.
 
@@ -90,8 +90,8 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
 /// together hold less.
 ///
 /// A lease's end frees its reservation and what the backend held for it beyond that (held
-/// back, so not free now; `Ledger::release` gives it back) — but only held bytes nobody else has been
-/// given since: what was lent from held back to a reservation (`committed + held_back` past
+/// back, so not free now; `Ledger::release` gives it back) — but only held bytes nobody else
+/// has been given since: what was lent from held back to a reservation (`committed + held_back` past
 /// the capacity: the backend takes those blocks back from their borrower) or to a claim (what
 /// claims hold beyond the room not held back) is not freed again when the borrower ends. What
 /// is lent comes out of the leases' `held` (lendable is their growth), never out of the rest of
