@@ -236,6 +236,45 @@ def test_what_an_outgrown_sequence_borrowed_is_admitted_again_when_it_ends_not_a
     drained(gw, b)
 
 
+def test_a_request_reserves_what_answers_to_prompts_of_its_length_were_not_its_classs_long_mode(stack):
+    # One elastic class, two tasks: a counting prompt that runs to its cap of 100, and a
+    # question (its chat template makes it several times as long, as the gateway counts) that
+    # stops at its first full stop. Three of each make the class's 0.9 quantile the long mode;
+    # the next question reserves what the questions answered in, and the counting prompt what
+    # it ran to.
+    gw, b = stack(64, elastic_policy(prior=16, min_samples=3), "--admission", "reserve",
+                  "--step-delay-ms", "20", concurrency=1)
+    active(gw)
+    question = {"model": MODEL, "temperature": 0, "max_tokens": 400, "stop": ["."],
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+    for _ in range(3):
+        long = {}
+        stream(gw, 100, long)
+        assert long["status"] == 200 and long["finish"] == "length", long
+        r = requests.post(gw.url + "/v1/chat/completions", json=question, timeout=60)
+        assert r.status_code == 200, r.text
+        short = r.json()["usage"]["completion_tokens"]
+        assert short < 50, r.json()
+    s = gw.wait_for(lambda s: s["elastic"]["default"]["samples"] >= 6, 10, "six outputs learned")
+    assert s["elastic"]["default"]["by_prompt"] is True
+    assert s["elastic"]["default"]["reserved_output_tokens"] == 100, "the class's long mode"
+
+    def reserved(body, path):
+        r = requests.post(gw.url + path, json={**body, "stream": True}, stream=True, timeout=60)
+        assert r.status_code == 200, r.text
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith(b"data: {"))
+        (lease,) = b.leases()["leases"]
+        for _ in lines:
+            pass
+        return lease.get("elastic_output_tokens")
+    assert reserved(question, "/v1/chat/completions") == short
+    assert reserved({"model": MODEL, "prompt": COUNTING, "max_tokens": 100, "temperature": 0},
+                    "/v1/completions") is None, "its own long mode is its cap: the worst case"
+    assert b.metrics()["kvgate_backend_kv_oom_total"] == 0
+    drained(gw, b)
+
+
 def test_elastic_classes_stay_at_the_worst_case_in_front_of_a_backend_that_does_not_reserve(stack):
     # A backend that does not reserve (--admission none) cannot lend and reclaim: an elastic
     # class there would let it run out of KV mid-decode, so the filter prices the worst case.

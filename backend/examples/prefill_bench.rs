@@ -147,6 +147,7 @@ fn stall_arm(o: &Opts, chunk: usize) {
             lease: Some(id.into()),
             class: None,
             reserve_output: None,
+            gateway_prompt_tokens: 0,
             prompt: p,
             params: GenParams {
                 max_tokens,

@@ -118,6 +118,7 @@ fn run_arm(
                 lease: Some(format!("r{i}")),
                 class: None,
                 reserve_output: None,
+                gateway_prompt_tokens: 0,
                 prompt: p.clone(),
                 params: GenParams {
                     max_tokens: o.max_tokens,

@@ -16,7 +16,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use futures_util::stream::{self, Stream, StreamExt};
-use kvgate_core::{effective_output_cap, parse_request, ApiError, Endpoint, ErrorKind, Input};
+use kvgate_core::{
+    effective_output_cap, parse_request, ApiError, Endpoint, ErrorKind, GatewayNote, Input,
+};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -249,6 +251,8 @@ async fn chat_completions(
 }
 
 struct Validated {
+    /// The gateway's private body field (taken out of the body).
+    note: Option<GatewayNote>,
     prompt: Vec<u32>,
     params: GenParams,
     stream: bool,
@@ -269,7 +273,8 @@ impl AppState {
 }
 
 fn validate(st: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Validated, ApiError> {
-    let (req, obj) = parse_request(endpoint, body)?;
+    let (req, mut obj) = parse_request(endpoint, body)?;
+    let note = GatewayNote::take(&mut obj)?;
     // The same checks the gateway runs before reserving (kvgate-core's validator).
     let sampling = kvgate_core::validate(&req, &obj, &st.served())?;
     let prompt: Vec<u32> = match &req.input {
@@ -328,6 +333,7 @@ fn validate(st: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Validated,
             .map_or(0, |d| d.as_nanos() as u64)
     });
     Ok(Validated {
+        note,
         prompt,
         params: GenParams {
             max_tokens: cap.cap,
@@ -376,7 +382,7 @@ impl Drop for Arrival {
         let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
         p.arrived.remove(&self.id);
         if !self.engine_took_it {
-            p.record_finished(&self.id, FinishReason::Refused, 0, 0, None);
+            p.record_finished(&self.id, FinishReason::Refused, 0, 0, None, 0);
         }
     }
 }
@@ -410,7 +416,7 @@ async fn generate(
         .and_then(|h| h.to_str().ok())
         .filter(|s| !s.is_empty() && s.len() <= 64)
         .map(str::to_string);
-    let reserve_output = headers
+    let header_reserve_output = headers
         .get("x-kvgate-reserve-output")
         .and_then(|h| h.to_str().ok())
         .and_then(|s| s.parse::<u64>().ok());
@@ -426,11 +432,23 @@ async fn generate(
         Ok(v) => v,
         Err(e) => return HttpError(e).into_response(),
     };
+    // The gateway's body field, as its headers: only beside its secret. It decides after the
+    // body is read, so it wins over the header (which older gateways send).
+    if v.note.is_some() {
+        if let Err(e) = st.check_secret(&headers) {
+            return e.into_response();
+        }
+    }
+    let reserve_output = match v.note {
+        Some(n) => n.reserve_output,
+        None => header_reserve_output,
+    };
     let (tx, mut rx) = unbounded_channel();
     let submitted = st.engine.submit(Submit {
         lease,
         class,
         reserve_output,
+        gateway_prompt_tokens: v.note.map_or(0, |n| n.prompt_tokens),
         prompt: v.prompt,
         params: v.params,
         events: tx,

@@ -116,6 +116,8 @@ pub struct EngineConfig {
 struct Seq<K> {
     id: String,
     class: Option<String>,
+    /// The prompt's length as the gateway counted it (0: not told), for the lease report.
+    gateway_prompt_tokens: u64,
     /// Tokens its reservation covers: it holds at least `promised_blocks` from admission to
     /// end. Blocks beyond are borrowed (elastic growth).
     promised: u64,
@@ -372,6 +374,7 @@ impl<M: Forward> Engine<M> {
         self.waiting.push_back(Seq {
             id,
             class: s.class,
+            gateway_prompt_tokens: s.gateway_prompt_tokens,
             promised: reserve_tokens,
             promised_blocks: blocks,
             elastic,
@@ -987,6 +990,7 @@ impl<M: Forward> Engine<M> {
         let Seq {
             id,
             class,
+            gateway_prompt_tokens,
             events,
             alloc,
             kv,
@@ -999,7 +1003,14 @@ impl<M: Forward> Engine<M> {
         self.published
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .record_finished(&id, reason, prompt_tokens, completion_tokens, class);
+            .record_finished(
+                &id,
+                reason,
+                prompt_tokens,
+                completion_tokens,
+                class,
+                gateway_prompt_tokens,
+            );
         let _ = events.send(Event::Finished {
             reason,
             prompt_tokens,

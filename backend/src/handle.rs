@@ -47,6 +47,9 @@ pub struct Submit {
     /// Elastic: the output tokens the gateway reserved (`x-kvgate-reserve-output`); the
     /// sequence may grow past them from free blocks.
     pub reserve_output: Option<u64>,
+    /// The prompt's length as the gateway counted it (its `kvgate.prompt_tokens`; 0: not
+    /// told), echoed in the lease report when the sequence ends.
+    pub gateway_prompt_tokens: u64,
     pub prompt: Vec<u32>,
     pub params: GenParams,
     pub events: UnboundedSender<Event>,

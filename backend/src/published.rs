@@ -34,6 +34,7 @@ impl Published {
         prompt: u64,
         completion: u64,
         class: Option<String>,
+        gateway_prompt_tokens: u64,
     ) {
         self.cursor += 1;
         let cursor = self.cursor;
@@ -44,6 +45,7 @@ impl Published {
             prompt_tokens: prompt,
             completion_tokens: completion,
             class: class.unwrap_or_default(),
+            gateway_prompt_tokens,
         });
         while self.finished.len() > FINISHED_KEPT {
             self.finished.pop_front();
@@ -86,8 +88,8 @@ mod tests {
     fn arrived_leases_are_listed_and_finished_ones_are_numbered() {
         let mut p = Published::default();
         p.arrived.insert("a".into());
-        p.record_finished("b", FinishReason::Refused, 0, 0, None);
-        p.record_finished("c", FinishReason::Stop, 3, 2, Some("batch".into()));
+        p.record_finished("b", FinishReason::Refused, 0, 0, None, 0);
+        p.record_finished("c", FinishReason::Stop, 3, 2, Some("batch".into()), 4);
         let (leases, finished, cursor) = p.since(1);
         assert_eq!(cursor, 2);
         assert_eq!(
@@ -100,6 +102,11 @@ mod tests {
         assert_eq!(
             finished.iter().map(|f| f.id.as_str()).collect::<Vec<_>>(),
             vec!["c"]
+        );
+        // The gateway's count of the prompt goes back to it beside the backend's own.
+        assert_eq!(
+            (finished[0].prompt_tokens, finished[0].gateway_prompt_tokens),
+            (3, 4)
         );
         assert!(p.is_live("a") && !p.is_live("c"));
     }

@@ -6,16 +6,16 @@
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
 //! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries]
-//! [--allowance-by-prompt] [--poll-ms M] [--dump FILE]` prints one markdown table (`make
+//! [--allowance-by-prompt true|false] [--poll-ms M] [--dump FILE]` prints one markdown table (`make
 //! bench-sim` runs the defaults). `--poll-ms` is how often the gateway polls each backend (500,
 //! the shipped configs' `backend.poll_ms`).
 //!
-//! `--allowance-by-prompt` is a what-if of the filter, not what it does: an elastic request's
+//! `--allowance-by-prompt` is every elastic class's `elastic_by_prompt` (default `true`, as the
+//! filter's since it tells the backend the allowance in its body field): an elastic request's
 //! allowance is the class's quantile over the outputs that answered prompts of about its length
 //! (within 5 %, at least one token either way, the Retry-After estimator's rule) once at least
-//! `elastic_min_samples` of them are kept, else over all the class's outputs, as the filter.
-//! The filter cannot do this as it stands: it tells the backend the allowance in a request
-//! header, set in its headers callback before the body (and so the prompt) is read.
+//! `elastic_min_samples` of them are kept, else over all the class's outputs. Commands run
+//! before then mean `false` without the flag and `true` with it (a what-if then).
 //!
 //! `--lazy-blocks true` (the default, as the backend's since 0fd3d27; `false` takes blocks at
 //! admission) is the backend's `--lazy-blocks` (engine.rs since 2504f91): under
@@ -112,7 +112,7 @@ use std::cmp::{Ordering, Reverse};
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use kvgate_core::config::Config;
-use kvgate_core::elastic::{OutputLengths, OUTPUTS_KEPT};
+use kvgate_core::elastic::OutputLengths;
 use kvgate_core::fleet::{self, View};
 use kvgate_core::gate::{self, Decision, Holder, Priced};
 use kvgate_core::ledger::{ClaimTicket, Ledger};
@@ -512,6 +512,7 @@ fn filter_config(
     elastic_prior: Option<u64>,
     queue_ms: Option<u64>,
     quantile: f64,
+    by_prompt: bool,
 ) -> Res<Config> {
     let yaml = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     // The JSON is the block scalar after `value: |`, up to the first line indented less.
@@ -556,6 +557,7 @@ fn filter_config(
                 c.insert("elastic_quantile".into(), quantile.into());
                 c.insert("elastic_min_samples".into(), 5.into());
                 c.insert("elastic_prior_tokens".into(), prior.into());
+                c.insert("elastic_by_prompt".into(), by_prompt.into());
                 if let Some(ms) = queue_ms {
                     // As bench/admission_bench.py's filter_config with `queue_ms`.
                     c.remove("min_output_tokens");
@@ -1151,9 +1153,6 @@ struct Gateway {
     views: Vec<View>,
     queue: AdmissionQueue<usize>,
     learned: HashMap<String, OutputLengths>,
-    /// `--allowance-by-prompt`: per class, the latest finished outputs with the prompt each
-    /// answered, oldest first.
-    answers: Option<HashMap<String, VecDeque<Answer>>>,
     next_lease: u64,
     /// Live lease id → (request, endpoint).
     leases: HashMap<u64, (usize, usize)>,
@@ -1167,9 +1166,6 @@ struct Gateway {
     backfill: bool,
 }
 
-/// A finished output and the prompt it answered: (prompt tokens, output tokens, cut at its cap).
-type Answer = (u64, u64, bool);
-
 enum Attempt {
     Forward { cmds: Vec<(usize, Cmd)> },
     Queued { deadline_ms: u64 },
@@ -1177,7 +1173,7 @@ enum Attempt {
 }
 
 impl Gateway {
-    fn new(cfg: Config, backends: usize, backfill: bool, by_prompt: bool) -> Self {
+    fn new(cfg: Config, backends: usize, backfill: bool) -> Self {
         let cap = cfg.pricing.capacity_bytes;
         let on = cfg.backfill;
         let ledgers: Vec<Ledger> = (0..backends)
@@ -1202,7 +1198,6 @@ impl Gateway {
             views,
             queue,
             learned: HashMap::new(),
-            answers: by_prompt.then(HashMap::new),
             tokens_per_s: vec![0.0; backends],
             progress: vec![ProgressTracker::default(); backends],
             backfill: backfill && on,
@@ -1229,29 +1224,12 @@ impl Gateway {
             elastic: None,
         };
         if let Reservation::Elastic(p) = class.reservation {
-            let a = match self.like_this(&class.name, r.req.prompt, p.min_samples) {
-                Some(like) => p.allowance(Some(&like), u64::MAX),
-                None => p.allowance(self.learned.get(&class.name), u64::MAX),
-            };
+            let a = p.allowance_for(self.learned.get(&class.name), r.req.prompt, u64::MAX);
             if a < u64::MAX {
                 priced = priced.with_allowance(cfg, a);
             }
         }
         Ok((class, priced))
-    }
-
-    /// `--allowance-by-prompt`: the outputs of `class` that answered prompts of about
-    /// `prompt` tokens (within 5 %, at least one token either way: the rule of
-    /// `reconcile::Output::answered_like`), when there are at least `min_samples` of them.
-    fn like_this(&self, class: &str, prompt: u64, min_samples: u32) -> Option<OutputLengths> {
-        let mut like = OutputLengths::default();
-        let answers = self.answers.as_ref()?.get(class)?;
-        for (p, tokens, at_cap) in answers {
-            if p.abs_diff(prompt) <= (prompt / 20).max(1) {
-                like.push_output(*tokens, *at_cap);
-            }
-        }
-        (like.len() >= min_samples as usize).then_some(like)
     }
 
     /// The filter's `Ticket::claim_active`: request `r`'s place in line at some endpoint is
@@ -2052,18 +2030,11 @@ impl<'a> Sim<'a> {
                 release(self);
                 if let Some(gw) = self.gw.as_mut() {
                     let name = gw.class(class).name;
-                    gw.learned
-                        .entry(name.clone())
-                        .or_default()
-                        .push_output(tokens, at_cap);
                     let prompt = self.reqs.get(r).map_or(0, |s| s.req.prompt);
-                    if let Some(answers) = gw.answers.as_mut() {
-                        let kept = answers.entry(name).or_default();
-                        if kept.len() == OUTPUTS_KEPT {
-                            kept.pop_front();
-                        }
-                        kept.push_back((prompt, tokens, at_cap));
-                    }
+                    gw.learned
+                        .entry(name)
+                        .or_default()
+                        .push_answer(tokens, at_cap, prompt);
                 }
                 self.resolve(r, Outcome::Ok);
                 self.drain();
@@ -2266,7 +2237,7 @@ fn main() -> Res<()> {
     let mut quantile: f64 = 0.9;
     let mut backfill = true;
     let mut lazy_blocks = true;
-    let mut by_prompt = false;
+    let mut by_prompt = true;
     let mut cap = None;
     let mut blocks = None;
     let mut elastic_prior = 64u64;
@@ -2300,7 +2271,7 @@ fn main() -> Res<()> {
             "--backfill" => backfill = either(&a, args.next(), "on", "off")?,
             "--filter-config" => filter_path = parse(&a, args.next())?,
             "--lazy-blocks" => lazy_blocks = either(&a, args.next(), "true", "false")?,
-            "--allowance-by-prompt" => by_prompt = true,
+            "--allowance-by-prompt" => by_prompt = either(&a, args.next(), "true", "false")?,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
             "--prefill-ms" => prefill_ms = Some(parse(&a, args.next())?),
@@ -2419,16 +2390,21 @@ fn main() -> Res<()> {
     for arm in arms {
         let gw = match arm {
             Arm::Kvgate | Arm::Oracle => Some(Gateway::new(
-                filter_config(&filter_path, &p, None, None, quantile)?,
+                filter_config(&filter_path, &p, None, None, quantile, by_prompt)?,
                 backends,
                 backfill,
-                by_prompt,
             )),
             Arm::Elastic => Some(Gateway::new(
-                filter_config(&filter_path, &p, Some(elastic_prior), None, quantile)?,
+                filter_config(
+                    &filter_path,
+                    &p,
+                    Some(elastic_prior),
+                    None,
+                    quantile,
+                    by_prompt,
+                )?,
                 backends,
                 backfill,
-                by_prompt,
             )),
             Arm::Queued => Some(Gateway::new(
                 filter_config(
@@ -2437,10 +2413,10 @@ fn main() -> Res<()> {
                     Some(elastic_prior),
                     Some(queue_wait_ms),
                     quantile,
+                    by_prompt,
                 )?,
                 backends,
                 backfill,
-                by_prompt,
             )),
             _ => None,
         };

@@ -28,6 +28,11 @@ pub struct ElasticPolicy {
     pub min_samples: u32,
     /// Output tokens reserved until then; `None`: the whole cap (worst case) until learned.
     pub prior_tokens: Option<u64>,
+    /// Reserve the quantile of the outputs that answered prompts of about the request's length
+    /// once `min_samples` of them are kept (else the class's): a class that mixes tasks (a
+    /// fan-out whose branches mostly answer in a few tokens, a few of which run to their caps)
+    /// does not price every request at its long mode.
+    pub by_prompt: bool,
 }
 
 impl Default for ElasticPolicy {
@@ -36,6 +41,7 @@ impl Default for ElasticPolicy {
             quantile_permille: 900,
             min_samples: 20,
             prior_tokens: None,
+            by_prompt: true,
         }
     }
 }
@@ -62,6 +68,7 @@ impl ElasticPolicy {
                 ("elastic_quantile", c.elastic_quantile.is_some()),
                 ("elastic_min_samples", c.elastic_min_samples.is_some()),
                 ("elastic_prior_tokens", c.elastic_prior_tokens.is_some()),
+                ("elastic_by_prompt", c.elastic_by_prompt.is_some()),
             ] {
                 if set {
                     return Err(ConfigError::new(
@@ -104,6 +111,9 @@ impl ElasticPolicy {
             }
             p.prior_tokens = Some(t);
         }
+        if let Some(b) = c.elastic_by_prompt {
+            p.by_prompt = b;
+        }
         Ok(Reservation::Elastic(p))
     }
 
@@ -114,6 +124,22 @@ impl ElasticPolicy {
             .filter(|l| l.len() >= self.min_samples as usize)
             .and_then(|l| l.quantile(self.quantile_permille));
         q.or(self.prior_tokens).unwrap_or(cap).clamp(1, cap.max(1))
+    }
+
+    /// [`Self::allowance`] for a request whose prompt is `prompt_tokens` long (as the gateway
+    /// counts it): with `by_prompt`, from the outputs that answered prompts of about that
+    /// length once there are `min_samples` of them; else from all the class's.
+    pub fn allowance_for(
+        &self,
+        learned: Option<&OutputLengths>,
+        prompt_tokens: u64,
+        cap: u64,
+    ) -> u64 {
+        let like = learned
+            .filter(|_| self.by_prompt)
+            .map(|l| l.answering(prompt_tokens))
+            .filter(|l| l.len() >= self.min_samples as usize);
+        self.allowance(like.as_ref().or(learned), cap)
     }
 }
 
@@ -137,6 +163,8 @@ pub const OUTPUTS_KEPT: usize = 512;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OutputLengths {
     recent: VecDeque<Sample>,
+    /// The prompt each of `recent` answered, in tokens as the gateway counted it (0: not known).
+    prompts: VecDeque<u64>,
     /// Ascending; at equal lengths an output that stopped by itself comes before one cut at its
     /// cap (an event before a censoring, as Kaplan–Meier counts ties).
     sorted: Vec<Sample>,
@@ -155,7 +183,14 @@ impl OutputLengths {
     /// One finished output; `at_cap`: it was cut at its cap (it would have run at least this
     /// long). O(kept): learned at each poll, off the request path.
     pub fn push_output(&mut self, tokens: u64, at_cap: bool) {
+        self.push_answer(tokens, at_cap, 0);
+    }
+
+    /// [`Self::push_output`] of an output that answered a prompt of `prompt_tokens` (0: not
+    /// known).
+    pub fn push_answer(&mut self, tokens: u64, at_cap: bool, prompt_tokens: u64) {
         if self.recent.len() == OUTPUTS_KEPT {
+            self.prompts.pop_front();
             if let Some(old) = self.recent.pop_front() {
                 if let Ok(i) = self.sorted.binary_search(&old) {
                     self.sorted.remove(i);
@@ -165,6 +200,7 @@ impl OutputLengths {
         }
         let sample = (tokens, at_cap);
         self.recent.push_back(sample);
+        self.prompts.push_back(prompt_tokens);
         let at = self.sorted.partition_point(|s| *s <= sample);
         self.sorted.insert(at, sample);
         self.censored += usize::from(at_cap);
@@ -172,6 +208,18 @@ impl OutputLengths {
 
     pub fn len(&self) -> usize {
         self.recent.len()
+    }
+
+    /// The outputs kept that answered prompts of about `prompt_tokens` tokens
+    /// ([`crate::reconcile::prompts_alike`]), oldest first. O(kept).
+    pub fn answering(&self, prompt_tokens: u64) -> OutputLengths {
+        let mut like = OutputLengths::default();
+        for (&(tokens, at_cap), &p) in self.recent.iter().zip(&self.prompts) {
+            if crate::reconcile::prompts_alike(p, prompt_tokens) {
+                like.push_answer(tokens, at_cap, p);
+            }
+        }
+        like
     }
 
     pub fn is_empty(&self) -> bool {
@@ -327,6 +375,7 @@ mod tests {
             quantile_permille: 900,
             min_samples: 4,
             prior_tokens: Some(64),
+            by_prompt: true,
         };
         assert_eq!(p.allowance(None, 1000), 64);
         assert_eq!(p.allowance(Some(&lengths(&[5, 6, 7])), 1000), 64);
@@ -339,5 +388,50 @@ mod tests {
         };
         assert_eq!(worst.allowance(None, 1000), 1000);
         assert_eq!(worst.allowance(Some(&lengths(&[0, 0, 0, 0])), 1000), 1);
+    }
+
+    #[test]
+    fn a_prompt_like_those_that_answered_short_reserves_their_quantile_not_the_classs() {
+        // A fan-out class: 34–36-token questions answer in a few tokens, 120-token stories run
+        // to their caps; together the class's 0.9 quantile is the long mode.
+        let mut l = OutputLengths::default();
+        for (prompt, tokens) in [(34, 3), (35, 12), (36, 22), (35, 5), (34, 8), (35, 2)] {
+            l.push_answer(tokens, false, prompt);
+        }
+        for _ in 0..4 {
+            l.push_answer(350, true, 120);
+        }
+        let p = ElasticPolicy {
+            quantile_permille: 900,
+            min_samples: 5,
+            prior_tokens: Some(64),
+            by_prompt: true,
+        };
+        assert_eq!(p.allowance(Some(&l), 1000), 350, "the class's long mode");
+        assert_eq!(p.allowance_for(Some(&l), 35, 1000), 22);
+        // Four long answers are not five: the class's quantile, not a guess from fewer.
+        assert_eq!(p.allowance_for(Some(&l), 118, 1000), 350);
+        // A length nobody asked at: the class's quantile.
+        assert_eq!(p.allowance_for(Some(&l), 60, 1000), 350);
+        // Unknown prompt lengths (0) are never alike.
+        assert_eq!(p.allowance_for(Some(&l), 0, 1000), 350);
+        let mut unknown = OutputLengths::default();
+        for t in [3, 4, 5, 6, 7] {
+            unknown.push_output(t, false);
+        }
+        assert_eq!(unknown.answering(5).len(), 0);
+        // Off: the class's quantile whatever the prompt.
+        let off = ElasticPolicy {
+            by_prompt: false,
+            ..p
+        };
+        assert_eq!(off.allowance_for(Some(&l), 35, 1000), 350);
+        // The prompts leave the window with their outputs.
+        for _ in 0..OUTPUTS_KEPT {
+            l.push_answer(9, false, 500);
+        }
+        assert_eq!(l.answering(35).len(), 0);
+        assert_eq!(l.answering(500).len(), OUTPUTS_KEPT);
+        assert_eq!(l.prompts.len(), OUTPUTS_KEPT);
     }
 }

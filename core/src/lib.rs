@@ -31,7 +31,9 @@ pub use ledger::{
     RejectReason, ReleaseOutcome,
 };
 pub use policy::{Action, ClassPolicy, ClassSources, PolicyTable, Reservation};
-pub use request::{parse_request, write_cap, Endpoint, Input, ParsedRequest};
+pub use request::{
+    parse_request, write_cap, Endpoint, GatewayNote, Input, ParsedRequest, GATEWAY_FIELD,
+};
 pub use retry::{estimate_retry_after, RetryAfter, RetryAfterConfig};
 pub use spec::{ModelSpec, Pricing, ESTIMATOR_VERSION};
 pub use tokenize::{CustomBpe, Encoding, TokenCounter, TokenizerSpec};

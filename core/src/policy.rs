@@ -118,6 +118,10 @@ pub struct RawClass {
     /// Elastic only: the output tokens reserved until then (unset: the whole cap).
     #[serde(default)]
     pub elastic_prior_tokens: Option<u64>,
+    /// Elastic only: reserve the quantile of the outputs that answered prompts of about this
+    /// request's length, once there are enough of them (default true).
+    #[serde(default)]
+    pub elastic_by_prompt: Option<bool>,
 }
 
 fn default_action() -> String {
@@ -196,6 +200,7 @@ impl TryFrom<RawPolicy> for PolicyTable {
                     elastic_quantile: None,
                     elastic_min_samples: None,
                     elastic_prior_tokens: None,
+                    elastic_by_prompt: None,
                 },
             );
         }

@@ -113,10 +113,16 @@ impl Output {
     /// Did it answer a prompt of about the length of one of `prompt_tokens` (within 5 %, at
     /// least one token either way)? Never when either length is not known (0).
     fn answered_like(&self, prompt_tokens: u64) -> bool {
-        self.prompt_tokens > 0
-            && prompt_tokens > 0
-            && self.prompt_tokens.abs_diff(prompt_tokens) <= (prompt_tokens / 20).max(1)
+        prompts_alike(self.prompt_tokens, prompt_tokens)
     }
+}
+
+/// Are prompts of `a` and `b` tokens about the same length (within 5 % of `b`, at least one
+/// token either way)? Never when either is not known (0). Prompts of about the same length
+/// are, often enough, the same task or template: their outputs are the better guide to how
+/// long an answer runs (Retry-After's expected ends, an elastic class's allowance).
+pub fn prompts_alike(a: u64, b: u64) -> bool {
+    a > 0 && b > 0 && a.abs_diff(b) <= (b / 20).max(1)
 }
 
 impl LiveEntry {
@@ -572,7 +578,17 @@ impl From<&LeaseReport> for BackendReport {
                 .finished
                 .iter()
                 .filter(|f| !f.class.is_empty())
-                .filter_map(|f| Some((f.class.clone(), Self::learned_output(f)?)))
+                .filter_map(|f| {
+                    // Keyed by the prompt as the gateway counted it: that is what it prices.
+                    let out = Self::learned_output(f)?;
+                    Some((
+                        f.class.clone(),
+                        Output {
+                            prompt_tokens: f.gateway_prompt_tokens,
+                            ..out
+                        },
+                    ))
+                })
                 .collect(),
         }
     }
@@ -956,7 +972,8 @@ mod tests {
     #[test]
     fn finished_outputs_carry_the_class_the_gateway_named() {
         let body = br#"{"pool":{"capacity_bytes":1000,"used_bytes":0},
-            "finished":[{"id":"1","reason":"stop","completion_tokens":7,"class":"batch"},
+            "finished":[{"id":"1","reason":"stop","prompt_tokens":30,"completion_tokens":7,
+                         "class":"batch","gateway_prompt_tokens":24},
                         {"id":"2","reason":"length","completion_tokens":9},
                         {"id":"4","reason":"length","completion_tokens":16,"class":"batch"},
                         {"id":"3","reason":"cancelled","completion_tokens":2,"class":"batch"}]}"#;
@@ -964,13 +981,18 @@ mod tests {
         // The one that ran to its cap is marked: it would have run at least that long.
         assert_eq!(
             r.finished_outputs,
-            vec![Output::stopped(7), Output::capped(9), Output::capped(16)]
+            vec![
+                Output::stopped(7).after(30),
+                Output::capped(9),
+                Output::capped(16)
+            ]
         );
-        // Per class too: the elastic quantile counts an output cut at its cap as censored.
+        // Per class too: the elastic quantile counts an output cut at its cap as censored. The
+        // prompt there is the gateway's count (what it prices), not the backend's.
         assert_eq!(
             r.class_outputs,
             vec![
-                ("batch".to_string(), Output::stopped(7)),
+                ("batch".to_string(), Output::stopped(7).after(24)),
                 ("batch".to_string(), Output::capped(16))
             ]
         );

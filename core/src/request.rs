@@ -144,6 +144,63 @@ pub fn parse_request(
     ))
 }
 
+/// The body field in which the gateway tells the backend what it decided after reading the
+/// body (headers are on their way by then). Only the gateway writes it: the filter drops a
+/// client's, and the backend honours it only beside the gateway's secret, as the `x-kvgate-*`
+/// headers.
+pub const GATEWAY_FIELD: &str = "kvgate";
+
+/// What [`GATEWAY_FIELD`] carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GatewayNote {
+    /// Elastic: the output tokens per sequence the lease reserves (below the cap); `None`: the
+    /// whole cap.
+    pub reserve_output: Option<u64>,
+    /// The prompt's length as the gateway counted it, echoed in the backend's finished
+    /// entries: the gateway learns output lengths by its own count of the prompts.
+    pub prompt_tokens: u64,
+}
+
+impl GatewayNote {
+    /// Put the note into the request's body object.
+    pub fn write(&self, obj: &mut Map<String, Value>) {
+        let mut note = Map::new();
+        if let Some(r) = self.reserve_output {
+            note.insert("reserve_output".into(), Value::from(r));
+        }
+        note.insert("prompt_tokens".into(), Value::from(self.prompt_tokens));
+        obj.insert(GATEWAY_FIELD.into(), Value::Object(note));
+    }
+
+    /// Take the note out of a request's body object: `Ok(None)` when there is none; an
+    /// `invalid_request_error` on `kvgate` when it is not what the gateway writes.
+    pub fn take(obj: &mut Map<String, Value>) -> Result<Option<GatewayNote>, ApiError> {
+        let Some(v) = obj.remove(GATEWAY_FIELD) else {
+            return Ok(None);
+        };
+        let bad = || {
+            ApiError::invalid(
+                GATEWAY_FIELD,
+                "'kvgate' is the gateway's own field: an object of non-negative integers \
+                 reserve_output and prompt_tokens.",
+            )
+        };
+        let Value::Object(note) = v else {
+            return Err(bad());
+        };
+        let mut out = GatewayNote::default();
+        for (k, v) in &note {
+            let n = v.as_u64().ok_or_else(bad)?;
+            match k.as_str() {
+                "reserve_output" => out.reserve_output = Some(n),
+                "prompt_tokens" => out.prompt_tokens = n,
+                _ => return Err(bad()),
+            }
+        }
+        Ok(Some(out))
+    }
+}
+
 /// Write the effective cap into the body so the backend cannot generate past the reservation.
 /// Every cap field the client sent is set to `cap`; when none was sent, `max_tokens` is added
 /// (understood by OpenAI-compatible servers for both endpoints).
@@ -472,5 +529,41 @@ mod tests {
         .unwrap();
         let body: Value = serde_json::from_slice(&write_cap(&mut obj, 42)).unwrap();
         assert_eq!(body["max_tokens"], 42);
+    }
+
+    #[test]
+    fn the_gateways_note_goes_into_the_body_and_comes_out_whole_or_refused() {
+        let (_, mut obj) = parse_request(
+            Endpoint::Completions,
+            br#"{"prompt":"hi","max_tokens":100}"#,
+        )
+        .unwrap();
+        let note = GatewayNote {
+            reserve_output: Some(12),
+            prompt_tokens: 7,
+        };
+        note.write(&mut obj);
+        let body = write_cap(&mut obj, 100);
+        let (_, mut back) = parse_request(Endpoint::Completions, &body).unwrap();
+        assert_eq!(GatewayNote::take(&mut back).unwrap(), Some(note));
+        assert!(back.get(GATEWAY_FIELD).is_none(), "taken out of the body");
+        assert_eq!(GatewayNote::take(&mut back).unwrap(), None);
+        // The whole cap: no reserve_output.
+        let whole = GatewayNote {
+            reserve_output: None,
+            prompt_tokens: 7,
+        };
+        whole.write(&mut back);
+        assert_eq!(GatewayNote::take(&mut back).unwrap(), Some(whole));
+        for bad in [
+            r#"{"kvgate":1}"#,
+            r#"{"kvgate":{"reserve_output":-1}}"#,
+            r#"{"kvgate":{"reserve_output":"5"}}"#,
+            r#"{"kvgate":{"lease":"7"}}"#,
+        ] {
+            let mut obj: Map<String, Value> = serde_json::from_str(bad).unwrap();
+            let e = GatewayNote::take(&mut obj).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(GATEWAY_FIELD), "{bad}");
+        }
     }
 }

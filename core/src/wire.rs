@@ -249,6 +249,11 @@ pub struct FinishedEntry {
     /// output lengths from it.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub class: String,
+    /// The prompt's length as the gateway counted it (its private `kvgate.prompt_tokens` body
+    /// field; 0 when not sent): elastic classes learn output lengths by prompt length in the
+    /// gateway's own count, which may differ from the backend's tokenizer.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub gateway_prompt_tokens: u64,
 }
 
 impl LeaseReport {
@@ -321,6 +326,7 @@ mod tests {
                 prompt_tokens: 2,
                 completion_tokens: 1,
                 class: "batch".into(),
+                gateway_prompt_tokens: 3,
             }],
             cursor: 1,
         }
@@ -340,6 +346,7 @@ mod tests {
         assert_eq!(v["model"]["limits"]["batched_prompts"], false);
         assert_eq!(v["leases"][0]["state"], "running");
         assert_eq!(v["finished"][0]["reason"], "preempted");
+        assert_eq!(v["finished"][0]["gateway_prompt_tokens"], 3);
         let back = LeaseReport::parse(v.to_string().as_bytes()).unwrap();
         assert_eq!(back, r);
     }

@@ -54,9 +54,6 @@ struct Pending {
     path: String,
     lease_id: u64,
     class: String,
-    /// Elastic class: the output tokens per sequence its lease reserves (the backend was told
-    /// the same in `x-kvgate-reserve-output`).
-    allowance: Option<u64>,
     body_size: usize,
 }
 
@@ -202,19 +199,20 @@ impl Filter {
                 return self.reject(&rt, &e);
             }
         };
-        let (req, obj) = match parse_request(p.endpoint, &body) {
+        let (req, mut obj) = match parse_request(p.endpoint, &body) {
             Ok(v) => v,
             Err(e) => return self.reject(&rt, &e),
         };
+        // The gateway's private field to the backend: only the gateway writes it.
+        obj.remove(kvgate_core::GATEWAY_FIELD);
         // Refuse here, before reserving, what the backend would refuse.
         if let Err(e) = kvgate_core::validate(&req, &obj, &rt.cfg.served) {
             return self.reject(&rt, &e);
         }
+        // At the worst case; an elastic class's allowance is chosen at each try (it moves as
+        // the class learns, and a request waiting in the queue is tried again and again).
         let priced = match gate::price(&rt.cfg, &rt.counter, &req) {
-            Ok(v) => match p.allowance {
-                Some(a) => v.with_allowance(&rt.cfg, a),
-                None => v,
-            },
+            Ok(v) => v,
             Err(e) => return self.reject(&rt, &e),
         };
         let class = rt.cfg.policy.resolve(Some(&p.class)).clone();
@@ -230,7 +228,8 @@ impl Filter {
             claim,
             lease_id: p.lease_id,
             class,
-            priced,
+            priced: RefCell::new(priced.clone()),
+            worst_case: priced,
             body: RefCell::new(obj),
             body_size: p.body_size,
             granted: Cell::new(None),
@@ -466,14 +465,6 @@ impl HttpContext for Filter {
             header: class_value.as_deref(),
         });
         let class = class_policy.name.clone();
-        // Elastic classes reserve a learned allowance instead of the whole cap; the backend is
-        // told it here and clamps it to the cap. Not from the body callback, after the prompt is
-        // counted: headers let continue answer `NotFound` there, and headers held back with
-        // `Pause` hold the body back too (proxy-wasm turns a headers `StopIteration` into
-        // `StopAllIterationAndWatermark`), so the body callback never comes (tried: 504).
-        let allowance = (rt.cfg.mode != kvgate_core::config::Mode::Shadow)
-            .then(|| self.worker.elastic_allowance(class_policy))
-            .flatten();
         let lease_id = self.worker.next_lease_id();
         // Announce the lease and class; drop content-length (the body will be rewritten; the
         // buffer filter sets the new length once the whole body is known).
@@ -481,10 +472,6 @@ impl HttpContext for Filter {
         let set = abi::remove_header(REQ, "content-length")
             .and_then(|()| abi::set_header(REQ, "x-kvgate-lease", &lease_id.to_string()))
             .and_then(|()| abi::set_header(REQ, "x-kvgate-class", &class))
-            .and_then(|()| match allowance {
-                Some(a) => abi::set_header(REQ, "x-kvgate-reserve-output", &a.to_string()),
-                None => Ok(()),
-            })
             .and_then(|()| {
                 if secret.is_empty() {
                     Ok(())
@@ -521,7 +508,6 @@ impl HttpContext for Filter {
             path: path.clone(),
             lease_id,
             class,
-            allowance,
             body_size: 0,
         });
         Action::Continue

@@ -391,7 +391,7 @@ impl Root {
             .items()
             .skip(1)
             .filter(|t| t.claim.is_some() && !t.claim_active.get())
-            .filter(|t| t.priced.reserve_bytes() <= room)
+            .filter(|t| t.priced.borrow().reserve_bytes() <= room)
             .map(|t| (t.run_ms(&self.worker, &rt.cfg), Rc::clone(t)))
             .filter(|(run_ms, _)| *run_ms > 0)
             .collect();

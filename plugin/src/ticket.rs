@@ -11,7 +11,7 @@ use kvgate_core::fleet::{self, Placed, View};
 use kvgate_core::gate::{self, Decision, Priced};
 use kvgate_core::retry::splitmix64;
 use kvgate_core::store;
-use kvgate_core::{write_cap, ApiError, ClassPolicy, ErrorKind, Lease};
+use kvgate_core::{write_cap, ApiError, ClassPolicy, ErrorKind, GatewayNote, Lease};
 use proxy_wasm::types::BufferType;
 use serde_json::{Map, Value};
 
@@ -35,7 +35,11 @@ pub struct Ticket {
     pub claim: Option<kvgate_core::ClaimTicket>,
     pub lease_id: u64,
     pub class: ClassPolicy,
-    pub priced: Priced,
+    /// The request at its worst case (every sequence to its cap).
+    pub worst_case: Priced,
+    /// As of its last try: an elastic class's allowance is chosen at each try, from what the
+    /// class has learned by then (see [`Ticket::reprice`]).
+    pub priced: RefCell<Priced>,
     pub body: RefCell<Map<String, Value>>,
     pub body_size: usize,
     pub granted: Cell<Option<Granted>>,
@@ -89,14 +93,41 @@ impl Ticket {
         if !cfg.backfill {
             return 0;
         }
-        let output = self
-            .priced
+        let priced = self.priced.borrow();
+        let output = priced
             .elastic
-            .map_or(self.priced.price.cap.cap, |e| e.output_tokens);
+            .map_or(priced.price.cap.cap, |e| e.output_tokens);
         worker.run_ms(output)
     }
 
+    /// The prompt's length as this gateway counted it (the longest, with several prompts): the
+    /// key an elastic class's outputs are learned and looked up by.
+    pub fn prompt_tokens(&self) -> u64 {
+        self.worst_case
+            .prompt_tokens
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Price this try: an elastic class reserves its allowance for this prompt as learned now
+    /// (the request keeps its cap); a worst-case class, shadow mode, or a fleet with an endpoint
+    /// that does not lend, the whole cap.
+    fn reprice(&self, worker: &Worker, rt: &Runtime) {
+        let allowance = (rt.cfg.mode != Mode::Shadow)
+            .then(|| worker.elastic_allowance(&self.class, self.prompt_tokens()))
+            .flatten();
+        let priced = match allowance {
+            Some(a) => self.worst_case.clone().with_allowance(&rt.cfg, a),
+            None => self.worst_case.clone(),
+        };
+        *self.priced.borrow_mut() = priced;
+    }
+
     fn try_admit(self: &Rc<Self>, worker: &Worker, rt: &Runtime, backfill: bool) -> Attempt {
+        self.reprice(worker, rt);
+        let priced = self.priced.borrow().clone();
         let now = host::now_ms();
         let seed = splitmix64(host::now_nanos() ^ self.lease_id);
         let endpoints = worker.endpoints();
@@ -118,14 +149,14 @@ impl Ticket {
             preempts: Vec::new(),
             ..self.class.clone()
         };
-        let need = self.priced.reserve_bytes();
+        let need = priced.reserve_bytes();
         let claim_key = self.claim.map(|c| c.key);
         let shadow = rt.cfg.mode == Mode::Shadow;
         let decide = if shadow { gate::shadow } else { gate::decide };
         // A backfill try: only what the ledger admits ahead of the line; a refusal changes
         // nothing, so a queued request never takes a place in line that way.
         let probe = |l: &mut kvgate_core::Ledger| -> Decision {
-            gate::backfill(l, &rt.cfg, &self.class, &self.priced, holder, now)
+            gate::backfill(l, &rt.cfg, &self.class, &priced, holder, now)
                 .unwrap_or_else(|| Decision::Rejected(not_ahead()))
         };
         let decided = fleet::admit(
@@ -152,7 +183,7 @@ impl Ticket {
                     return None;
                 }
                 let before = l.clone();
-                match decide(l, &rt.cfg, &plain_class, &self.priced, holder, now, seed) {
+                match decide(l, &rt.cfg, &plain_class, &priced, holder, now, seed) {
                     d @ Decision::Admitted { .. } => Some(d),
                     Decision::Rejected(_) => {
                         *l = before;
@@ -164,7 +195,7 @@ impl Ticket {
                 if backfill {
                     return probe(l);
                 }
-                decide(l, &rt.cfg, &self.class, &self.priced, holder, now, seed)
+                decide(l, &rt.cfg, &self.class, &priced, holder, now, seed)
             },
         );
         for (e, v) in endpoints.iter().zip(&views) {
@@ -231,7 +262,7 @@ impl Ticket {
                     "kvgate: rejected ({}) class {} need {} B, committed {} B of {} B at {}, retry after {} ms",
                     err.kind.code(),
                     self.class.name,
-                    self.priced.reserve_bytes(),
+                    priced.reserve_bytes(),
                     ledger.committed(),
                     ledger.capacity(),
                     endpoint.name(&rt.cfg),
@@ -270,10 +301,18 @@ impl Ticket {
                 }
                 if degraded_from.is_some() {
                     worker.metrics.degraded.inc();
-                } else if self.priced.elastic.is_some() {
+                } else if priced.elastic.is_some() {
                     worker.metrics.elastic_admitted.inc();
                 }
-                let new_body = write_cap(&mut self.body.borrow_mut(), cap);
+                let new_body = {
+                    let mut body = self.body.borrow_mut();
+                    GatewayNote {
+                        reserve_output: priced.elastic.map(|e| e.output_tokens),
+                        prompt_tokens: self.prompt_tokens(),
+                    }
+                    .write(&mut body);
+                    write_cap(&mut body, cap)
+                };
                 let routed = match &endpoint.address {
                     // Envoy's override_host balancer picks this host (header_mutation copies the
                     // filter state into x-kvgate-endpoint after the buffer filter).
@@ -337,7 +376,7 @@ impl Ticket {
         *self.shadow_note.borrow_mut() = Some(note);
         self.granted.set(Some(Granted {
             lease: self.lease_id,
-            cap: self.priced.price.cap.cap,
+            cap: self.priced.borrow().price.cap.cap,
             degraded_from: None,
             went_ahead_until: None,
         }));

@@ -362,17 +362,18 @@ impl Worker {
                 continue;
             }
             // An output cut at its cap counts as "at least this long" (censored).
-            learned
-                .entry(class.clone())
-                .or_default()
-                .push_output(out.tokens, out.at_cap);
+            learned.entry(class.clone()).or_default().push_answer(
+                out.tokens,
+                out.at_cap,
+                out.prompt_tokens,
+            );
         }
     }
 
-    /// The output tokens an elastic class reserves per sequence now (before the request's own
-    /// cap clamps it); `None` for a worst-case class, or an elastic one with neither enough
-    /// samples nor a prior.
-    pub fn elastic_allowance(&self, class: &ClassPolicy) -> Option<u64> {
+    /// The output tokens an elastic class reserves per sequence now for a prompt of
+    /// `prompt_tokens` (0: any; before the request's own cap clamps it); `None` for a
+    /// worst-case class, or an elastic one with neither enough samples nor a prior.
+    pub fn elastic_allowance(&self, class: &ClassPolicy, prompt_tokens: u64) -> Option<u64> {
         let Reservation::Elastic(p) = class.reservation else {
             return None;
         };
@@ -382,7 +383,8 @@ impl Worker {
             return None;
         }
         let learned = self.outputs.borrow();
-        Some(p.allowance(learned.get(&class.name), u64::MAX)).filter(|a| *a < u64::MAX)
+        Some(p.allowance_for(learned.get(&class.name), prompt_tokens, u64::MAX))
+            .filter(|a| *a < u64::MAX)
     }
 
     /// What each elastic class reserves now, for `/kvgate/status`.
@@ -403,10 +405,11 @@ impl Worker {
                     "learned_tokens": l.filter(|l| l.len() >= p.min_samples as usize)
                         .and_then(|l| l.quantile(p.quantile_permille)),
                     "prior_tokens": p.prior_tokens,
+                    "by_prompt": p.by_prompt,
                     // False until every endpoint has reported `--admission reserve`: until
                     // then the class is priced at its worst case.
                     "active": self.endpoints.borrow().iter().all(|e| e.lends.get()),
-                    "reserved_output_tokens": self.elastic_allowance(c),
+                    "reserved_output_tokens": self.elastic_allowance(c, 0),
                 }),
             );
         }

@@ -392,7 +392,7 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     let mut vm = start(10_000, cfg);
     // Until the backend has said it reserves what it is told (and lends past it): worst case.
     let (s, _) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
-    assert_eq!(Vm::request_header(s, "x-kvgate-reserve-output"), None);
+    assert_eq!(note_of(s), json!({"prompt_tokens": 200}), "the whole cap");
     assert_eq!(
         ledger_at(A).lease(lease_of(s)).unwrap().bytes,
         1_200 * PER_TOKEN
@@ -406,8 +406,8 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     let (s, a) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
     assert_eq!(a, Action::Continue);
     assert_eq!(
-        Vm::request_header(s, "x-kvgate-reserve-output").as_deref(),
-        Some("10")
+        note_of(s),
+        json!({"reserve_output": 10, "prompt_tokens": 200})
     );
     let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
     assert_eq!(forwarded["max_tokens"], 1_000);
@@ -443,10 +443,7 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     // Learned: the median. Counted as stops, the two cut at 10 would make it 10; as censored
     // (Kaplan–Meier) half of the outputs are estimated to run past 10, and it is 40.
     let (s, _) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
-    assert_eq!(
-        Vm::request_header(s, "x-kvgate-reserve-output").as_deref(),
-        Some("40")
-    );
+    assert_eq!(note_of(s)["reserve_output"], 40);
     assert_eq!(
         ledger_at(A).lease(lease_of(s)).unwrap().bytes,
         240 * PER_TOKEN
@@ -459,6 +456,68 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     );
     assert_eq!(Vm::metric("kvgate.elastic_admitted"), 2);
     for s in [s, s2] {
+        vm.respond_from(s, 200, A);
+        vm.finish(s);
+    }
+    assert_eq!(ledger_at(A).committed(), 0);
+}
+
+/// The gateway's private body field (`kvgate`) as forwarded to the backend.
+fn note_of(s: Stream) -> Value {
+    let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
+    forwarded["kvgate"].clone()
+}
+
+#[test]
+fn an_elastic_request_reserves_what_answers_to_prompts_of_its_length_were() {
+    let policy = json!({"classes": {"default": {"reservation": "elastic",
+        "elastic_min_samples": 3, "elastic_prior_tokens": 10, "elastic_quantile": 0.9}}});
+    let mut cfg = fleet(&[A], json!({}));
+    cfg["policy"] = policy;
+    let mut vm = start(10_000, cfg);
+    // Three short answers to prompts of 100 tokens (as the gateway counted them, echoed by the
+    // backend; the backend's own count differs) and three that ran to caps of 500 after prompts
+    // of 300: the class's 0.9 quantile is the long mode.
+    let mut finished = Vec::new();
+    for (i, (prompt, tokens, reason)) in [
+        (100, 8, "stop"),
+        (300, 500, "length"),
+        (101, 12, "stop"),
+        (300, 500, "length"),
+        (99, 5, "stop"),
+        (302, 500, "length"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        finished.push(
+            json!({"cursor": i + 1, "id": format!("{}", i + 1), "reason": reason,
+            "prompt_tokens": prompt + 40, "gateway_prompt_tokens": prompt,
+            "completion_tokens": tokens, "class": "default"}),
+        );
+    }
+    let doc = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
+        "admission": "reserve", "leases": [], "cursor": 6, "finished": finished});
+    poll_round(&vm, |_| (200, doc.to_string().into_bytes()));
+    // A client cannot write the gateway's field: it is replaced.
+    let mut body: Value = serde_json::from_str(&completion(100, Some(1_000))).unwrap();
+    body["kvgate"] = json!({"reserve_output": 1, "prompt_tokens": 9});
+    let (short, _) = vm.post("/v1/completions", &[], &body.to_string());
+    assert_eq!(
+        note_of(short),
+        json!({"reserve_output": 12, "prompt_tokens": 100})
+    );
+    assert_eq!(
+        ledger_at(A).lease(lease_of(short)).unwrap().bytes,
+        112 * PER_TOKEN
+    );
+    // Like the long ones: their quantile (censored at 500, the longest kept).
+    let (long, _) = vm.post("/v1/completions", &[], &completion(301, Some(1_000)));
+    assert_eq!(note_of(long)["reserve_output"], 500);
+    // A length nobody asked at: the class's quantile.
+    let (other, _) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
+    assert_eq!(note_of(other)["reserve_output"], 500);
+    for s in [short, long, other] {
         vm.respond_from(s, 200, A);
         vm.finish(s);
     }
