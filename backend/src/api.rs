@@ -175,6 +175,7 @@ async fn leases(
     Ok(Json(LeaseReport {
         pool,
         admission: st.admission.as_str().into(),
+        gateway_note: true,
         model: Some(ModelReport {
             name: Some(st.model_name.clone()),
             spec: Some(st.spec),
@@ -272,9 +273,22 @@ impl AppState {
     }
 }
 
-fn validate(st: &AppState, endpoint: Endpoint, body: &[u8]) -> Result<Validated, ApiError> {
+/// `read_note`: the request carries `x-kvgate-note` (from the gateway, with its secret), so its
+/// body's `kvgate` field is the gateway's note; without it the field is a client's, dropped
+/// unread.
+fn validate(
+    st: &AppState,
+    endpoint: Endpoint,
+    body: &[u8],
+    read_note: bool,
+) -> Result<Validated, ApiError> {
     let (req, mut obj) = parse_request(endpoint, body)?;
-    let note = GatewayNote::take(&mut obj)?;
+    let note = if read_note {
+        GatewayNote::take(&mut obj)?
+    } else {
+        obj.remove(kvgate_core::GATEWAY_FIELD);
+        None
+    };
     // The same checks the gateway runs before reserving (kvgate-core's validator).
     let sampling = kvgate_core::validate(&req, &obj, &st.served())?;
     let prompt: Vec<u32> = match &req.input {
@@ -398,11 +412,13 @@ async fn generate(
         .and_then(|h| h.to_str().ok())
         .filter(|s| !s.is_empty() && s.len() <= 64)
         .map(str::to_string);
-    // Only the gateway may name a lease, a class or an elastic reservation.
+    // Only the gateway may name a lease, a class or an elastic reservation (in a header, or in
+    // the body's note that `x-kvgate-note` points to).
     if [
         "x-kvgate-lease",
         "x-kvgate-class",
         "x-kvgate-reserve-output",
+        "x-kvgate-note",
     ]
     .iter()
     .any(|h| headers.contains_key(*h))
@@ -428,17 +444,13 @@ async fn generate(
         Some(Err(e)) => return HttpError(e).into_response(),
         None => None,
     };
-    let v = match validate(&st, endpoint, body) {
+    let read_note = headers.contains_key("x-kvgate-note");
+    let v = match validate(&st, endpoint, body, read_note) {
         Ok(v) => v,
         Err(e) => return HttpError(e).into_response(),
     };
-    // The gateway's body field, as its headers: only beside its secret. It decides after the
-    // body is read, so it wins over the header (which older gateways send).
-    if v.note.is_some() {
-        if let Err(e) = st.check_secret(&headers) {
-            return e.into_response();
-        }
-    }
+    // The gateway decides after reading the body: its note wins over the header (which older
+    // gateways send).
     let reserve_output = match v.note {
         Some(n) => n.reserve_output,
         None => header_reserve_output,

@@ -25,8 +25,8 @@
 //! running to free blocks, ends in the KV OOM (no preemption loop). With `--admission reserve`
 //! no sequence ever needs a block mid-decode, so the flag changes nothing there.
 //!
-//! Elastic sequences (the gateway sent `x-kvgate-reserve-output` below the cap, `--admission
-//! reserve`): the reservation covers prompt + that many output tokens, and the sequence grows
+//! Elastic sequences (the gateway's body note, `kvgate.reserve_output`, or from an older gateway
+//! `x-kvgate-reserve-output`, below the cap; `--admission reserve`): the reservation covers prompt + that many output tokens, and the sequence grows
 //! past it from free blocks — blocks nobody reserved. Those blocks are borrowed: when a
 //! reservation needs them (a new request the gateway admitted, a sequence needing its next
 //! block), the youngest sequence grown past its reservation gives back what it borrowed and is

@@ -44,8 +44,9 @@ pub struct Submit {
     pub lease: Option<String>,
     /// The gateway's admission class (`x-kvgate-class`), echoed in the lease report.
     pub class: Option<String>,
-    /// Elastic: the output tokens the gateway reserved (`x-kvgate-reserve-output`); the
-    /// sequence may grow past them from free blocks.
+    /// Elastic: the output tokens the gateway reserved (its body note's `reserve_output`, or
+    /// `x-kvgate-reserve-output` from an older gateway); the sequence may grow past them from
+    /// free blocks.
     pub reserve_output: Option<u64>,
     /// The prompt's length as the gateway counted it (its `kvgate.prompt_tokens`; 0: not
     /// told), echoed in the lease report when the sequence ends.

@@ -1210,8 +1210,8 @@ impl Gateway {
         self.cfg.policy.resolve(Some(name)).clone()
     }
 
-    /// What request `r` reserves now (the filter prices once per stream; the allowance of an
-    /// elastic class moves as it learns, so this is as of this try).
+    /// What request `r` reserves now: as the filter's `Ticket::reprice`, at every try (the
+    /// allowance of an elastic class moves as it learns).
     fn priced(&self, r: &ReqState) -> Result<(ClassPolicy, Priced), kvgate_core::ApiError> {
         let cfg = &self.cfg;
         let prompt = vec![r.req.prompt];

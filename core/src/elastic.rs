@@ -211,14 +211,19 @@ impl OutputLengths {
     }
 
     /// The outputs kept that answered prompts of about `prompt_tokens` tokens
-    /// ([`crate::reconcile::prompts_alike`]), oldest first. O(kept).
+    /// ([`crate::reconcile::prompts_alike`]), oldest first. O(kept log kept): read at every
+    /// try of an elastic request.
     pub fn answering(&self, prompt_tokens: u64) -> OutputLengths {
         let mut like = OutputLengths::default();
-        for (&(tokens, at_cap), &p) in self.recent.iter().zip(&self.prompts) {
+        for (&sample, &p) in self.recent.iter().zip(&self.prompts) {
             if crate::reconcile::prompts_alike(p, prompt_tokens) {
-                like.push_answer(tokens, at_cap, p);
+                like.recent.push_back(sample);
+                like.prompts.push_back(p);
             }
         }
+        like.sorted = like.recent.iter().copied().collect();
+        like.sorted.sort_unstable();
+        like.censored = like.sorted.iter().filter(|s| s.1).count();
         like
     }
 
@@ -409,6 +414,11 @@ mod tests {
         };
         assert_eq!(p.allowance(Some(&l), 1000), 350, "the class's long mode");
         assert_eq!(p.allowance_for(Some(&l), 35, 1000), 22);
+        let mut built = OutputLengths::default();
+        for (prompt, tokens) in [(34, 3), (35, 12), (36, 22), (35, 5), (34, 8), (35, 2)] {
+            built.push_answer(tokens, false, prompt);
+        }
+        assert_eq!(l.answering(35), built, "as if pushed one by one");
         // Four long answers are not five: the class's quantile, not a guess from fewer.
         assert_eq!(p.allowance_for(Some(&l), 118, 1000), 350);
         // A length nobody asked at: the class's quantile.

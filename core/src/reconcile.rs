@@ -41,6 +41,8 @@ pub struct BackendReport {
     pub class_outputs: Vec<(String, Output)>,
     /// The backend's admission mode (`reserve`, `prompt`, `none`; empty from an older backend).
     pub admission: String,
+    /// It reads the gateway's body note (false from an older backend).
+    pub gateway_note: bool,
     /// The margin its block rounding needs on every reservation (`None` from an older backend).
     pub scratch_margin_bytes: Option<u64>,
 }
@@ -574,6 +576,7 @@ impl From<&LeaseReport> for BackendReport {
                 .collect(),
             finished_outputs: r.finished.iter().filter_map(Self::learned_output).collect(),
             admission: r.admission.clone(),
+            gateway_note: r.gateway_note,
             class_outputs: r
                 .finished
                 .iter()

@@ -25,6 +25,10 @@ pub struct LeaseReport {
     /// The backend's admission mode (`reserve`, `prompt`, `none`).
     #[serde(default)]
     pub admission: String,
+    /// It reads the gateway's body note (`kvgate`, beside `x-kvgate-note`): the gateway tells
+    /// it an elastic reservation only that way, so elastic pricing needs it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gateway_note: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<ModelReport>,
     /// Leases the backend holds now: arrived at its HTTP layer, waiting or running.
@@ -279,6 +283,7 @@ mod tests {
                 promised_bytes: 8,
             },
             admission: "reserve".into(),
+            gateway_note: true,
             model: Some(ModelReport {
                 name: Some("m".into()),
                 spec: Some(ModelSpec {

@@ -28,6 +28,8 @@ use crate::worker::{Runtime, Worker};
 
 const REQ: MapType = MapType::HttpRequestHeaders;
 const RESP: MapType = MapType::HttpResponseHeaders;
+/// Tells the backend the body carries this gateway's note, if any (see `GatewayNote`).
+const NOTE_HEADER: &str = "x-kvgate-note";
 
 pub struct Filter {
     context_id: u32,
@@ -203,7 +205,8 @@ impl Filter {
             Ok(v) => v,
             Err(e) => return self.reject(&rt, &e),
         };
-        // The gateway's private field to the backend: only the gateway writes it.
+        // The gateway's own field to the backend: a client's copy is not forwarded (the note
+        // replaces it, or, for a backend that does not read notes, nothing does).
         obj.remove(kvgate_core::GATEWAY_FIELD);
         // Refuse here, before reserving, what the backend would refuse.
         if let Err(e) = kvgate_core::validate(&req, &obj, &rt.cfg.served) {
@@ -472,6 +475,16 @@ impl HttpContext for Filter {
         let set = abi::remove_header(REQ, "content-length")
             .and_then(|()| abi::set_header(REQ, "x-kvgate-lease", &lease_id.to_string()))
             .and_then(|()| abi::set_header(REQ, "x-kvgate-class", &class))
+            .and_then(|()| {
+                // The body this filter forwards carries its note (`kvgate`), or none: the
+                // backend reads that field only beside this header, so a client's own copy
+                // is never read (shadow mode and unguarded paths forward bodies unchanged).
+                if rt.cfg.mode == kvgate_core::config::Mode::Shadow {
+                    Ok(())
+                } else {
+                    abi::set_header(REQ, NOTE_HEADER, "body")
+                }
+            })
             .and_then(|()| {
                 if secret.is_empty() {
                     Ok(())

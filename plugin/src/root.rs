@@ -585,7 +585,10 @@ impl Root {
         // expected (and held back from admission), not drift.
         let d = drift(&ledger, &report) + i128::from(rec.grown_bytes);
         e.grown.set(rec.grown_bytes);
-        e.lends.set(report.admission == "reserve");
+        // An older backend in reserve mode reads elastic reservations only from a header this
+        // gateway no longer sends: worst case in front of it.
+        e.lends
+            .set(report.admission == "reserve" && report.gateway_note);
         self.worker.learn_outputs(&rt.cfg, &report.class_outputs);
         let before = e.health();
         let was_over = before.drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);

@@ -306,11 +306,15 @@ impl Ticket {
                 }
                 let new_body = {
                     let mut body = self.body.borrow_mut();
-                    GatewayNote {
-                        reserve_output: priced.elastic.map(|e| e.output_tokens),
-                        prompt_tokens: self.prompt_tokens(),
+                    // Only for a backend known to read it (`x-kvgate-note` told it to look);
+                    // another server would take it for a request field.
+                    if endpoint.lends.get() {
+                        GatewayNote {
+                            reserve_output: priced.elastic.map(|e| e.output_tokens),
+                            prompt_tokens: self.prompt_tokens(),
+                        }
+                        .write(&mut body);
                     }
-                    .write(&mut body);
                     write_cap(&mut body, cap)
                 };
                 let routed = match &endpoint.address {

@@ -103,8 +103,9 @@ pub struct Endpoint {
     /// this worker's last poll saw them.
     pub grown: Cell<u64>,
     /// Its last report said `--admission reserve`: it reserves what the gateway tells it and
-    /// lends and reclaims past elastic reservations. Elastic classes apply only while every
-    /// endpoint does.
+    /// lends and reclaims past elastic reservations, and reads the gateway's body note (which
+    /// carries the reservation). Elastic classes apply only while every endpoint does; the
+    /// note is written only into requests for such an endpoint.
     pub lends: Cell<bool>,
     /// Output tokens a second of one decoding sequence there, from this worker's polls (0:
     /// not known yet, or Retry-After is not estimated from progress).

@@ -375,6 +375,8 @@ fn shadow_mode_counts_what_enforce_would_do_and_lets_everything_through_unchange
     assert_eq!(a, Action::Continue, "let through");
     assert!(Vm::replies(second).is_empty(), "nothing answered locally");
     assert_eq!(Vm::body(second), body.as_bytes(), "forwarded unchanged");
+    // So the backend is not told to read a note: a client's `kvgate` field stays unread.
+    assert_eq!(Vm::request_header(second, "x-kvgate-note"), None);
     assert_eq!(
         Vm::metric("kvgate.shadow.would_reject.kv_capacity_exceeded"),
         1

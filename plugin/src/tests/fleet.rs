@@ -392,7 +392,31 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     let mut vm = start(10_000, cfg);
     // Until the backend has said it reserves what it is told (and lends past it): worst case.
     let (s, _) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
-    assert_eq!(note_of(s), json!({"prompt_tokens": 200}), "the whole cap");
+    assert_eq!(note_of(s), Value::Null, "not known to read the note yet");
+    assert_eq!(
+        ledger_at(A).lease(lease_of(s)).unwrap().bytes,
+        1_200 * PER_TOKEN
+    );
+    vm.respond_from(s, 200, A);
+    vm.finish(s);
+    // A backend that reserves but does not read the gateway's body note (an older one) would
+    // reserve the whole cap: the worst case still.
+    let older = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
+        "admission": "reserve", "leases": [], "finished": [], "cursor": 0});
+    poll_round(&vm, |_| (200, older.to_string().into_bytes()));
+    // A client's own `kvgate` field is not forwarded either.
+    let mut body: Value = serde_json::from_str(&completion(200, Some(1_000))).unwrap();
+    body["kvgate"] = json!({"reserve_output": 1, "prompt_tokens": 9});
+    let (s, _) = vm.post("/v1/completions", &[], &body.to_string());
+    assert_eq!(
+        note_of(s),
+        Value::Null,
+        "no note for a backend that does not read it"
+    );
+    assert_eq!(
+        Vm::request_header(s, "x-kvgate-note").as_deref(),
+        Some("body")
+    );
     assert_eq!(
         ledger_at(A).lease(lease_of(s)).unwrap().bytes,
         1_200 * PER_TOKEN
@@ -400,7 +424,7 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     vm.respond_from(s, 200, A);
     vm.finish(s);
     let reserving = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
-        "admission": "reserve", "leases": [], "finished": [], "cursor": 0});
+        "admission": "reserve", "gateway_note": true, "leases": [], "finished": [], "cursor": 0});
     poll_round(&vm, |_| (200, reserving.to_string().into_bytes()));
     // The prior: 200 prompt + 10 output tokens reserved, the cap of 1,000 kept in the body.
     let (s, a) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
@@ -424,7 +448,7 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     // which says nothing).
     poll_round(&vm, |_| {
         let doc = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
-            "admission": "reserve", "leases": [], "cursor": 5, "finished": [
+            "admission": "reserve", "gateway_note": true, "leases": [], "cursor": 5, "finished": [
                 {"cursor": 1, "id": "1", "reason": "stop", "completion_tokens": 40, "class": "default"},
                 {"cursor": 2, "id": "2", "reason": "length", "completion_tokens": 10, "class": "default"},
                 {"cursor": 3, "id": "3", "reason": "cancelled", "completion_tokens": 900, "class": "default"},
@@ -497,12 +521,9 @@ fn an_elastic_request_reserves_what_answers_to_prompts_of_its_length_were() {
         );
     }
     let doc = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
-        "admission": "reserve", "leases": [], "cursor": 6, "finished": finished});
+        "admission": "reserve", "gateway_note": true, "leases": [], "cursor": 6, "finished": finished});
     poll_round(&vm, |_| (200, doc.to_string().into_bytes()));
-    // A client cannot write the gateway's field: it is replaced.
-    let mut body: Value = serde_json::from_str(&completion(100, Some(1_000))).unwrap();
-    body["kvgate"] = json!({"reserve_output": 1, "prompt_tokens": 9});
-    let (short, _) = vm.post("/v1/completions", &[], &body.to_string());
+    let (short, _) = vm.post("/v1/completions", &[], &completion(100, Some(1_000)));
     assert_eq!(
         note_of(short),
         json!({"reserve_output": 12, "prompt_tokens": 100})
