@@ -300,6 +300,11 @@ impl<M: Forward> Engine<M> {
     }
 
     fn admit(&mut self, s: Submit) {
+        // A client gone since the last step still holds its blocks until the next one frees
+        // them; the gateway gave its reservation back the moment the stream closed, and may
+        // have admitted this request into it. Free them first, so this one is neither refused
+        // (429) nor paid for by taking back what a borrower holds.
+        self.drop_abandoned();
         let id = s.lease.clone().unwrap_or_else(|| {
             self.next_internal_id += 1;
             format!("internal-{}", self.next_internal_id)

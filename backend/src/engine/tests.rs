@@ -384,6 +384,34 @@ fn eos_stops_and_cancel_preempts_and_a_gone_client_frees_at_once() {
 }
 
 #[test]
+fn a_gone_clients_blocks_are_free_for_the_next_request_before_the_next_step() {
+    for lazy in [false, true] {
+        let mut e = engine(4, Admission::Reserve, usize::MAX, 8);
+        e.cfg.lazy_blocks = lazy;
+        let mut a = submit(&mut e, "a", 10, 40); // 50 tokens: all 4 blocks
+        assert!(matches!(
+            events(&mut a).first(),
+            Some(Event::Admitted { .. })
+        ));
+        e.step();
+        // Its client closes the stream; the gateway releases at once and admits the next
+        // request into the same bytes, which reaches the engine before its next step.
+        drop(a);
+        let mut b = submit(&mut e, "b", 10, 40);
+        assert!(
+            matches!(events(&mut b).first(), Some(Event::Admitted { id }) if id == "b"),
+            "lazy {lazy}: admitted into what the gone client held, not refused"
+        );
+        assert_eq!(e.metrics.rejected_kv.get(), 0);
+        let p = e.published.lock().unwrap();
+        assert!(p
+            .finished
+            .iter()
+            .any(|f| f.id == "a" && f.reason == FinishReason::Cancelled));
+    }
+}
+
+#[test]
 fn batching_respects_max_batch_and_decodes_all_running_together() {
     let mut e = engine(64, Admission::Reserve, usize::MAX, 2);
     let mut rxs: Vec<_> = (0..3)
