@@ -594,10 +594,29 @@ mod tests {
             panic!("batch is elastic")
         };
         assert_eq!(
-            (e.quantile_permille, e.min_samples, e.prior_tokens),
-            (950, 20, Some(128))
+            (
+                e.quantile_permille,
+                e.min_samples,
+                e.prior_tokens,
+                e.by_prompt
+            ),
+            (950, 20, Some(128), true)
         );
+        let t =
+            parse(r#"{"classes":{"default":{"reservation":"elastic","elastic_by_prompt":false}}}"#)
+                .unwrap();
+        assert!(matches!(
+            t.get("default").unwrap().reservation,
+            Reservation::Elastic(crate::elastic::ElasticPolicy {
+                by_prompt: false,
+                ..
+            })
+        ));
         for (doc, field) in [
+            (
+                r#"{"classes":{"default":{"elastic_by_prompt":true}}}"#,
+                "policy.classes.default.elastic_by_prompt",
+            ),
             (
                 r#"{"classes":{"default":{"reservation":"maybe"}}}"#,
                 "policy.classes.default.reservation",

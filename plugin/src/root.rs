@@ -391,6 +391,9 @@ impl Root {
             .items()
             .skip(1)
             .filter(|t| t.claim.is_some() && !t.claim_active.get())
+            // Priced as of now, as the try itself will be: an elastic class may have learned
+            // since this request's last try.
+            .inspect(|t| t.reprice(&self.worker, rt))
             .filter(|t| t.priced.borrow().reserve_bytes() <= room)
             .map(|t| (t.run_ms(&self.worker, &rt.cfg), Rc::clone(t)))
             .filter(|(run_ms, _)| *run_ms > 0)

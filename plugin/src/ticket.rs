@@ -114,7 +114,7 @@ impl Ticket {
     /// Price this try: an elastic class reserves its allowance for this prompt as learned now
     /// (the request keeps its cap); a worst-case class, shadow mode, or a fleet with an endpoint
     /// that does not lend, the whole cap.
-    fn reprice(&self, worker: &Worker, rt: &Runtime) {
+    pub fn reprice(&self, worker: &Worker, rt: &Runtime) {
         let allowance = (rt.cfg.mode != Mode::Shadow)
             .then(|| worker.elastic_allowance(&self.class, self.prompt_tokens()))
             .flatten();
