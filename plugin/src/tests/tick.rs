@@ -416,6 +416,7 @@ fn a_queue_front_blocked_for_20_s(extra: Value) -> (Vm, Stream, Stream) {
         answered.push(call.token);
         let body = json!({
             "pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 6_000 * PER_TOKEN},
+            "admission": "reserve", "gateway_note": true,
             "leases": [{"id": "21", "state": "running", "prompt_tokens": 100,
                         "max_tokens": 5_900, "reserved_tokens": 6_000,
                         "reserved_bytes": 6_000 * PER_TOKEN, "used_tokens": 100 + generated,
@@ -504,6 +505,74 @@ fn a_request_done_before_the_queue_front_could_start_goes_ahead_of_it() {
     vm.finish(long);
     assert_eq!(ledger().committed(), 0);
     assert_eq!(Vm::metric("kvgate.queued"), 0);
+}
+
+/// A queued elastic request is priced as of each tick when it is weighed as a backfill, not as
+/// of its last try: its class may have learned since that it answers in far less than its cap.
+#[test]
+fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learned_since() {
+    let queued = |priority: u8| json!({"action": "queue", "max_wait_ms": 60_000, "max_depth": 8, "priority": priority});
+    let mut batch = queued(0);
+    batch["reservation"] = "elastic".into();
+    batch["elastic_min_samples"] = 5.into();
+    let policy = json!({"default_class": "vip", "class_header": "x-class", "class_header_trusted": true,
+                        "classes": {"vip": queued(9), "batch": batch}});
+    let (mut vm, front, early) = a_queue_front_blocked_for_20_s(json!({ "policy": policy }));
+    let admitted = |s: Stream| ledger().lease(lease_of(s)).cloned();
+    vm.advance_ms(100);
+    vm.tick();
+    assert!(admitted(early).is_some(), "backfilled as before");
+    // Nothing learned of the class yet: priced at its cap of 5,000 (50 s), it queues behind the
+    // front and is no backfill: it needs more than the 4,000 tokens the line holds.
+    let (late, action) = vm.post(
+        "/v1/completions",
+        &[("x-class", "batch")],
+        &completion(100, Some(5_000)),
+    );
+    assert_eq!(action, Action::Pause, "queued");
+    vm.advance_ms(100);
+    vm.tick();
+    assert!(admitted(late).is_none());
+    // A poll brings five outputs of the class that answered prompts of its length in 150
+    // tokens: priced now at 100 + 150 tokens (1.5 s), it is done long before the front starts.
+    vm.advance_ms(300);
+    vm.tick();
+    let call = Vm::calls()
+        .into_iter()
+        .filter(|c| {
+            c.header(":path")
+                .is_some_and(|p| p.starts_with("/v1/admission/leases"))
+        })
+        .last()
+        .expect("a poll");
+    let finished: Vec<Value> = (0..5)
+        .map(|i| {
+            json!({"id": format!("b{i}"), "reason": "stop", "completion_tokens": 150,
+                        "class": "batch", "gateway_prompt_tokens": 100})
+        })
+        .collect();
+    let body = json!({
+        "pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 6_300 * PER_TOKEN},
+        "admission": "reserve", "gateway_note": true,
+        "leases": [{"id": "21", "state": "running", "prompt_tokens": 100,
+                    "max_tokens": 5_900, "reserved_tokens": 6_000,
+                    "reserved_bytes": 6_000 * PER_TOKEN, "used_tokens": 170,
+                    "used_bytes": 170 * PER_TOKEN}],
+        "finished": finished, "cursor": 2,
+    });
+    vm.answer_call(call.token, 200, body.to_string().as_bytes());
+    vm.advance_ms(100);
+    vm.tick();
+    let lease = admitted(late).expect("backfilled at what its class learned");
+    assert_eq!(lease.bytes, 250 * PER_TOKEN);
+    assert!(Vm::resumed(late));
+    assert!(admitted(front).is_none(), "the front still waits");
+    let forwarded: Value = serde_json::from_slice(&Vm::body(late)).unwrap();
+    assert_eq!(forwarded["kvgate"]["reserve_output"], 150);
+    assert_eq!(forwarded["max_tokens"], 5_000, "the cap is kept");
+    for s in [early, late, front] {
+        vm.finish(s);
+    }
 }
 
 /// A backfill that runs past its expected end is counted, with by how much: what the estimate
