@@ -539,11 +539,11 @@ fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learn
     vm.tick();
     let call = Vm::calls()
         .into_iter()
-        .filter(|c| {
+        .rev()
+        .find(|c| {
             c.header(":path")
                 .is_some_and(|p| p.starts_with("/v1/admission/leases"))
         })
-        .last()
         .expect("a poll");
     let finished: Vec<Value> = (0..5)
         .map(|i| {
