@@ -242,8 +242,9 @@ def test_a_request_reserves_what_answers_to_prompts_of_its_length_were_not_its_c
     # stops at its first full stop. Three of each make the class's 0.9 quantile the long mode;
     # the next question reserves what the questions answered in, and the counting prompt what
     # it ran to.
-    gw, b = stack(64, elastic_policy(prior=16, min_samples=3), "--admission", "reserve",
-                  "--step-delay-ms", "20", concurrency=1)
+    policy = elastic_policy(prior=16, min_samples=3)
+    policy["policy"]["classes"]["default"]["elastic_by_prompt"] = True
+    gw, b = stack(64, policy, "--admission", "reserve", "--step-delay-ms", "20", concurrency=1)
     active(gw)
     question = {"model": MODEL, "temperature": 0, "max_tokens": 400, "stop": ["."],
                 "messages": [{"role": "user", "content": "What is the capital of France?"}]}

@@ -10,12 +10,13 @@
 //! bench-sim` runs the defaults). `--poll-ms` is how often the gateway polls each backend (500,
 //! the shipped configs' `backend.poll_ms`).
 //!
-//! `--allowance-by-prompt` is every elastic class's `elastic_by_prompt` (default `true`, as the
-//! filter's since it tells the backend the allowance in its body field): an elastic request's
+//! `--allowance-by-prompt` is every elastic class's `elastic_by_prompt` (default `false`, as the
+//! filter's; the filter can do it since it tells the backend the allowance in its body field):
+//! an elastic request's
 //! allowance is the class's quantile over the outputs that answered prompts of about its length
 //! (within 5 %, at least one token either way, the Retry-After estimator's rule) once at least
 //! `elastic_min_samples` of them are kept, else over all the class's outputs. Commands run
-//! before then mean `false` without the flag and `true` with it (a what-if then).
+//! before 2026-12-04 14:00 UTC meant `false` without the flag and `true` with it.
 //!
 //! `--lazy-blocks true` (the default, as the backend's since 0fd3d27; `false` takes blocks at
 //! admission) is the backend's `--lazy-blocks` (engine.rs since 2504f91): under
@@ -2237,7 +2238,7 @@ fn main() -> Res<()> {
     let mut quantile: f64 = 0.9;
     let mut backfill = true;
     let mut lazy_blocks = true;
-    let mut by_prompt = true;
+    let mut by_prompt = false;
     let mut cap = None;
     let mut blocks = None;
     let mut elastic_prior = 64u64;

@@ -41,7 +41,7 @@ impl Default for ElasticPolicy {
             quantile_permille: 900,
             min_samples: 20,
             prior_tokens: None,
-            by_prompt: true,
+            by_prompt: false,
         }
     }
 }

@@ -119,7 +119,7 @@ pub struct RawClass {
     #[serde(default)]
     pub elastic_prior_tokens: Option<u64>,
     /// Elastic only: reserve the quantile of the outputs that answered prompts of about this
-    /// request's length, once there are enough of them (default true).
+    /// request's length, once there are enough of them (default false).
     #[serde(default)]
     pub elastic_by_prompt: Option<bool>,
 }
@@ -600,15 +600,15 @@ mod tests {
                 e.prior_tokens,
                 e.by_prompt
             ),
-            (950, 20, Some(128), true)
+            (950, 20, Some(128), false)
         );
         let t =
-            parse(r#"{"classes":{"default":{"reservation":"elastic","elastic_by_prompt":false}}}"#)
+            parse(r#"{"classes":{"default":{"reservation":"elastic","elastic_by_prompt":true}}}"#)
                 .unwrap();
         assert!(matches!(
             t.get("default").unwrap().reservation,
             Reservation::Elastic(crate::elastic::ElasticPolicy {
-                by_prompt: false,
+                by_prompt: true,
                 ..
             })
         ));

@@ -495,7 +495,8 @@ fn note_of(s: Stream) -> Value {
 #[test]
 fn an_elastic_request_reserves_what_answers_to_prompts_of_its_length_were() {
     let policy = json!({"classes": {"default": {"reservation": "elastic",
-        "elastic_min_samples": 3, "elastic_prior_tokens": 10, "elastic_quantile": 0.9}}});
+        "elastic_min_samples": 3, "elastic_prior_tokens": 10, "elastic_quantile": 0.9,
+        "elastic_by_prompt": true}}});
     let mut cfg = fleet(&[A], json!({}));
     cfg["policy"] = policy;
     let mut vm = start(10_000, cfg);
