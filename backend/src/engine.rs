@@ -375,7 +375,7 @@ impl<M: Forward> Engine<M> {
         };
         self.metrics.requests.inc();
         self.arrivals += 1;
-        let _ = s.events.send(Event::Admitted { id: id.clone() });
+        let admitted = Event::Admitted { id: id.clone() };
         self.waiting.push_back(Seq {
             id,
             class: s.class,
@@ -401,6 +401,10 @@ impl<M: Forward> Engine<M> {
         // a promise published only after the step that takes its first blocks would be
         // missing from a report read in between (the ledger's whole reservation as drift).
         self.publish();
+        // Only now may the client see its 200: a lease report read after it shows the promise.
+        if let Some(seq) = self.waiting.back() {
+            let _ = seq.events.send(admitted);
+        }
     }
 
     /// `--lazy-blocks` under `--admission reserve`.
