@@ -390,14 +390,23 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     let mut cfg = fleet(&[A], json!({}));
     cfg["policy"] = policy;
     let mut vm = start(10_000, cfg);
+    // Admitted at its worst case (200 + 1,000 tokens), with no note in the body it forwards.
+    let at_worst_case = |vm: &mut Vm, body: &str, why: &str| {
+        let (s, _) = vm.post("/v1/completions", &[], body);
+        assert_eq!(note_of(s), Value::Null, "{why}");
+        assert_eq!(
+            ledger_at(A).lease(lease_of(s)).unwrap().bytes,
+            1_200 * PER_TOKEN
+        );
+        vm.respond_from(s, 200, A);
+        s
+    };
     // Until the backend has said it reserves what it is told (and lends past it): worst case.
-    let (s, _) = vm.post("/v1/completions", &[], &completion(200, Some(1_000)));
-    assert_eq!(note_of(s), Value::Null, "not known to read the note yet");
-    assert_eq!(
-        ledger_at(A).lease(lease_of(s)).unwrap().bytes,
-        1_200 * PER_TOKEN
+    let s = at_worst_case(
+        &mut vm,
+        &completion(200, Some(1_000)),
+        "not known to read the note yet",
     );
-    vm.respond_from(s, 200, A);
     vm.finish(s);
     // A backend that reserves but does not read the gateway's body note (an older one) would
     // reserve the whole cap: the worst case still.
@@ -407,21 +416,15 @@ fn an_elastic_class_reserves_its_prior_then_what_it_learned_and_tells_the_backen
     // A client's own `kvgate` field is not forwarded either.
     let mut body: Value = serde_json::from_str(&completion(200, Some(1_000))).unwrap();
     body["kvgate"] = json!({"reserve_output": 1, "prompt_tokens": 9});
-    let (s, _) = vm.post("/v1/completions", &[], &body.to_string());
-    assert_eq!(
-        note_of(s),
-        Value::Null,
-        "no note for a backend that does not read it"
+    let s = at_worst_case(
+        &mut vm,
+        &body.to_string(),
+        "no note for a backend that does not read it",
     );
     assert_eq!(
         Vm::request_header(s, "x-kvgate-note").as_deref(),
         Some("body")
     );
-    assert_eq!(
-        ledger_at(A).lease(lease_of(s)).unwrap().bytes,
-        1_200 * PER_TOKEN
-    );
-    vm.respond_from(s, 200, A);
     vm.finish(s);
     let reserving = json!({"pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 0},
         "admission": "reserve", "gateway_note": true, "leases": [], "finished": [], "cursor": 0});
