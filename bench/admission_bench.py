@@ -445,6 +445,7 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
     # `ARM+lazy`: ARM with the backend's --lazy-blocks (reservations are promises of blocks, the
     # default); `ARM+eager`: with --lazy-blocks false (blocks taken at admission).
     # `ARM+line`: ARM with the filter's fair_retry_max_line at --max-line.
+    # `ARM+altb`: ARM with the backend built as --alt-backend (an A/B of two backend builds).
     suffixes = label.split("+")[1:]
     arm, alt = label.split("+")[0], "alt" in suffixes
     max_line = a.max_line if "line" in suffixes else None
@@ -461,7 +462,10 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
               "vllm": ["--admission", "none", "--on-kv-exhaustion", "recompute"]}[arm.removesuffix("-envoy")]
     if "lazy" in suffixes or "eager" in suffixes:
         flags += ["--lazy-blocks", "false" if "eager" in suffixes else "true"]
-    b = Backend(d, *flags).start(timeout=120)
+    b = Backend(d, *flags)
+    if "altb" in suffixes:
+        b.args[0] = str(a.alt_backend)
+    b.start(timeout=120)
     gw = None
     try:
         if arm in ("kvgate", "oracle", "elastic", "queued", "queued-strict", "queued-nobf", "queued-lean"):
@@ -783,6 +787,8 @@ def main():
     p.add_argument("--dump", help="append every request's outcome (JSON lines) to this file")
     p.add_argument("--alt-wasm", type=Path,
                    help="a second build of the filter: an arm named ARM+alt runs ARM with it (an A/B)")
+    p.add_argument("--alt-backend", type=Path,
+                   help="a second build of kvgate-backend: an arm named ARM+altb runs ARM with it (an A/B)")
     p.add_argument("--trace", action="store_true",
                    help="with --dump: also the gateway's /kvgate/status and the backend's lease report, every 0.5 s")
     p.add_argument("--no-write", action="store_true", help="print the table, leave BENCHMARKS.md alone")
@@ -813,6 +819,11 @@ def main():
             built.append(f"--alt-wasm {a.alt_wasm} built {datetime.datetime.fromtimestamp(a.alt_wasm.stat().st_mtime, datetime.timezone.utc):%H:%M} UTC")
             shutil.copy2(a.alt_wasm, dst)
             a.alt_wasm = dst
+        if a.alt_backend:
+            dst = Path(work) / f"alt-{a.alt_backend.name}"
+            built.append(f"--alt-backend {a.alt_backend} built {datetime.datetime.fromtimestamp(a.alt_backend.stat().st_mtime, datetime.timezone.utc):%H:%M} UTC")
+            shutil.copy2(a.alt_backend, dst)
+            a.alt_backend = dst
         help_text = subprocess.run([str(harness.BACKEND), "--help"], capture_output=True, text=True).stdout
         arms = [x for x in a.arms.split(",") if not x.startswith("vllm") or "--on-kv-exhaustion" in help_text]
         if "vllm" in a.arms and "vllm" not in arms:

@@ -56,9 +56,10 @@
 //!   Preemption and recompute follow engine.rs: `vllm` (`--on-kv-exhaustion recompute`) preempts
 //!   the youngest other running sequence, which frees all its blocks and is prefilled again over
 //!   prompt + generated; elastic sequences grow past their reservation from free blocks and the
-//!   youngest one grown past it is preempted first (keeping its reservation and the KV cache its
-//!   reservation's blocks hold, so that only the positions past them are prefilled again) when a
-//!   reservation or a sequence needs a block. A sequence ends on the step that samples its last token; a
+//!   youngest one grown past it is preempted first (keeping its reservation, and with
+//!   `--lazy-blocks false` the KV cache its reservation's blocks hold, so that only the positions
+//!   past them are prefilled again; with lazy blocks it gives every block back, its reservation
+//!   a promise, and is prefilled again whole) when a reservation or a sequence needs a block. A sequence ends on the step that samples its last token; a
 //!   sequence of true length L capped at C produces min(L, C) tokens (greedy outputs are
 //!   deterministic, so the cap alone decides).
 //! - `--preset cpu`: the live bench's backend (SmolLM2-135M, f32 KV 46,080 B/token, a pool of 40
@@ -903,7 +904,9 @@ impl Backend {
 
     fn requeue_for_recompute(&mut self, mut seq: Seq) {
         self.preemptions += 1;
-        if seq.elastic {
+        // engine.rs: with lazy blocks an elastic sequence gives every block back too (its
+        // reservation stays a promise) and is recomputed whole.
+        if seq.elastic && !self.lazy {
             let promised = seq.promised;
             shrink(&mut seq, promised, &mut self.free);
         } else {
