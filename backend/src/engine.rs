@@ -35,8 +35,8 @@
 //! one is at worst delayed. A preempted elastic sequence keeps its reservation while it waits,
 //! and (blocks taken at admission) the KV cache its reservation's blocks hold: when it runs
 //! again only the positions past them are prefilled (one at the end of its reservation with no
-//! block free only pauses). With lazy blocks it gives every block back and keeps its
-//! reservation as a promise, and is recomputed whole. Sequences holding their reservations are
+//! block free only pauses). With lazy blocks one grown past its reservation gives every block
+//! back, keeps its reservation as a promise, and is recomputed whole. Sequences holding their reservations are
 //! prefilled before it.
 //!
 //! Lazy blocks (`--lazy-blocks`, with `--admission reserve`): a reservation is a promise of
@@ -892,17 +892,19 @@ impl<M: Forward> Engine<M> {
     fn requeue_for_recompute(&mut self, mut seq: Seq<M::Kv>) {
         self.metrics.recompute_preemptions.inc();
         seq.prefilling = false;
-        if seq.elastic && !self.lazy() {
+        if seq.elastic && !(self.lazy() && seq.overgrown()) {
             // It keeps its reservation (the gateway counts it), and the cache its reservation's
-            // blocks hold; it gives back what it borrowed.
+            // blocks hold; it gives back what it borrowed (one at the end of its reservation
+            // gives back nothing: it pauses, its cache whole).
             Self::give_back_borrowed(&self.model, &mut seq);
         } else {
             // Everything goes back (vLLM's way): blocks held while waiting could be the ones a
-            // running sequence needs to finish. With lazy blocks an elastic sequence keeps its
-            // reservation as a promise (the gateway counts it; it takes its blocks back when it
-            // runs again), and the blocks it held while waiting would be the very ones another
-            // long sequence needs to finish: sequences that each outgrow what the others leave
-            // would otherwise take turns, none of them finishing, each turn recomputed.
+            // running sequence needs to finish. With lazy blocks an elastic sequence grown past
+            // its reservation keeps that reservation as a promise (the gateway counts it; it
+            // takes its blocks back when it runs again), and the blocks it held while waiting
+            // would be the very ones another long sequence needs to finish: sequences that each
+            // outgrow what the others leave would otherwise take turns, none of them finishing,
+            // each turn recomputed.
             seq.kv = None;
             seq.alloc.release();
         }

@@ -904,9 +904,9 @@ impl Backend {
 
     fn requeue_for_recompute(&mut self, mut seq: Seq) {
         self.preemptions += 1;
-        // engine.rs: with lazy blocks an elastic sequence gives every block back too (its
-        // reservation stays a promise) and is recomputed whole.
-        if seq.elastic && !self.lazy {
+        // engine.rs: with lazy blocks an elastic sequence grown past its reservation gives
+        // every block back too (its reservation stays a promise) and is recomputed whole.
+        if seq.elastic && !(self.lazy && seq.overgrown()) {
             let promised = seq.promised;
             shrink(&mut seq, promised, &mut self.free);
         } else {
