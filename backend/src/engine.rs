@@ -44,8 +44,10 @@
 //! fit the pool (so the gateway's ledger and this backend still agree on what is reserved), and
 //! a sequence takes its blocks as it grows into them. Until then those blocks are free, and an
 //! elastic sequence grown past its own reservation may borrow them; when the sequence they were
-//! promised to needs one, the youngest borrower gives back what it borrowed (the promises fit
-//! the pool, so what is missing is always borrowed). So an admission never preempts a borrower,
+//! promised to needs one, the youngest borrower gives back every block it holds and is
+//! recomputed whole later (the promises fit the pool, so what is missing is always borrowed).
+//! Its own reservation stays a promise; it needs more than that to run again, so it waits until
+//! its whole need is free (the sequences running finish or give blocks back in turn). So an admission never preempts a borrower,
 //! and a borrower is preempted only when a reservation really needs its blocks. The lease
 //! report counts each sequence at what it holds or was promised, whichever is more (`pool.
 //! promised_bytes`: the promised blocks not taken yet, counted in `used_bytes`).
@@ -120,8 +122,9 @@ struct Seq<K> {
     class: Option<String>,
     /// The prompt's length as the gateway counted it (0: not told), for the lease report.
     gateway_prompt_tokens: u64,
-    /// Tokens its reservation covers: it holds at least `promised_blocks` from admission to
-    /// end. Blocks beyond are borrowed (elastic growth).
+    /// Tokens its reservation covers. Taken at admission, it holds at least `promised_blocks`
+    /// from admission to end; with lazy blocks, at most that while it waits. Blocks beyond are
+    /// borrowed (elastic growth).
     promised: u64,
     promised_blocks: u32,
     /// Elastic: its reservation is below prompt + cap.
@@ -680,8 +683,9 @@ impl<M: Forward> Engine<M> {
                 self.kv_oom(seq);
                 continue;
             }
-            // A sequence that gave back borrowed blocks kept what its own blocks hold: it grows
-            // from there and is fed only the rest.
+            // A sequence that gave back borrowed blocks, or paused at the end of its
+            // reservation, kept what its own blocks hold: it grows from there and is fed only
+            // the rest.
             let tokens = seq.alloc.tokens() as usize;
             let kv = match seq.kv.take() {
                 Some(mut kv) => self
@@ -901,7 +905,7 @@ impl<M: Forward> Engine<M> {
             // Everything goes back (vLLM's way): blocks held while waiting could be the ones a
             // running sequence needs to finish. With lazy blocks an elastic sequence grown past
             // its reservation keeps that reservation as a promise (the gateway counts it; it
-            // takes its blocks back when it runs again), and the blocks it held while waiting
+            // runs again once its whole need is free), and the blocks it held while waiting
             // would be the very ones another long sequence needs to finish: sequences that each
             // outgrow what the others leave would otherwise take turns, none of them finishing,
             // each turn recomputed.

@@ -763,14 +763,19 @@ fn an_elastic_sequence_reserves_its_allowance_and_grows_past_it_from_free_blocks
 
 #[test]
 fn an_elastic_sequence_at_its_reservations_end_in_a_fully_reserved_pool_waits_and_takes_nothing() {
-    for on in [OnKvExhaustion::Error, OnKvExhaustion::Recompute] {
-        // 8 blocks: A elastic reserves 1 (prompt 10 + 6), B worst case reserves the other 7
-        // (prompt 10 + cap 100). Nothing is free and nothing is borrowed when A needs its
-        // second block.
+    // 8 blocks: A elastic reserves 1 (prompt 10 + 6), B worst case reserves the other 7. Taken
+    // at admission, B is prompt 10 + cap 100; with lazy blocks, prompt 100 + cap 12, so that
+    // its prefill takes its 7 blocks at once. Nothing is free and nothing is borrowed when A
+    // needs its second block.
+    let cases = [(false, 10, 100), (true, 100, 12)];
+    for ((lazy, b_prompt, b_cap), on) in cases
+        .into_iter()
+        .flat_map(|c| [(c, OnKvExhaustion::Error), (c, OnKvExhaustion::Recompute)])
+    {
         let mut e = engine_on(8, Admission::Reserve, on, usize::MAX, 8);
+        e.cfg.lazy_blocks = lazy;
         let mut a = submit_elastic(&mut e, "a", 10, 40, 6);
-        let mut b = submit(&mut e, "b", 10, 100);
-        assert_eq!(e.pool.stats().blocks_free, 0);
+        let mut b = submit(&mut e, "b", b_prompt, b_cap);
         let (mut ea, mut eb) = (Vec::new(), Vec::new());
         for _ in 0..300 {
             e.step();
@@ -778,13 +783,19 @@ fn an_elastic_sequence_at_its_reservations_end_in_a_fully_reserved_pool_waits_an
             eb.extend(events(&mut b));
             // B's reservation is never touched while it runs.
             if let Some(s) = e.running.iter().find(|s| s.id == "b") {
-                assert_eq!(s.alloc.blocks(), 7, "{on:?}");
+                assert_eq!(s.alloc.blocks(), 7, "{on:?} lazy {lazy}");
+            }
+            // A pauses holding its one block and what it caches (with lazy blocks too: it
+            // has not grown past its reservation, so it keeps what it has).
+            if let Some(s) = e.waiting.iter().find(|s| s.id == "a") {
+                assert_eq!(s.alloc.blocks(), 1, "{on:?} lazy {lazy}");
+                assert_eq!(s.used_tokens(), 16, "{on:?} lazy {lazy}");
             }
         }
         assert_eq!(
             finished(&eb),
-            Some((FinishReason::Length, 100, false)),
-            "{on:?}"
+            Some((FinishReason::Length, b_cap, false)),
+            "{on:?} lazy {lazy}"
         );
         assert_eq!(
             finished(&ea),
@@ -1371,8 +1382,7 @@ fn a_sequence_demoted_while_it_waits_to_resume_holds_no_block_a_reservation_need
     // Demoted while it waits, it gives that block back too.
     assert_eq!(e.demote("a".into()), Demoted::Lent);
     assert_eq!(held(&e), Some(0));
-    // C (prompt 10 + cap 6: 1 block) is admitted into it; with A keeping its block, C was
-    // refused (nothing free, nothing borrowed).
+    // C (prompt 10 + cap 6: 1 block) is admitted into it.
     let mut c = submit(&mut e, "c", 10, 6);
     let mut ec = events(&mut c);
     assert!(matches!(ec.first(), Some(Event::Admitted { .. })), "{ec:?}");
