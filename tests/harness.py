@@ -9,6 +9,7 @@ import copy
 import hashlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,7 +30,28 @@ FLEET = ROOT / "envoy" / "fleet.yaml"
 FLEET_FILTER = ROOT / "envoy" / "fleet-filter.yaml"
 
 
+def _ephemeral_range():
+    try:
+        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port():
+    """A port free now, below the kernel's ephemeral range: a port the kernel hands out (bind to
+    0) can be taken as the source port of any outgoing connection before the child binds it
+    (CI saw Envoy fail with "Address already in use" so), while ports below that range are only
+    taken by an explicit bind. Random, so parallel test workers rarely pick the same one."""
+    lo, _ = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
