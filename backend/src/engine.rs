@@ -35,8 +35,9 @@
 //! one is at worst delayed. A preempted elastic sequence keeps its reservation while it waits,
 //! and (blocks taken at admission) the KV cache its reservation's blocks hold: when it runs
 //! again only the positions past them are prefilled (one at the end of its reservation with no
-//! block free only pauses). With lazy blocks one grown past its reservation gives every block
-//! back, keeps its reservation as a promise, and is recomputed whole. Sequences holding their reservations are
+//! block free only pauses). With lazy blocks a waiting sequence's blocks and cache are given
+//! back when a running sequence needs a block and none is free (its reservation stays a
+//! promise; it is then recomputed whole). Sequences holding their reservations are
 //! prefilled before it.
 //!
 //! Lazy blocks (`--lazy-blocks`, with `--admission reserve`): a reservation is a promise of
@@ -44,10 +45,10 @@
 //! fit the pool (so the gateway's ledger and this backend still agree on what is reserved), and
 //! a sequence takes its blocks as it grows into them. Until then those blocks are free, and an
 //! elastic sequence grown past its own reservation may borrow them; when the sequence they were
-//! promised to needs one, the youngest borrower gives back every block it holds and is
-//! recomputed whole later (the promises fit the pool, so what is missing is always borrowed).
-//! Its own reservation stays a promise; it needs more than that to run again, so it waits until
-//! its whole need is free (the sequences running finish or give blocks back in turn). So an admission never preempts a borrower,
+//! promised to needs one, the youngest borrower gives back what it borrowed and is recomputed
+//! later (the promises fit the pool, so what is missing is always borrowed). While it waits, a
+//! running sequence that needs a block takes the blocks its reservation holds before any
+//! running borrower is preempted (`drop_an_idle_cache`); its reservation stays a promise. So an admission never preempts a borrower,
 //! and a borrower is preempted only when a reservation really needs its blocks. The lease
 //! report counts each sequence at what it holds or was promised, whichever is more (`pool.
 //! promised_bytes`: the promised blocks not taken yet, counted in `used_bytes`).
@@ -123,8 +124,8 @@ struct Seq<K> {
     /// The prompt's length as the gateway counted it (0: not told), for the lease report.
     gateway_prompt_tokens: u64,
     /// Tokens its reservation covers. Taken at admission, it holds at least `promised_blocks`
-    /// from admission to end; with lazy blocks, at most that while it waits. Blocks beyond are
-    /// borrowed (elastic growth).
+    /// from admission to end; with lazy blocks, at most that while it waits (and perhaps none).
+    /// Blocks beyond are borrowed (elastic growth).
     promised: u64,
     promised_blocks: u32,
     /// Elastic: its reservation is below prompt + cap.
@@ -780,6 +781,9 @@ impl<M: Forward> Engine<M> {
             }
             match self.make_room(i) {
                 Room::Ready => i += 1,
+                Room::NoBlock if self.drop_an_idle_cache() => {
+                    // Blocks a waiting sequence held idle came back: try again.
+                }
                 Room::NoBlock if self.youngest_overgrown().is_some() => {
                     // Borrowed blocks go back first: the youngest sequence grown past its
                     // reservation (perhaps this one) is recomputed later. With lazy blocks a
@@ -866,6 +870,31 @@ impl<M: Forward> Engine<M> {
         }
     }
 
+    /// Lazy blocks: the youngest waiting elastic sequence that holds blocks (a preempted
+    /// borrower keeps its reservation's blocks and their cache) gives them all back, its cache
+    /// dropped; its reservation stays a promise and it is recomputed whole when it runs. A
+    /// running sequence that needs a block takes these before any running borrower is
+    /// preempted: they serve nobody while their sequence waits, and without this, long
+    /// sequences that each outgrow what the others leave take turns, none finishing, each turn
+    /// recomputed. Blocks taken at admission are a sequence's own and are never given back
+    /// so. False when there were none.
+    fn drop_an_idle_cache(&mut self) -> bool {
+        if !self.lazy() {
+            return false;
+        }
+        let Some(s) = self
+            .waiting
+            .iter_mut()
+            .filter(|s| s.elastic && s.alloc.blocks() > 0)
+            .max_by_key(|s| s.order)
+        else {
+            return false;
+        };
+        s.alloc.release();
+        s.kv = None;
+        true
+    }
+
     /// A KV slot for the token running sequence `i` feeds next: a block from the pool when its
     /// blocks are full, and the model's cache grown to match.
     fn make_room(&mut self, i: usize) -> Room {
@@ -896,19 +925,15 @@ impl<M: Forward> Engine<M> {
     fn requeue_for_recompute(&mut self, mut seq: Seq<M::Kv>) {
         self.metrics.recompute_preemptions.inc();
         seq.prefilling = false;
-        if seq.elastic && !(self.lazy() && seq.overgrown()) {
+        if seq.elastic {
             // It keeps its reservation (the gateway counts it), and the cache its reservation's
-            // blocks hold; it gives back what it borrowed (one at the end of its reservation
-            // gives back nothing: it pauses, its cache whole).
+            // blocks hold; it gives back what it borrowed. With lazy blocks those blocks are
+            // given back too, but only when a running sequence needs one
+            // (`drop_an_idle_cache`).
             Self::give_back_borrowed(&self.model, &mut seq);
         } else {
             // Everything goes back (vLLM's way): blocks held while waiting could be the ones a
-            // running sequence needs to finish. With lazy blocks an elastic sequence grown past
-            // its reservation keeps that reservation as a promise (the gateway counts it; it
-            // runs again once its whole need is free), and the blocks it held while waiting
-            // would be the very ones another long sequence needs to finish: sequences that each
-            // outgrow what the others leave would otherwise take turns, none of them finishing,
-            // each turn recomputed.
+            // running sequence needs to finish.
             seq.kv = None;
             seq.alloc.release();
         }

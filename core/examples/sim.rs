@@ -56,10 +56,11 @@
 //!   Preemption and recompute follow engine.rs: `vllm` (`--on-kv-exhaustion recompute`) preempts
 //!   the youngest other running sequence, which frees all its blocks and is prefilled again over
 //!   prompt + generated; elastic sequences grow past their reservation from free blocks and the
-//!   youngest one grown past it is preempted first (keeping its reservation, and with
-//!   `--lazy-blocks false` the KV cache its reservation's blocks hold, so that only the positions
-//!   past them are prefilled again; with lazy blocks it gives every block back, its reservation
-//!   a promise, and is prefilled again whole) when a reservation or a sequence needs a block. A sequence ends on the step that samples its last token; a
+//!   youngest one grown past it is preempted first (keeping its reservation and the KV cache its
+//!   reservation's blocks hold, so that only the positions past them are prefilled again) when a
+//!   reservation or a sequence needs a block; with lazy blocks a sequence that needs a block
+//!   first takes those of the youngest waiting elastic sequence that holds some (its cache
+//!   dropped, its reservation a promise). A sequence ends on the step that samples its last token; a
 //!   sequence of true length L capped at C produces min(L, C) tokens (greedy outputs are
 //!   deterministic, so the cap alone decides).
 //! - `--preset cpu`: the live bench's backend (SmolLM2-135M, f32 KV 46,080 B/token, a pool of 40
@@ -904,9 +905,7 @@ impl Backend {
 
     fn requeue_for_recompute(&mut self, mut seq: Seq) {
         self.preemptions += 1;
-        // engine.rs: with lazy blocks an elastic sequence grown past its reservation gives
-        // every block back too (its reservation stays a promise) and is recomputed whole.
-        if seq.elastic && !(self.lazy && seq.overgrown()) {
+        if seq.elastic {
             let promised = seq.promised;
             shrink(&mut seq, promised, &mut self.free);
         } else {
@@ -1037,6 +1036,21 @@ impl Backend {
             if room {
                 i += 1;
                 continue;
+            }
+            // engine.rs's `drop_an_idle_cache`: with lazy blocks, the youngest waiting elastic
+            // sequence holding blocks gives them back, its cache dropped, before any running
+            // borrower is preempted.
+            if self.lazy {
+                if let Some(s) = self
+                    .waiting
+                    .iter_mut()
+                    .filter(|s| s.elastic && s.blocks > 0)
+                    .max_by_key(|s| s.order)
+                {
+                    release(s, &mut self.free);
+                    s.kv = None;
+                    continue;
+                }
             }
             let victim = if self.running.iter().any(Seq::overgrown) {
                 Some(

@@ -1100,8 +1100,7 @@ fn lazy_blocks_admit_by_promise_and_an_admission_preempts_no_borrower() {
 fn lazy_blocks_a_reservation_takes_its_promised_blocks_back_from_a_borrower_to_prefill() {
     // A, elastic, promised one block, holds the whole pool (8 blocks); B (prompt 40 + cap 8:
     // 3 blocks) is admitted on its promise with no block free. To prefill it takes 3 blocks
-    // back from A, which gives every block back (its own block stays a promise) and is
-    // recomputed whole later.
+    // back from A, which is recomputed later from the block its reservation kept.
     let mut e = lazy_engine(8);
     let mut a = submit_elastic(&mut e, "a", 10, 118, 6);
     let mut ea = grow_until(&mut e, &mut a, 8);
@@ -1124,7 +1123,7 @@ fn lazy_blocks_a_reservation_takes_its_promised_blocks_back_from_a_borrower_to_p
             .find(|s| s.id == id)
             .map(|s| s.alloc.blocks())
     };
-    assert_eq!((held(&e, "a"), held(&e, "b")), (Some(0), Some(3)));
+    assert_eq!((held(&e, "a"), held(&e, "b")), (Some(1), Some(3)));
     run(&mut e, 600, &mut [(&mut a, &mut ea), (&mut b, &mut eb)]);
     assert_eq!(finished(&eb), Some((FinishReason::Length, 8, false)));
     assert_eq!(finished(&ea), Some((FinishReason::Length, 118, false)));
@@ -1404,11 +1403,11 @@ fn a_sequence_demoted_while_it_waits_to_resume_holds_no_block_a_reservation_need
 fn lazy_blocks_elastic_sequences_that_each_outgrow_what_the_others_leave_finish_one_after_another()
 {
     // 8 blocks; three elastic sequences each promised 1 block (prompt 10 + 6) that all run to
-    // their cap of 100 (110 tokens: 7 blocks each, 21 together). Only one fits at a time. A
-    // preempted one gives every block back, so the one running can take the whole pool and
-    // finish; had each kept its promised block while it waited, the one running would find
-    // only 6 blocks and stall at the end of them, and they would take turns, each turn
-    // recomputed, until the oldest took what the others held.
+    // their cap of 100 (110 tokens: 7 blocks each, 21 together). Only one fits at a time. The
+    // one running takes the blocks a preempted one keeps while it waits, so it can take the
+    // whole pool and finish; had each kept its promised block while it waited, the one running
+    // would find only 6 blocks and stall at the end of them, and they would take turns, each
+    // turn recomputed, until the oldest took what the others held.
     let mut e = lazy_engine(8);
     let mut rx: Vec<_> = ["a", "b", "c"]
         .iter()
@@ -1428,8 +1427,8 @@ fn lazy_blocks_elastic_sequences_that_each_outgrow_what_the_others_leave_finish_
         assert_eq!(text(x), solo(10, greedy(100)).0);
     }
     assert_eq!(e.metrics.kv_oom.get(), 0);
-    // Measured: 3 preemptions and 144 tokens recomputed in 204 steps; keeping the promised
-    // blocks while waiting took 6, 352 and 222.
+    // Measured: 3 preemptions and 111 tokens recomputed in 204 steps; with the waiting ones
+    // keeping their blocks idle, 6, 352 and 222.
     assert!(
         e.metrics.recompute_preemptions.get() <= 3,
         "at most one turn each: {} preemptions",
