@@ -33,11 +33,11 @@
 //! recomputed later, whatever `--on-kv-exhaustion` says. A sequence within its reservation is
 //! never preempted for it, so a worst-case request still never fails mid-decode, and an elastic
 //! one is at worst delayed. A preempted elastic sequence keeps its reservation while it waits,
-//! and (blocks taken at admission) the KV cache its reservation's blocks hold: when it runs
-//! again only the positions past them are prefilled (one at the end of its reservation with no
-//! block free only pauses). With lazy blocks a waiting sequence's blocks and cache are given
-//! back when a running sequence needs a block and none is free (its reservation stays a
-//! promise; it is then recomputed whole). Sequences holding their reservations are
+//! and the KV cache its reservation's blocks hold: when it runs again only the positions past
+//! them are prefilled (one at the end of its reservation with no block free only pauses). With
+//! lazy blocks the youngest waiting elastic sequence's blocks and cache are given back, one
+//! sequence at a time, when a running sequence needs a block and none is free (its
+//! reservation stays a promise; it is then recomputed whole); a paused one's too. Sequences holding their reservations are
 //! prefilled before it.
 //!
 //! Lazy blocks (`--lazy-blocks`, with `--admission reserve`): a reservation is a promise of
@@ -535,10 +535,10 @@ impl<M: Forward> Engine<M> {
         seq.elastic = true;
         match running {
             None => {
-                // Waiting, it gives back everything it holds: only running sequences are taken
-                // back from when a sequence within its reservation needs a block
-                // (decode_step), so a waiting one holding borrowed blocks could leave it
-                // without one.
+                // Waiting, it gives back everything it holds: with nothing promised, any block
+                // it kept would be borrowed, and borrowers are taken back from only while they
+                // run (decode_step), so a waiting one holding them could leave a sequence
+                // within its reservation without one.
                 seq.alloc.release();
                 seq.kv = None;
             }
@@ -892,6 +892,9 @@ impl<M: Forward> Engine<M> {
         };
         s.alloc.release();
         s.kv = None;
+        // Its blocks are promised and no longer held: published now, or a report read during
+        // this step's forward pass would count them as neither.
+        self.publish();
         true
     }
 
@@ -919,8 +922,9 @@ impl<M: Forward> Engine<M> {
         }
     }
 
-    /// Preempt a running sequence to be recomputed: all its blocks go back to the pool now, and
-    /// it waits first in line with what it generated (the lease report lists it as waiting).
+    /// Preempt a running sequence to be recomputed: its blocks go back to the pool now (an
+    /// elastic one keeps its reservation's), and it waits first in line with what it generated
+    /// (the lease report lists it as waiting).
     /// Its client sees only a pause in the stream.
     fn requeue_for_recompute(&mut self, mut seq: Seq<M::Kv>) {
         self.metrics.recompute_preemptions.inc();

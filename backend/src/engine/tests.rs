@@ -1405,9 +1405,9 @@ fn lazy_blocks_elastic_sequences_that_each_outgrow_what_the_others_leave_finish_
     // 8 blocks; three elastic sequences each promised 1 block (prompt 10 + 6) that all run to
     // their cap of 100 (110 tokens: 7 blocks each, 21 together). Only one fits at a time. The
     // one running takes the blocks a preempted one keeps while it waits, so it can take the
-    // whole pool and finish; had each kept its promised block while it waited, the one running
-    // would find only 6 blocks and stall at the end of them, and they would take turns, each
-    // turn recomputed, until the oldest took what the others held.
+    // whole pool and finish; had each kept its promised block idle while it waited, the one
+    // running would find only 6 blocks and stall at the end of them, and they would take
+    // turns, each turn recomputed, until the oldest took what the others held.
     let mut e = lazy_engine(8);
     let mut rx: Vec<_> = ["a", "b", "c"]
         .iter()
