@@ -30,12 +30,12 @@ FLEET = ROOT / "envoy" / "fleet.yaml"
 FLEET_FILTER = ROOT / "envoy" / "fleet-filter.yaml"
 
 
-def _ephemeral_range():
+def _ephemeral_low():
+    """The first port of the kernel's ephemeral range (Linux's default when unreadable)."""
     try:
-        lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return lo, hi
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port():
@@ -43,7 +43,7 @@ def free_port():
     0) can be taken as the source port of any outgoing connection before the child binds it
     (CI saw Envoy fail with "Address already in use" so), while ports below that range are only
     taken by an explicit bind. Random, so parallel test workers rarely pick the same one."""
-    lo, _ = _ephemeral_range()
+    lo = _ephemeral_low()
     for _ in range(200):
         port = random.randrange(max(1024, lo - 12000), lo)
         with socket.socket() as s:

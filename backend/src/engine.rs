@@ -37,8 +37,8 @@
 //! them are prefilled (one at the end of its reservation with no block free only pauses). With
 //! lazy blocks the youngest waiting elastic sequence's blocks and cache are given back, one
 //! sequence at a time, when a running sequence needs a block and none is free (its
-//! reservation stays a promise; it is then recomputed whole); a paused one's too. Sequences holding their reservations are
-//! prefilled before it.
+//! reservation stays a promise; it is then recomputed whole); a paused one's too. Sequences
+//! holding their reservations are prefilled before it.
 //!
 //! Lazy blocks (`--lazy-blocks`, with `--admission reserve`): a reservation is a promise of
 //! blocks, not blocks taken. A request is admitted while the promises of the live sequences
@@ -48,8 +48,9 @@
 //! promised to needs one, the youngest borrower gives back what it borrowed and is recomputed
 //! later (the promises fit the pool, so what is missing is always borrowed). While it waits, a
 //! running sequence that needs a block takes the blocks its reservation holds before any
-//! running borrower is preempted (`drop_an_idle_cache`); its reservation stays a promise. So an admission never preempts a borrower,
-//! and a borrower is preempted only when a reservation really needs its blocks. The lease
+//! running borrower is preempted (`drop_an_idle_cache`); its reservation stays a promise. So an
+//! admission never preempts a borrower, and a borrower is preempted only when a reservation
+//! really needs its blocks. The lease
 //! report counts each sequence at what it holds or was promised, whichever is more (`pool.
 //! promised_bytes`: the promised blocks not taken yet, counted in `used_bytes`).
 //!

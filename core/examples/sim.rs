@@ -12,10 +12,10 @@
 //!
 //! `--allowance-by-prompt` is every elastic class's `elastic_by_prompt` (default `false`, as the
 //! filter's; the filter can do it since it tells the backend the allowance in its body field):
-//! an elastic request's
-//! allowance is the class's quantile over the outputs that answered prompts of about its length
-//! (within 5 %, at least one token either way, the Retry-After estimator's rule) once at least
-//! `elastic_min_samples` of them are kept, else over all the class's outputs. Commands run
+//! an elastic request's allowance is the class's quantile over the outputs that answered
+//! prompts of about its length (within 5 %, at least one token either way, the Retry-After
+//! estimator's rule) once at least `elastic_min_samples` of them are kept, else over all the
+//! class's outputs. Commands run
 //! before 2026-12-04 14:00 UTC meant `false` without the flag and `true` with it.
 //!
 //! `--lazy-blocks true` (the default, as the backend's since 0fd3d27; `false` takes blocks at
@@ -60,9 +60,9 @@
 //!   reservation's blocks hold, so that only the positions past them are prefilled again) when a
 //!   reservation or a sequence needs a block; with lazy blocks a sequence that needs a block
 //!   first takes those of the youngest waiting elastic sequence that holds some (its cache
-//!   dropped, its reservation a promise). A sequence ends on the step that samples its last token; a
-//!   sequence of true length L capped at C produces min(L, C) tokens (greedy outputs are
-//!   deterministic, so the cap alone decides).
+//!   dropped, its reservation a promise). A sequence ends on the step that samples its last
+//!   token; a sequence of true length L capped at C produces min(L, C) tokens (greedy outputs
+//!   are deterministic, so the cap alone decides).
 //! - `--preset cpu`: the live bench's backend (SmolLM2-135M, f32 KV 46,080 B/token, a pool of 40
 //!   blocks = 640 tokens, context served = the pool's 640 tokens, max batch 16, prefill budget
 //!   2,048). Step: a = 30 ms (the bench's `--step-delay-ms 10` plus ≈ 20 ms), b = 5 ms per
