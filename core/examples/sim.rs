@@ -903,6 +903,26 @@ impl Backend {
         }
     }
 
+    /// engine.rs's `drop_an_idle_cache`: with lazy blocks, the youngest waiting elastic
+    /// sequence holding blocks (other than `except`) gives them back, its cache dropped, before
+    /// any running borrower is preempted.
+    fn drop_an_idle_cache(&mut self, except: u64) -> bool {
+        if !self.lazy {
+            return false;
+        }
+        let Some(s) = self
+            .waiting
+            .iter_mut()
+            .filter(|s| s.elastic && s.blocks > 0 && s.order != except)
+            .max_by_key(|s| s.order)
+        else {
+            return false;
+        };
+        release(s, &mut self.free);
+        s.kv = None;
+        true
+    }
+
     fn requeue_for_recompute(&mut self, mut seq: Seq) {
         self.preemptions += 1;
         if seq.elastic {
@@ -959,8 +979,9 @@ impl Backend {
             let mut room = ensure(front, len, &mut self.free);
             if !room && self.lazy && blocks_for(len) <= blocks_for(front.promised) {
                 // `--lazy-blocks`: within its reservation it takes borrowed blocks back now (the
-                // promises fit the pool, so what it lacks is borrowed).
+                // promises fit the pool, so what it lacks is borrowed): idle caches first.
                 let (need, order) = (blocks_for(len) - front.blocks, front.order);
+                while self.free < need && self.drop_an_idle_cache(order) {}
                 self.reclaim_borrowed(need);
                 // A preempted sequence goes to the front of the queue: find this one again.
                 passed = self
@@ -1037,20 +1058,8 @@ impl Backend {
                 i += 1;
                 continue;
             }
-            // engine.rs's `drop_an_idle_cache`: with lazy blocks, the youngest waiting elastic
-            // sequence holding blocks gives them back, its cache dropped, before any running
-            // borrower is preempted.
-            if self.lazy {
-                if let Some(s) = self
-                    .waiting
-                    .iter_mut()
-                    .filter(|s| s.elastic && s.blocks > 0)
-                    .max_by_key(|s| s.order)
-                {
-                    release(s, &mut self.free);
-                    s.kv = None;
-                    continue;
-                }
+            if self.drop_an_idle_cache(0) {
+                continue;
             }
             let victim = if self.running.iter().any(Seq::overgrown) {
                 Some(

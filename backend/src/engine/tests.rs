@@ -1437,3 +1437,62 @@ fn lazy_blocks_elastic_sequences_that_each_outgrow_what_the_others_leave_finish_
     assert_eq!(e.pool.stats().blocks_free, 8);
     e.pool.check().unwrap();
 }
+
+#[test]
+fn lazy_blocks_a_reservation_prefills_from_an_idle_cache_before_preempting_a_running_borrower() {
+    // 8 blocks. C (elastic, promised 1 block) and A (elastic, promised 2: prompt 10 + 22) grow
+    // together until the pool runs dry; A, the younger, gives back what it borrowed and waits
+    // holding its 2 promised blocks and their cache. C grows on to 6 blocks: none is free.
+    let mut e = lazy_engine(8);
+    let mut c = submit_elastic(&mut e, "c", 10, 118, 6);
+    let mut a = submit_elastic(&mut e, "a", 10, 100, 22);
+    let mut ec = grow_until(&mut e, &mut c, 6);
+    let mut ea = events(&mut a);
+    let held = |e: &Engine<Fake>, id: &str| {
+        let running = e.running.iter().any(|s| s.id == id);
+        e.running
+            .iter()
+            .chain(e.waiting.iter())
+            .find(|s| s.id == id)
+            .map(|s| (running, s.alloc.blocks()))
+    };
+    assert_eq!(held(&e, "a"), Some((false, 2)), "A waits on its promise");
+    assert_eq!(held(&e, "c"), Some((true, 6)));
+    assert_eq!(e.pool.stats().blocks_free, 0);
+    assert_eq!(e.metrics.recompute_preemptions.get(), 1);
+    // B, worst case (prompt 10 + cap 20: 2 blocks), admitted on its promise (1 + 2 + 2 of 8).
+    // Its prefill (one block) takes the blocks A holds idle, not C's: C keeps decoding.
+    let mut b = submit(&mut e, "b", 10, 20);
+    let mut eb = events(&mut b);
+    assert!(matches!(eb.first(), Some(Event::Admitted { .. })), "{eb:?}");
+    e.step();
+    eb.extend(events(&mut b));
+    assert_eq!(
+        e.metrics.recompute_preemptions.get(),
+        1,
+        "no running borrower was preempted for B"
+    );
+    assert_eq!(
+        held(&e, "a"),
+        Some((false, 0)),
+        "A's idle cache was dropped"
+    );
+    assert_eq!(held(&e, "b"), Some((true, 1)));
+    assert_eq!(held(&e, "c").map(|h| h.0), Some(true));
+    run(
+        &mut e,
+        2000,
+        &mut [(&mut a, &mut ea), (&mut b, &mut eb), (&mut c, &mut ec)],
+    );
+    assert_eq!(finished(&eb), Some((FinishReason::Length, 20, false)));
+    assert_eq!(finished(&ec), Some((FinishReason::Length, 118, false)));
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 100, false)));
+    assert_eq!(text(&eb), solo(10, greedy(20)).0);
+    assert_eq!(text(&ec), solo(10, greedy(118)).0);
+    assert_eq!(text(&ea), solo(10, greedy(100)).0);
+    assert_eq!(e.metrics.kv_oom.get(), 0);
+    e.publish();
+    assert_eq!(e.published.lock().unwrap().promised_bytes, 0);
+    assert_eq!(e.pool.stats().blocks_free, 8);
+    e.pool.check().unwrap();
+}
