@@ -47,13 +47,12 @@
 //! elastic sequence grown past its own reservation may borrow them; when the sequence they were
 //! promised to needs one, the youngest borrower gives back what it borrowed and is recomputed
 //! later (the promises fit the pool, so what is missing is always borrowed). While it waits, a
-//! running sequence that needs a block, or a waiting one that needs its promised blocks to
-//! prefill, takes the blocks its reservation holds before any running borrower is preempted
-//! (`drop_an_idle_cache`); its reservation stays a promise. So an admission never preempts a
-//! borrower, and a borrower is preempted only when a reservation really needs its blocks and
-//! no waiting sequence holds any. The lease report counts each sequence at what it holds or
-//! was promised, whichever is more (`pool.promised_bytes`: the promised blocks not taken yet,
-//! counted in `used_bytes`).
+//! running sequence that needs a block takes the blocks its reservation holds before any
+//! running borrower is preempted (`drop_an_idle_cache`); its reservation stays a promise. So an
+//! admission never preempts a borrower, and a borrower is preempted only when a reservation
+//! really needs its blocks. The lease
+//! report counts each sequence at what it holds or was promised, whichever is more (`pool.
+//! promised_bytes`: the promised blocks not taken yet, counted in `used_bytes`).
 //!
 //! This file schedules and nothing else: the handle and its messages are in `handle.rs`, what
 //! the engine publishes for the lease report in `published.rs` (the report itself is
@@ -616,11 +615,13 @@ impl<M: Forward> Engine<M> {
             let mut room = front.alloc.ensure_tokens(len as u64);
             let blocks = self.pool.blocks_for(len as u64);
             if !room && lazy && blocks <= front.promised_blocks {
-                // Lazy blocks: what its reservation promised and the pool lacks is borrowed.
-                // Blocks other waiting sequences hold idle come back first (as in
-                // `decode_step`), then the youngest running borrowers give theirs back.
+                // Lazy blocks: what its reservation promised and the pool lacks is borrowed;
+                // the youngest borrowers give it back now. Not first the blocks a waiting
+                // sequence holds idle, as `decode_step` does: tried (085a974), it recomputed
+                // 1.22x the tokens with 1.34x the preemptions over 6 live rounds (BENCHMARKS.md,
+                // "Idle caches on the prefill path"). A borrower preempted here keeps its
+                // reservation's cache; an idle cache dropped is recomputed whole.
                 let (order, missing) = (front.order, blocks.saturating_sub(front.alloc.blocks()));
-                while self.pool.stats().blocks_free < missing && self.drop_an_idle_cache(order) {}
                 self.reclaim_borrowed(missing);
                 // A running borrower preempted goes first in line: find this one again.
                 passed = self
@@ -785,7 +786,7 @@ impl<M: Forward> Engine<M> {
             }
             match self.make_room(i) {
                 Room::Ready => i += 1,
-                Room::NoBlock if self.drop_an_idle_cache(0) => {
+                Room::NoBlock if self.drop_an_idle_cache() => {
                     // Blocks a waiting sequence held idle came back: try again.
                 }
                 Room::NoBlock if self.youngest_overgrown().is_some() => {
@@ -880,18 +881,16 @@ impl<M: Forward> Engine<M> {
     /// running sequence that needs a block takes these before any running borrower is
     /// preempted: they serve nobody while their sequence waits, and without this, long
     /// sequences that each outgrow what the others leave take turns, none finishing, each turn
-    /// recomputed. The same goes for a waiting sequence that needs its promised blocks to
-    /// prefill (`prefill_step`): it is `except` (its arrival order; 0 is nobody's). Blocks
-    /// taken at admission are a sequence's own and are never given back so. False when there
-    /// were none.
-    fn drop_an_idle_cache(&mut self, except: u64) -> bool {
+    /// recomputed. Blocks taken at admission are a sequence's own and are never given back
+    /// so. False when there were none.
+    fn drop_an_idle_cache(&mut self) -> bool {
         if !self.lazy() {
             return false;
         }
         let Some(s) = self
             .waiting
             .iter_mut()
-            .filter(|s| s.elastic && s.alloc.blocks() > 0 && s.order != except)
+            .filter(|s| s.elastic && s.alloc.blocks() > 0)
             .max_by_key(|s| s.order)
         else {
             return false;

@@ -60,7 +60,10 @@
 //!   reservation's blocks hold, so that only the positions past them are prefilled again) when a
 //!   reservation or a sequence needs a block; with lazy blocks a sequence that needs a block
 //!   first takes those of the youngest waiting elastic sequence that holds some (its cache
-//!   dropped, its reservation a promise). A sequence ends on the step that samples its last
+//!   dropped, its reservation a promise); an elastic sequence at the end of its reservation
+//!   with nothing borrowed to take back waits, keeping it, until blocks free up (engine.rs's
+//!   pause; before 2026-12-04 20:00 UTC the simulator counted a KV OOM there, never seen in its
+//!   runs). A sequence ends on the step that samples its last
 //!   token; a sequence of true length L capped at C produces min(L, C) tokens (greedy outputs
 //!   are deterministic, so the cap alone decides).
 //! - `--preset cpu`: the live bench's backend (SmolLM2-135M, f32 KV 46,080 B/token, a pool of 40
@@ -903,26 +906,6 @@ impl Backend {
         }
     }
 
-    /// engine.rs's `drop_an_idle_cache`: with lazy blocks, the youngest waiting elastic
-    /// sequence holding blocks (other than `except`) gives them back, its cache dropped, before
-    /// any running borrower is preempted.
-    fn drop_an_idle_cache(&mut self, except: u64) -> bool {
-        if !self.lazy {
-            return false;
-        }
-        let Some(s) = self
-            .waiting
-            .iter_mut()
-            .filter(|s| s.elastic && s.blocks > 0 && s.order != except)
-            .max_by_key(|s| s.order)
-        else {
-            return false;
-        };
-        release(s, &mut self.free);
-        s.kv = None;
-        true
-    }
-
     fn requeue_for_recompute(&mut self, mut seq: Seq) {
         self.preemptions += 1;
         if seq.elastic {
@@ -979,9 +962,8 @@ impl Backend {
             let mut room = ensure(front, len, &mut self.free);
             if !room && self.lazy && blocks_for(len) <= blocks_for(front.promised) {
                 // `--lazy-blocks`: within its reservation it takes borrowed blocks back now (the
-                // promises fit the pool, so what it lacks is borrowed): idle caches first.
+                // promises fit the pool, so what it lacks is borrowed).
                 let (need, order) = (blocks_for(len) - front.blocks, front.order);
-                while self.free < need && self.drop_an_idle_cache(order) {}
                 self.reclaim_borrowed(need);
                 // A preempted sequence goes to the front of the queue: find this one again.
                 passed = self
@@ -1058,8 +1040,20 @@ impl Backend {
                 i += 1;
                 continue;
             }
-            if self.drop_an_idle_cache(0) {
-                continue;
+            // engine.rs's `drop_an_idle_cache`: with lazy blocks, the youngest waiting elastic
+            // sequence holding blocks gives them back, its cache dropped, before any running
+            // borrower is preempted.
+            if self.lazy {
+                if let Some(s) = self
+                    .waiting
+                    .iter_mut()
+                    .filter(|s| s.elastic && s.blocks > 0)
+                    .max_by_key(|s| s.order)
+                {
+                    release(s, &mut self.free);
+                    s.kv = None;
+                    continue;
+                }
             }
             let victim = if self.running.iter().any(Seq::overgrown) {
                 Some(
@@ -1070,6 +1064,10 @@ impl Backend {
                         .max_by_key(|(_, s)| s.order)
                         .map_or(i, |(v, _)| v),
                 )
+            } else if self.running.get(i).is_some_and(|s| s.elastic) {
+                // At the end of its reservation with none borrowed to take back: it waits,
+                // keeping its reservation, until blocks free up (engine.rs pauses it).
+                Some(i)
             } else if arm == Arm::Vllm && self.running.len() > 1 {
                 let last = self.running.len() - 1;
                 Some(if i == last { last - 1 } else { last })

@@ -1439,7 +1439,7 @@ fn lazy_blocks_elastic_sequences_that_each_outgrow_what_the_others_leave_finish_
 }
 
 #[test]
-fn lazy_blocks_a_reservation_prefills_from_an_idle_cache_before_preempting_a_running_borrower() {
+fn lazy_blocks_a_reservations_prefill_takes_back_borrowed_blocks_and_leaves_an_idle_cache_alone() {
     // 8 blocks. C (elastic, promised 1 block) and A (elastic, promised 2: prompt 10 + 22) grow
     // together until the pool runs dry; A, the younger, gives back what it borrowed and waits
     // holding its 2 promised blocks and their cache. C grows on to 6 blocks: none is free.
@@ -1461,24 +1461,18 @@ fn lazy_blocks_a_reservation_prefills_from_an_idle_cache_before_preempting_a_run
     assert_eq!(e.pool.stats().blocks_free, 0);
     assert_eq!(e.metrics.recompute_preemptions.get(), 1);
     // B, worst case (prompt 10 + cap 20: 2 blocks), admitted on its promise (1 + 2 + 2 of 8).
-    // Its prefill (one block) takes the blocks A holds idle, not C's: C keeps decoding.
+    // Its prefill (one block) takes borrowed blocks back from C, which keeps the block its
+    // reservation holds and its cache; A keeps its blocks and cache. (Dropping A's idle cache
+    // first was tried and measured worse live: see the comment in `prefill_step`.)
     let mut b = submit(&mut e, "b", 10, 20);
     let mut eb = events(&mut b);
     assert!(matches!(eb.first(), Some(Event::Admitted { .. })), "{eb:?}");
     e.step();
     eb.extend(events(&mut b));
-    assert_eq!(
-        e.metrics.recompute_preemptions.get(),
-        1,
-        "no running borrower was preempted for B"
-    );
-    assert_eq!(
-        held(&e, "a"),
-        Some((false, 0)),
-        "A's idle cache was dropped"
-    );
+    assert_eq!(e.metrics.recompute_preemptions.get(), 2, "C made way for B");
+    assert_eq!(held(&e, "a"), Some((false, 2)), "A's cache was kept");
     assert_eq!(held(&e, "b"), Some((true, 1)));
-    assert_eq!(held(&e, "c").map(|h| h.0), Some(true));
+    assert_eq!(held(&e, "c"), Some((false, 1)));
     run(
         &mut e,
         2000,
