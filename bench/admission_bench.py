@@ -34,10 +34,10 @@ Arms (a fresh backend, and gateway where there is one, per arm and round; same p
   kvgate   Envoy + the filter with the shipped policy (envoy/kvgate-filter.yaml) in front of
            backend --admission reserve
   elastic  as kvgate, with every class reserving elastically (`reservation: elastic`, the
-           --elastic-quantile (0.9) of the class's learned outputs, or of those that answered
-           prompts of about the request's length once 5 of them have (`elastic_by_prompt`, the
-           default), a prior of --elastic-prior tokens until 5 have finished); the backend lends free blocks past a reservation and takes them back
-           (recompute) when a reservation needs them
+           --elastic-quantile (0.9) of the class's learned outputs, a prior of --elastic-prior
+           (64) tokens until 5 have finished; `elastic_by_prompt` is left at its default, off);
+           the backend lends free blocks past a reservation and takes them back (recompute)
+           when a reservation needs them
   queued   as elastic, with every class queued at the gateway (`action: queue`, up to
            --queue-wait-ms, in priority then arrival order per worker aged by the shipped
            `queue_aging_ms`, claims across workers) instead of refused or degraded: clients wait
