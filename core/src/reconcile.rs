@@ -658,23 +658,30 @@ pub fn reconcile(
         .collect();
     // One pass over the report: this ledger's own leases (with what each reserved here), and
     // the rest, foreign.
-    let reserved: HashMap<u64, u64> = ledger.leases().iter().map(|l| (l.id, l.bytes)).collect();
+    let reserved: HashMap<u64, (u64, u64)> = ledger
+        .leases()
+        .iter()
+        .map(|l| (l.id, (l.bytes, l.created_ms)))
+        .collect();
     let mut own: Vec<&LiveEntry> = Vec::new();
     let mut gateways = BTreeSet::new();
     // What own leases hold or need beyond their reservations: what they hold (running, or
     // part-way through a prefill), all of it; of those waiting to resume, the largest need.
     let (mut needed, mut resume) = (0u64, 0u64);
+    // When the first of those waiting to resume was admitted.
+    let mut resume_since = u64::MAX;
     // Per own lease, what it holds beyond its reservation (held back; it frees with the lease).
     // Not a preempted one's need to resume: only the largest of those is held back.
     let mut held: HashMap<u64, u64> = HashMap::new();
     for e in &report.entries {
         match e.id.and_then(|id| reserved.get(&id).map(|b| (id, b))) {
-            Some((id, bytes)) => {
+            Some((id, &(bytes, created_ms))) => {
                 own.push(e);
-                let grown = e.bytes.saturating_sub(*bytes);
+                let grown = e.bytes.saturating_sub(bytes);
                 out.grown_bytes = out.grown_bytes.saturating_add(grown);
                 if e.resuming {
                     resume = resume.max(grown);
+                    resume_since = resume_since.min(created_ms);
                 } else {
                     held.insert(id, grown);
                     needed = needed.saturating_add(grown);
@@ -720,8 +727,22 @@ pub fn reconcile(
             .saturating_add(needed)
             .saturating_add(resume),
     );
-    // Lendable: the part of that the borrowers' growth makes up. Without the growth, what would
-    // still be held back (the firm part) stays held back.
+    // The room held for a preempted sequence to resume is growth it was made to give back,
+    // not part of its reservation: requests that were already in line when the first of those
+    // waiting to resume was admitted (active claims older than its lease) may be lent it, up to
+    // what they need. They are served ahead of it, as they would have been had it not grown;
+    // and later requests never are, so a preempted sequence waits for a bounded line. Without
+    // this, a short request in line waits behind sequences admitted after it for as long as
+    // they take turns outgrowing the pool.
+    let older_claims = ledger
+        .claims()
+        .iter()
+        .filter(|c| c.active && c.first_ms < resume_since)
+        .map(|c| c.bytes)
+        .fold(0u64, u64::saturating_add);
+    let resume_firm = resume.saturating_sub(older_claims);
+    // Lendable: the part of that the borrowers' growth (and that lent room) makes up. Without
+    // them, what would still be held back (the firm part) stays held back.
     let firm = report
         .used_bytes
         .saturating_sub(out.lendable)
@@ -729,7 +750,7 @@ pub fn reconcile(
         .max(
             out.foreign_bytes
                 .saturating_add(needed.saturating_sub(out.lendable))
-                .saturating_add(resume),
+                .saturating_add(resume_firm),
         );
     out.lendable = base.saturating_sub(firm);
     // Other gateways admit onto this backend too, and this one learns of it only at its next
@@ -887,6 +908,99 @@ mod tests {
         assert_eq!(r.held_back, 600);
         assert_eq!(l.free(), 10_000 - 3_000 - 600);
         assert_eq!(drift(&l, &report) + i128::from(r.grown_bytes), 500);
+    }
+
+    /// One try of a request that keeps its place in line (key `key`): admitted or not.
+    fn try_in_line(l: &mut Ledger, id: u64, bytes: u64, key: u64, now: u64) -> bool {
+        let r = AdmitRequest {
+            id: Some(id),
+            bytes,
+            class: "c",
+            priority: 0,
+            fingerprint: 0,
+            now_ms: now,
+            ttl_ms: 1_000_000,
+            owner: 1,
+            claim: Some(crate::ledger::ClaimTicket {
+                key,
+                patience_ms: 60_000,
+                run_ms: 0,
+                max_line_permille: 0,
+            }),
+        };
+        matches!(
+            l.try_admit(&r, &RetryAfterConfig::default(), 0),
+            AdmitOutcome::Admitted { .. }
+        )
+    }
+
+    /// Lease 1 (worst case, 5,000) runs. X (3,500; only `with_x`) is refused at t=10 beside
+    /// lease 9's 2,000 and keeps a place in line; lease 9 ends. Lease 2 (elastic, 1,000) is
+    /// admitted at t=30, grows, and is preempted: it needs 3,000 past its reservation to
+    /// resume. Y (3,500) first tries at t=45, after lease 2 was admitted. Both come back and
+    /// are refused again (their places in line are active), and the backend reports at t=60.
+    fn a_resumer_and_a_line(with_x: bool) -> (Ledger, Reconciled) {
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 5_000, 0);
+        admit(&mut l, 9, 2_000, 0);
+        if with_x {
+            assert!(!try_in_line(&mut l, 3, 3_500, 33, 10), "X does not fit");
+        }
+        l.release(9, 20);
+        admit(&mut l, 2, 1_000, 30);
+        let report = BackendReport {
+            live: vec![1, 2],
+            used_bytes: 5_000 + 1_000,
+            entries: vec![
+                LiveEntry {
+                    id: Some(1),
+                    bytes: 5_000,
+                    running: true,
+                    ..Default::default()
+                },
+                LiveEntry {
+                    id: Some(2),
+                    bytes: 4_000,
+                    elastic: true,
+                    resuming: true,
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let r = reconcile(&mut l, &report, 40, 5_000, None, 0);
+        assert_eq!((r.held_back, r.lendable), (3_000, 0), "no one in line yet");
+        assert!(!try_in_line(&mut l, 4, 3_500, 44, 45), "Y does not fit");
+        if with_x {
+            assert!(
+                !try_in_line(&mut l, 3, 3_500, 33, 50),
+                "X, back, still does not"
+            );
+        }
+        assert!(
+            !try_in_line(&mut l, 4, 3_500, 44, 55),
+            "Y, back, still does not"
+        );
+        let r = reconcile(&mut l, &report, 60, 5_000, None, 0);
+        (l, r)
+    }
+
+    #[test]
+    fn the_room_to_resume_is_lent_only_to_requests_in_line_before_the_resumer_was_admitted() {
+        // X was in line before lease 2 was admitted: the room lease 2 needs to resume is lent
+        // to it (still held back from everyone else), and X is admitted when it comes back.
+        let (mut l, r) = a_resumer_and_a_line(true);
+        assert_eq!((r.held_back, r.lendable), (3_000, 3_000));
+        assert!(try_in_line(&mut l, 3, 3_500, 33, 70), "X is admitted");
+        // Y came after lease 2 was admitted: that room is not lent to it, and it waits.
+        let (mut l, r) = a_resumer_and_a_line(false);
+        assert_eq!((r.held_back, r.lendable), (3_000, 0));
+        assert!(
+            !try_in_line(&mut l, 4, 3_500, 44, 70),
+            "Y waits for lease 2"
+        );
+        let held: Vec<u64> = l.claims().iter().map(|c| c.held).collect();
+        assert_eq!(held, vec![10_000 - 6_000 - 3_000], "Y holds only the spare");
     }
 
     #[test]
