@@ -105,8 +105,10 @@ pub struct Ledger {
     /// the last reconciliation): held back from admission until it clears.
     pub(crate) held_back: u64,
     /// The part of `held_back` that elastic sequences hold past their reservations: blocks the
-    /// backend takes back (preempting the borrower) when a reservation needs them. Lent only to
-    /// requests waiting in line (claims), never to newcomers (see `settle_claims`).
+    /// backend takes back (preempting the borrower) when a reservation needs them; and of the
+    /// room held for a preempted sequence to resume, what requests in line before it need
+    /// (`reconcile`). Lent only to requests waiting in line (claims), never to newcomers (see
+    /// `settle_claims`).
     pub(crate) lendable: u64,
     pub(crate) leases: Vec<Lease>,
     /// Refused requests waiting for their retry, oldest first.
@@ -419,6 +421,12 @@ impl Ledger {
         }
     }
 
+    /// Set bytes aside for the claims again, as every transition does: after a report changed
+    /// what is held back or lendable, so that no admission counts as room what they take.
+    pub(crate) fn settle(&mut self, now_ms: u64) {
+        self.settle_claims(now_ms);
+    }
+
     pub fn held_back(&self) -> u64 {
         self.held_back
     }
@@ -428,7 +436,8 @@ impl Ledger {
         self.lendable = self.lendable.min(bytes);
     }
     /// Of the bytes held back, how many requests in line may take (borrowed growth the backend
-    /// gives back on demand); at most what is held back.
+    /// gives back on demand, and resume room lent to requests older than the resume); at most
+    /// what is held back.
     pub fn set_lendable(&mut self, bytes: u64) {
         self.lendable = bytes.min(self.held_back);
     }
@@ -715,7 +724,7 @@ impl Ledger {
     /// less committed less that firm part. Held back may be more than is left uncommitted
     /// (right after lent bytes were admitted, until the next poll or the borrower's release),
     /// and what was lent since the poll is then no longer lendable.
-    fn lendable_now(&self) -> u64 {
+    pub(crate) fn lendable_now(&self) -> u64 {
         self.lendable_now_at(self.committed)
     }
 
@@ -733,8 +742,9 @@ impl Ledger {
 
     /// What [`Ledger::admit_into_lent`] finds room for were `committed` bytes committed, for a
     /// request whose own claim holds `own_held`: what is uncommitted then, less held back's
-    /// firm part and what the other claims hold. Borrowed growth (the lendable part of held
-    /// back) counts as room: the backend takes it back from the borrower, which resumes later.
+    /// firm part and what the other claims hold. The lendable part of held back counts as room:
+    /// borrowed growth the backend takes back from the borrower, which resumes later (resume
+    /// room lent to older claims is theirs: `reconcile` settles the claims with it).
     fn lent_room_at(&self, committed: u64, own_held: u64) -> u64 {
         self.unclaimed_at(committed)
             .saturating_add(self.lendable_now_at(committed))

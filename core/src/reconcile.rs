@@ -618,9 +618,10 @@ pub struct Reconciled {
     /// drift; held back from admission like any use the ledger does not count.
     pub grown_bytes: u64,
     /// Of what is held back, what elastic sequences hold past their reservations (decoding,
-    /// or part-way through a prefill; not a preempted one's need to resume): the backend gives
-    /// it back to a reservation on demand, so requests waiting in line may be admitted into it
-    /// (`Ledger::set_lendable`).
+    /// or part-way through a prefill): the backend gives it back to a reservation on demand,
+    /// so requests waiting in line may be admitted into it (`Ledger::set_lendable`). Plus, of
+    /// the room held for a preempted sequence to resume, what the requests that were in line
+    /// before it was admitted need beyond the spare and that growth.
     pub lendable: u64,
 }
 
@@ -720,39 +721,29 @@ pub fn reconcile(
     // sequence that needs the most to resume. Not every preempted one's need: they resume one
     // at a time as room frees, so holding back their sum (which can exceed the pool) would
     // stop every admission until all had resumed, while the room beyond the largest need
-    // stays idle. Right after a poll, what this ledger admits leaves the largest need free;
-    // until the next one, a smaller need that resumed first may take part of it.
+    // stays idle. Right after a poll, what this ledger admits leaves the largest need free
+    // (but what it lends to requests older than the resume, below); until the next one, a
+    // smaller need that resumed first may take part of it.
     let base = report.used_bytes.saturating_sub(ledger.committed()).max(
         out.foreign_bytes
             .saturating_add(needed)
             .saturating_add(resume),
     );
-    // The room held for a preempted sequence to resume is growth it was made to give back,
-    // not part of its reservation: requests that were already in line when the first of those
-    // waiting to resume was admitted (active claims older than its lease) may be lent it, up to
-    // what they need. They are served ahead of it, as they would have been had it not grown;
-    // and later requests never are, so a preempted sequence waits for a bounded line. Without
-    // this, a short request in line waits behind sequences admitted after it for as long as
-    // they take turns outgrowing the pool.
-    let older_claims = ledger
-        .claims()
-        .iter()
-        .filter(|c| c.active && c.first_ms < resume_since)
-        .map(|c| c.bytes)
-        .fold(0u64, u64::saturating_add);
-    let resume_firm = resume.saturating_sub(older_claims);
-    // Lendable: the part of that the borrowers' growth (and that lent room) makes up. Without
-    // them, what would still be held back (the firm part) stays held back.
-    let firm = report
-        .used_bytes
-        .saturating_sub(out.lendable)
-        .saturating_sub(ledger.committed())
-        .max(
-            out.foreign_bytes
-                .saturating_add(needed.saturating_sub(out.lendable))
-                .saturating_add(resume_firm),
-        );
-    out.lendable = base.saturating_sub(firm);
+    // Lendable: the part of that the borrowers' growth makes up. Without it, what would still
+    // be held back (the firm part) stays held back.
+    let (growth, foreign, committed) = (out.lendable, out.foreign_bytes, ledger.committed());
+    let firm_with = |resume_firm: u64| {
+        report
+            .used_bytes
+            .saturating_sub(growth)
+            .saturating_sub(committed)
+            .max(
+                foreign
+                    .saturating_add(needed.saturating_sub(growth))
+                    .saturating_add(resume_firm),
+            )
+    };
+    let growth_lent = base.saturating_sub(firm_with(resume));
     // Other gateways admit onto this backend too, and this one learns of it only at its next
     // poll: until then it takes only its share of the room free now, 1/(others + 1), so that
     // gateways racing for the same room rarely over-admit it (the backend refuses what they
@@ -764,8 +755,32 @@ pub fn reconcile(
         .saturating_sub(base);
     out.other_gateways = others;
     out.held_back = base.saturating_add(spare / (others + 1) * others);
+    // The room held for a preempted sequence to resume is not its reservation: it is growth
+    // it was made to give back (or, demoted, all it needs). Requests that were already in line
+    // when the first of those waiting to resume was admitted (live claims older than its
+    // lease) are lent as much of it as they need beyond what is spare and what the borrowers'
+    // growth lends them: they are served ahead of it, as they would have been had it not
+    // grown. Claims are served oldest first, so that lends later requests no more than the
+    // growth alone did; they wait for the resume, and a preempted sequence waits for a line of
+    // bounded length. Without this, a short request in line waits behind sequences admitted
+    // after it for as long as they take turns outgrowing the pool.
+    let older_need = ledger
+        .claims()
+        .iter()
+        .filter(|c| c.active && c.expires_ms > now_ms && c.first_ms < resume_since)
+        .map(|c| c.bytes)
+        .fold(0u64, u64::saturating_add);
     ledger.set_held_back(out.held_back);
+    ledger.set_lendable(growth_lent);
+    // What the claims could take now without it: the spare, and the growth as far as the
+    // firm part leaves room for it.
+    let without = ledger.unclaimed().saturating_add(ledger.lendable_now());
+    let resume_lent = resume.min(older_need.saturating_sub(without));
+    out.lendable = base.saturating_sub(firm_with(resume - resume_lent));
     ledger.set_lendable(out.lendable);
+    // What is lent goes to the claims now, oldest first, before any other admission can count
+    // it as room (`Ledger::admit_into_lent`).
+    ledger.settle(now_ms);
     out.lendable = ledger.lendable();
     out
 }
@@ -987,10 +1002,25 @@ mod tests {
 
     #[test]
     fn the_room_to_resume_is_lent_only_to_requests_in_line_before_the_resumer_was_admitted() {
-        // X was in line before lease 2 was admitted: the room lease 2 needs to resume is lent
-        // to it (still held back from everyone else), and X is admitted when it comes back.
+        // X was in line before lease 2 was admitted: of the room lease 2 needs to resume, what
+        // X lacks beyond the 1,000 spare is lent to it, and set aside for it at once. Nothing
+        // of it is left to Y, or to a request of a class that may preempt.
         let (mut l, r) = a_resumer_and_a_line(true);
-        assert_eq!((r.held_back, r.lendable), (3_000, 3_000));
+        assert_eq!((r.held_back, r.lendable), (3_000, 2_500));
+        let held: Vec<u64> = l.claims().iter().map(|c| c.held).collect();
+        assert_eq!(held, vec![3_500, 0], "X holds all it needs, Y nothing");
+        let vip = AdmitRequest {
+            id: Some(5),
+            bytes: 100,
+            class: "c",
+            priority: 0,
+            fingerprint: 0,
+            now_ms: 65,
+            ttl_ms: 1_000_000,
+            owner: 1,
+            claim: None,
+        };
+        assert!(l.admit_into_lent(&vip).is_none(), "no lent room left over");
         assert!(try_in_line(&mut l, 3, 3_500, 33, 70), "X is admitted");
         // Y came after lease 2 was admitted: that room is not lent to it, and it waits.
         let (mut l, r) = a_resumer_and_a_line(false);
@@ -1001,6 +1031,50 @@ mod tests {
         );
         let held: Vec<u64> = l.claims().iter().map(|c| c.held).collect();
         assert_eq!(held, vec![10_000 - 6_000 - 3_000], "Y holds only the spare");
+    }
+
+    #[test]
+    fn growth_the_firm_part_leaves_no_room_for_does_not_count_against_a_resume_lent() {
+        // Lease 1 (elastic, 1,000) runs 3,000 past its reservation. X (2,500) is refused at
+        // t=10 beside lease 9's 7,000 and keeps a place in line; lease 9 ends. Lease 2
+        // (elastic, 1,000) and lease 8 (worst case, 4,000) are admitted at t=30; lease 2 is
+        // preempted and needs 3,000 past its reservation to resume. 6,000 is committed and
+        // 6,000 held back (the growth and the resume room): of the 3,000 of growth only 1,000
+        // can be lent, since the resume room is firm. X is lent what it lacks beyond that.
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 1_000, 0);
+        admit(&mut l, 9, 7_000, 0);
+        assert!(!try_in_line(&mut l, 3, 2_500, 33, 10), "X does not fit");
+        l.release(9, 20);
+        admit(&mut l, 2, 1_000, 30);
+        admit(&mut l, 8, 4_000, 30);
+        let entry = |id, bytes, elastic, resuming: bool| LiveEntry {
+            id: Some(id),
+            bytes,
+            running: !resuming,
+            elastic,
+            resuming,
+            ..Default::default()
+        };
+        let report = BackendReport {
+            live: vec![1, 2, 8],
+            used_bytes: 4_000 + 1_000 + 4_000,
+            entries: vec![
+                entry(1, 4_000, true, false),
+                entry(2, 4_000, true, true),
+                entry(8, 4_000, false, false),
+            ],
+            ..Default::default()
+        };
+        let r = reconcile(&mut l, &report, 40, 5_000, None, 0);
+        assert_eq!((r.held_back, r.lendable), (6_000, 3_000), "X is not back yet");
+        assert!(!try_in_line(&mut l, 3, 2_500, 33, 50), "1,000 of growth is not enough");
+        let r = reconcile(&mut l, &report, 60, 5_000, None, 0);
+        // 1,500 of the resume room is lent on top: 2,500 lendable now, all X's.
+        assert_eq!((r.held_back, r.lendable), (6_000, 4_500));
+        let held: Vec<u64> = l.claims().iter().map(|c| c.held).collect();
+        assert_eq!(held, vec![2_500]);
+        assert!(try_in_line(&mut l, 3, 2_500, 33, 70), "X is admitted");
     }
 
     #[test]
