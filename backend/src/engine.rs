@@ -1148,6 +1148,7 @@ impl<M: Forward> Engine<M> {
         let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
         p.leases = leases;
         p.promised_bytes = untaken * self.pool.block_bytes;
+        p.allocated_bytes = self.pool.stats().used_bytes;
     }
 }
 

@@ -125,18 +125,35 @@ impl EngineHandle {
 
     /// The pool as the lease report carries it: what the allocator holds, plus the blocks
     /// promised to sequences that have not taken them yet (`--lazy-blocks`), as used.
+    ///
+    /// Blocks the allocator took after the leases were published (a sequence growing in the
+    /// step running now) are not counted until the next publish, with the lease that took
+    /// them: counted now, they would be use no lease in the report holds, which the gateway
+    /// holds back past that lease's end, until its next poll. Blocks given back since count
+    /// at once.
     pub fn pool_report(&self) -> PoolStats {
-        let promised = self
-            .published
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .promised_bytes;
+        let (promised, allocated) = {
+            let p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+            (p.promised_bytes, p.allocated_bytes)
+        };
         let s = self.pool.stats();
-        let promised_blocks = u32::try_from(promised / s.block_bytes.max(1)).unwrap_or(u32::MAX);
+        let block = s.block_bytes.max(1);
+        let unreported = s.used_bytes.saturating_sub(allocated);
+        let promised_blocks = u32::try_from(promised / block).unwrap_or(u32::MAX);
+        let unreported_blocks = u32::try_from(unreported / block).unwrap_or(u32::MAX);
         PoolStats {
-            blocks_free: s.blocks_free.saturating_sub(promised_blocks),
-            used_bytes: s.used_bytes.saturating_add(promised),
-            free_bytes: s.free_bytes.saturating_sub(promised),
+            blocks_free: s
+                .blocks_free
+                .saturating_add(unreported_blocks)
+                .saturating_sub(promised_blocks),
+            used_bytes: s
+                .used_bytes
+                .saturating_sub(unreported)
+                .saturating_add(promised),
+            free_bytes: s
+                .free_bytes
+                .saturating_add(unreported)
+                .saturating_sub(promised),
             promised_bytes: promised,
             ..s
         }

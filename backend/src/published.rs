@@ -22,6 +22,9 @@ pub struct Published {
     pub arrived: HashSet<String>,
     /// Blocks promised to live sequences and not taken yet (`--lazy-blocks`), in bytes.
     pub promised_bytes: u64,
+    /// What the allocator held when `leases` were published, in bytes: the lease report counts
+    /// no more than that (see `EngineHandle::pool_report`).
+    pub allocated_bytes: u64,
 }
 
 impl Published {

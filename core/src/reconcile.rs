@@ -1067,8 +1067,15 @@ mod tests {
             ..Default::default()
         };
         let r = reconcile(&mut l, &report, 40, 5_000, None, 0);
-        assert_eq!((r.held_back, r.lendable), (6_000, 3_000), "X is not back yet");
-        assert!(!try_in_line(&mut l, 3, 2_500, 33, 50), "1,000 of growth is not enough");
+        assert_eq!(
+            (r.held_back, r.lendable),
+            (6_000, 3_000),
+            "X is not back yet"
+        );
+        assert!(
+            !try_in_line(&mut l, 3, 2_500, 33, 50),
+            "1,000 of growth is not enough"
+        );
         let r = reconcile(&mut l, &report, 60, 5_000, None, 0);
         // 1,500 of the resume room is lent on top: 2,500 lendable now, all X's.
         assert_eq!((r.held_back, r.lendable), (6_000, 4_500));

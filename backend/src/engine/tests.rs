@@ -1490,3 +1490,33 @@ fn lazy_blocks_a_reservations_prefill_takes_back_borrowed_blocks_and_leaves_an_i
     assert_eq!(e.pool.stats().blocks_free, 8);
     e.pool.check().unwrap();
 }
+
+#[test]
+fn the_lease_report_counts_a_block_taken_after_the_leases_were_published_only_once_they_are() {
+    // A sequence growing in the step that runs now takes a block before the step publishes
+    // its lease. Counted at once, that block would be use no lease in the report holds, and
+    // the gateway would hold it back past the lease's end. Blocks given back count at once.
+    let mut e = lazy_engine(8);
+    let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
+    let _ = grow_until(&mut e, &mut a, 2);
+    let (tx, _rx) = std::sync::mpsc::channel();
+    let h = EngineHandle::new(tx, e.published.clone(), e.pool.clone(), e.metrics.clone());
+    let before = h.pool_report();
+    let block = e.pool.block_bytes;
+    let mut taken = e.pool.allocate(1).unwrap();
+    let mid = h.pool_report();
+    assert_eq!(
+        (mid.used_bytes, mid.free_bytes, mid.blocks_free),
+        (before.used_bytes, before.free_bytes, before.blocks_free),
+        "not counted before the next publish"
+    );
+    e.publish();
+    let published = h.pool_report();
+    assert_eq!(published.used_bytes, before.used_bytes + block);
+    assert_eq!(published.blocks_free + 1, before.blocks_free);
+    // Given back before the next publish: counted at once.
+    taken.release();
+    assert_eq!(h.pool_report().used_bytes, before.used_bytes);
+    e.publish();
+    assert_eq!(h.pool_report().used_bytes, before.used_bytes);
+}
