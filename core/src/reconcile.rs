@@ -800,8 +800,8 @@ mod tests {
     use crate::ledger::{AdmitOutcome, AdmitRequest};
     use crate::retry::RetryAfterConfig;
 
-    fn admit(l: &mut Ledger, id: u64, bytes: u64, now: u64) {
-        let r = AdmitRequest {
+    fn request(id: u64, bytes: u64, now: u64) -> AdmitRequest<'static> {
+        AdmitRequest {
             id: Some(id),
             bytes,
             class: "c",
@@ -811,7 +811,11 @@ mod tests {
             ttl_ms: 1_000_000,
             owner: 1,
             claim: None,
-        };
+        }
+    }
+
+    fn admit(l: &mut Ledger, id: u64, bytes: u64, now: u64) {
+        let r = request(id, bytes, now);
         assert!(matches!(
             l.try_admit(&r, &RetryAfterConfig::default(), 0),
             AdmitOutcome::Admitted { .. }
@@ -928,20 +932,13 @@ mod tests {
     /// One try of a request that keeps its place in line (key `key`): admitted or not.
     fn try_in_line(l: &mut Ledger, id: u64, bytes: u64, key: u64, now: u64) -> bool {
         let r = AdmitRequest {
-            id: Some(id),
-            bytes,
-            class: "c",
-            priority: 0,
-            fingerprint: 0,
-            now_ms: now,
-            ttl_ms: 1_000_000,
-            owner: 1,
             claim: Some(crate::ledger::ClaimTicket {
                 key,
                 patience_ms: 60_000,
                 run_ms: 0,
                 max_line_permille: 0,
             }),
+            ..request(id, bytes, now)
         };
         matches!(
             l.try_admit(&r, &RetryAfterConfig::default(), 0),
@@ -1009,17 +1006,7 @@ mod tests {
         assert_eq!((r.held_back, r.lendable), (3_000, 2_500));
         let held: Vec<u64> = l.claims().iter().map(|c| c.held).collect();
         assert_eq!(held, vec![3_500, 0], "X holds all it needs, Y nothing");
-        let vip = AdmitRequest {
-            id: Some(5),
-            bytes: 100,
-            class: "c",
-            priority: 0,
-            fingerprint: 0,
-            now_ms: 65,
-            ttl_ms: 1_000_000,
-            owner: 1,
-            claim: None,
-        };
+        let vip = request(5, 100, 65);
         assert!(l.admit_into_lent(&vip).is_none(), "no lent room left over");
         assert!(try_in_line(&mut l, 3, 3_500, 33, 70), "X is admitted");
         // Y came after lease 2 was admitted: that room is not lent to it, and it waits.
