@@ -404,9 +404,10 @@ impl<M: Forward> Engine<M> {
             prefilling: false,
             prompt_fed: 0,
         });
-        // The lease report reads the allocator live and the promises from what was published:
-        // a promise published only after the step that takes its first blocks would be
-        // missing from a report read in between (the ledger's whole reservation as drift).
+        // The lease report reads the promises (and the allocator, as far as it had taken
+        // blocks) from what was published: a promise published only after the step that takes
+        // its first blocks would be missing from a report read in between (the ledger's whole
+        // reservation as drift).
         self.publish();
         // Only now may the client see its 200: a lease report read after it shows the promise.
         if let Some(seq) = self.waiting.back() {

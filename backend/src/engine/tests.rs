@@ -1336,9 +1336,10 @@ fn a_backend_that_does_not_lend_stops_a_demoted_sequence_as_a_cancel_does() {
 
 #[test]
 fn a_promise_is_in_the_lease_report_before_any_step_takes_its_blocks() {
-    // The report reads the allocator live and the promises as published: published only after
-    // the first step, a report read once that step's prefill had taken a block counted 1 block
-    // for a 5-block reservation (test_loop.py saw the ledger's whole reservation as drift).
+    // The report reads the promises as published: published only after the first step, a
+    // report read once that step's prefill had taken a block counted 1 block for a 5-block
+    // reservation (test_loop.py saw the ledger's whole reservation as drift; the report then
+    // read the allocator live).
     let mut e = lazy_engine(8);
     let _a = submit(&mut e, "a", 10, 60);
     {
