@@ -404,7 +404,7 @@ impl Ledger {
     /// every newcomer they would preempt the same long sequences over and over. Spare bytes are
     /// poured before lent ones, so `free()` (what is unclaimed less what claims hold) counts
     /// none of the lent bytes as taken from the spare.
-    fn settle_claims(&mut self, now_ms: u64) {
+    pub(crate) fn settle_claims(&mut self, now_ms: u64) {
         self.claims.retain(|c| c.expires_ms > now_ms);
         let mut spare = self.unclaimed();
         let mut lend = self.lendable_now();
@@ -419,12 +419,6 @@ impl Ledger {
             lend -= from_lend;
             c.held = from_spare + from_lend;
         }
-    }
-
-    /// Set bytes aside for the claims again, as every transition does: after a report changed
-    /// what is held back or lendable, so that no admission counts as room what they take.
-    pub(crate) fn settle(&mut self, now_ms: u64) {
-        self.settle_claims(now_ms);
     }
 
     pub fn held_back(&self) -> u64 {

@@ -776,11 +776,11 @@ pub fn reconcile(
     // firm part leaves room for it.
     let without = ledger.unclaimed().saturating_add(ledger.lendable_now());
     let resume_lent = resume.min(older_need.saturating_sub(without));
-    out.lendable = base.saturating_sub(firm_with(resume - resume_lent));
+    out.lendable = base.saturating_sub(firm_with(resume.saturating_sub(resume_lent)));
     ledger.set_lendable(out.lendable);
     // What is lent goes to the claims now, oldest first, before any other admission can count
     // it as room (`Ledger::admit_into_lent`).
-    ledger.settle(now_ms);
+    ledger.settle_claims(now_ms);
     out.lendable = ledger.lendable();
     out
 }
@@ -811,6 +811,18 @@ mod tests {
             ttl_ms: 1_000_000,
             owner: 1,
             claim: None,
+        }
+    }
+
+    /// One of this gateway's leases in a report: running, or preempted and waiting to resume.
+    fn own_entry(id: u64, bytes: u64, elastic: bool, resuming: bool) -> LiveEntry {
+        LiveEntry {
+            id: Some(id),
+            bytes,
+            running: !resuming,
+            elastic,
+            resuming,
+            ..Default::default()
         }
     }
 
@@ -964,19 +976,8 @@ mod tests {
             live: vec![1, 2],
             used_bytes: 5_000 + 1_000,
             entries: vec![
-                LiveEntry {
-                    id: Some(1),
-                    bytes: 5_000,
-                    running: true,
-                    ..Default::default()
-                },
-                LiveEntry {
-                    id: Some(2),
-                    bytes: 4_000,
-                    elastic: true,
-                    resuming: true,
-                    ..Default::default()
-                },
+                own_entry(1, 5_000, false, false),
+                own_entry(2, 4_000, true, true),
             ],
             ..Default::default()
         };
@@ -1035,21 +1036,13 @@ mod tests {
         l.release(9, 20);
         admit(&mut l, 2, 1_000, 30);
         admit(&mut l, 8, 4_000, 30);
-        let entry = |id, bytes, elastic, resuming: bool| LiveEntry {
-            id: Some(id),
-            bytes,
-            running: !resuming,
-            elastic,
-            resuming,
-            ..Default::default()
-        };
         let report = BackendReport {
             live: vec![1, 2, 8],
             used_bytes: 4_000 + 1_000 + 4_000,
             entries: vec![
-                entry(1, 4_000, true, false),
-                entry(2, 4_000, true, true),
-                entry(8, 4_000, false, false),
+                own_entry(1, 4_000, true, false),
+                own_entry(2, 4_000, true, true),
+                own_entry(8, 4_000, false, false),
             ],
             ..Default::default()
         };
@@ -1077,24 +1070,13 @@ mod tests {
         admit(&mut l, 1, 1_000, 0); // elastic, running 600 past its reservation
         admit(&mut l, 2, 2_000, 0); // worst case, 100 of block rounding past it
         admit(&mut l, 3, 1_000, 0); // elastic, preempted: needs 900 past it to resume
-        let entry = |id, bytes, elastic| LiveEntry {
-            id: Some(id),
-            bytes,
-            running: true,
-            elastic,
-            ..Default::default()
-        };
         let report = BackendReport {
             live: vec![1, 2, 3],
             used_bytes: 1_600 + 2_100 + 1_000,
             entries: vec![
-                entry(1, 1_600, true),
-                entry(2, 2_100, false),
-                LiveEntry {
-                    running: false,
-                    resuming: true,
-                    ..entry(3, 1_900, true)
-                },
+                own_entry(1, 1_600, true, false),
+                own_entry(2, 2_100, false, false),
+                own_entry(3, 1_900, true, true),
             ],
             ..Default::default()
         };
@@ -1112,7 +1094,7 @@ mod tests {
         two.entries.truncate(1);
         two.entries.push(LiveEntry {
             id: Some((7u64 << GATEWAY_SHIFT) | 1),
-            ..entry(0, 500, false)
+            ..own_entry(0, 500, false, false)
         });
         two.used_bytes = 1_600 + 500;
         let s = reconcile(&mut shared, &two, 100, 5_000, None, 0);
@@ -1130,10 +1112,10 @@ mod tests {
             live: vec![1],
             used_bytes: 1_600 + 2_000,
             entries: vec![
-                entry(1, 1_600, true),
+                own_entry(1, 1_600, true, false),
                 LiveEntry {
                     id: None,
-                    ..entry(0, 2_000, false)
+                    ..own_entry(0, 2_000, false, false)
                 },
             ],
             ..Default::default()
