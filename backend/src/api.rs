@@ -149,13 +149,7 @@ async fn leases(
     Query(q): Query<LeasesQuery>,
 ) -> Result<Json<LeaseReport>, HttpError> {
     st.check_secret(&headers)?;
-    let pool = st.engine.pool_report();
-    let (leases, finished, cursor) = st
-        .engine
-        .published
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .since(q.since);
+    let (pool, leases, finished, cursor) = st.engine.lease_report(q.since);
     let tokenizer = TokenizerReport {
         kind: "tiktoken_bpe".into(),
         pattern: st.tok.bpe.pattern.clone(),

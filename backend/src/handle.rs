@@ -6,7 +6,7 @@
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 
-use kvgate_core::wire::FinishReason;
+use kvgate_core::wire::{FinishReason, FinishedEntry, LeaseEntry};
 use kvgate_core::ApiError;
 use tokio::sync::{mpsc::UnboundedSender, oneshot};
 
@@ -132,10 +132,28 @@ impl EngineHandle {
     /// holds back past that lease's end, until its next poll. Blocks given back since count
     /// at once.
     pub fn pool_report(&self) -> PoolStats {
-        let (promised, allocated) = {
-            let p = self.published.lock().unwrap_or_else(|e| e.into_inner());
-            (p.promised_bytes, p.allocated_bytes)
-        };
+        let p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        self.pool_as_published(&p)
+    }
+
+    /// The lease report's pool, leases, leases finished after cursor `since`, and the cursor,
+    /// all from one publish: read under one lock, so a report never pairs the pool of one step
+    /// with the leases of another.
+    pub fn lease_report(
+        &self,
+        since: u64,
+    ) -> (PoolStats, Vec<LeaseEntry>, Vec<FinishedEntry>, u64) {
+        let p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        let pool = self.pool_as_published(&p);
+        let (leases, finished, cursor) = p.since(since);
+        (pool, leases, finished, cursor)
+    }
+
+    /// `pool_report` from published state `p`, read with its lock held. The allocator is read
+    /// under that lock too: `publish` reads it under the same lock, so the two agree on which
+    /// blocks had been taken when `p` was written.
+    fn pool_as_published(&self, p: &Published) -> PoolStats {
+        let (promised, allocated) = (p.promised_bytes, p.allocated_bytes);
         let s = self.pool.stats();
         let block = s.block_bytes.max(1);
         let unreported = s.used_bytes.saturating_sub(allocated);
