@@ -171,6 +171,8 @@ def test_admission_none_fails_mid_decode_when_kv_runs_out(backend):
     assert "error" in reasons, reasons
     failed = next(c for c in results if c[-1]["choices"][0]["finish_reason"] == "error")
     assert "ran out of KV cache mid-decode" in failed[-2]["error"]["message"]
+    assert failed[-2]["error"]["code"] == "kv_cache_exhausted"
+    assert failed[-2]["error"]["type"] == "server_error"
     assert b.metrics()["kvgate_backend_kv_oom_total"] >= 1
     b.wait_pool_empty()
 

@@ -538,6 +538,10 @@ def test_bad_input_matrix_is_refused_at_the_gateway_and_reserves_nothing(stack):
     s = gw.status()
     assert s["committed_bytes"] == 0 and s["counters"]["admitted"] == 0
     assert b.metrics()["kvgate_backend_requests_total"] == before, "nothing reached the backend"
+    st = gw.stats()
+    assert st["kvgate.rejected.model_not_found"] == 1
+    rejected = {k: v for k, v in st.items() if k.startswith("kvgate.rejected.") and v}
+    assert sum(rejected.values()) == len(cases), ("every refusal is counted under its code", rejected)
     # A chunked body and HTTP/2 are priced like any other (valid ones are admitted and freed).
     r = requests.post(gw.url + cmpl, data=iter([b'{"prompt": "Hello", ', b'"max_tokens": 3, "temperature": 0}']),
                       headers={"content-type": "application/json"}, timeout=60)

@@ -1017,15 +1017,14 @@ impl<M: Forward> Engine<M> {
         self.metrics.kv_oom.inc();
         let used = seq.used_tokens();
         let err = ApiError::new(
-            ErrorKind::Internal,
+            ErrorKind::KvCacheExhausted,
             format!(
                 "The backend ran out of KV cache mid-decode after {used} tokens ({} generated) and \
                  stopped this generation. An admission gateway (kvgate) prevents this by reserving \
                  the worst case up front.",
                 seq.generated.len()
             ),
-        )
-        .with_status(503);
+        );
         self.finish(seq, FinishReason::Error, Some(err));
     }
 

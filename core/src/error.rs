@@ -68,11 +68,33 @@ pub enum ErrorKind {
     /// The admission ledger cannot be read (corrupt, or written by an unknown version). Admission
     /// stops rather than forget live leases. Nothing was reserved.
     LedgerUnavailable,
+    /// The backend ran out of KV cache mid-decode and stopped the generation (a backend that
+    /// admits without reserving: `--admission none`).
+    KvCacheExhausted,
     /// An internal failure (a host call failed). Nothing was reserved.
     Internal,
 }
 
 impl ErrorKind {
+    /// Every kind: the filter defines a `rejected.<code>` counter for each.
+    pub const ALL: [ErrorKind; 15] = [
+        ErrorKind::InvalidRequest,
+        ErrorKind::BodyTooLarge,
+        ErrorKind::ContextLengthExceeded,
+        ErrorKind::KvRequestTooLarge,
+        ErrorKind::KvCapacityExceeded,
+        ErrorKind::QueueTimeout,
+        ErrorKind::QueueFull,
+        ErrorKind::Preempted,
+        ErrorKind::ModelNotFound,
+        ErrorKind::Unauthorized,
+        ErrorKind::BackendUnavailable,
+        ErrorKind::MethodNotAllowed,
+        ErrorKind::LedgerUnavailable,
+        ErrorKind::KvCacheExhausted,
+        ErrorKind::Internal,
+    ];
+
     pub fn code(self) -> &'static str {
         match self {
             ErrorKind::InvalidRequest => "invalid_request",
@@ -88,6 +110,7 @@ impl ErrorKind {
             ErrorKind::BackendUnavailable => "backend_unavailable",
             ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::KvCacheExhausted => "kv_cache_exhausted",
             ErrorKind::Internal => "kvgate_internal_error",
         }
     }
@@ -108,6 +131,7 @@ impl ErrorKind {
             ErrorKind::Preempted
             | ErrorKind::LedgerUnavailable
             | ErrorKind::BackendUnavailable
+            | ErrorKind::KvCacheExhausted
             | ErrorKind::Internal => "server_error",
         }
     }
@@ -119,9 +143,10 @@ impl ErrorKind {
             | ErrorKind::ContextLengthExceeded
             | ErrorKind::KvRequestTooLarge => 413,
             ErrorKind::KvCapacityExceeded | ErrorKind::QueueTimeout | ErrorKind::QueueFull => 429,
-            ErrorKind::Preempted | ErrorKind::LedgerUnavailable | ErrorKind::BackendUnavailable => {
-                503
-            }
+            ErrorKind::Preempted
+            | ErrorKind::LedgerUnavailable
+            | ErrorKind::BackendUnavailable
+            | ErrorKind::KvCacheExhausted => 503,
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::Unauthorized => 401,
             ErrorKind::ModelNotFound => 404,
@@ -235,6 +260,35 @@ impl std::error::Error for ApiError {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_kind_is_listed_once_with_its_own_code() {
+        // A kind missing from `ALL` gets no `rejected.<code>` counter in the filter.
+        let listed = |k: ErrorKind| ErrorKind::ALL.iter().filter(|x| **x == k).count();
+        for k in ErrorKind::ALL {
+            // Exhaustive: a new kind fails to compile here until it is considered.
+            match k {
+                ErrorKind::InvalidRequest
+                | ErrorKind::BodyTooLarge
+                | ErrorKind::ContextLengthExceeded
+                | ErrorKind::KvRequestTooLarge
+                | ErrorKind::KvCapacityExceeded
+                | ErrorKind::QueueTimeout
+                | ErrorKind::QueueFull
+                | ErrorKind::Preempted
+                | ErrorKind::ModelNotFound
+                | ErrorKind::Unauthorized
+                | ErrorKind::BackendUnavailable
+                | ErrorKind::MethodNotAllowed
+                | ErrorKind::LedgerUnavailable
+                | ErrorKind::KvCacheExhausted
+                | ErrorKind::Internal => assert_eq!(listed(k), 1, "{k:?}"),
+            }
+        }
+        let codes: std::collections::HashSet<&str> =
+            ErrorKind::ALL.iter().map(|k| k.code()).collect();
+        assert_eq!(codes.len(), ErrorKind::ALL.len(), "codes are distinct");
+    }
 
     #[test]
     fn body_is_openai_shaped() {

@@ -337,6 +337,7 @@ impl Filter {
                 }
             }
         }
+        self.worker.forget_demotions(self.context_id);
         if let Some(t) = self.ticket.take() {
             // Cut short (client gone, reset) while the backend may still be decoding: tell it to
             // stop now, or it would hold KV the ledger no longer counts.

@@ -758,6 +758,7 @@ impl RootContext for Root {
         let now = host::now_ms();
         crate::worker::beat(now);
         self.worker.refresh_endpoints();
+        self.worker.retry_releases(now);
         if now >= self.next_reap_ms {
             self.next_reap_ms = now + rt.cfg.tick_ms;
             for e in self.worker.endpoints() {

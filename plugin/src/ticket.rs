@@ -419,7 +419,7 @@ impl Ticket {
             ));
             match lease_call(rt, endpoint, v.id, Call::Demote) {
                 Some(token) => {
-                    worker.demotions.borrow_mut().insert(token, Rc::clone(self));
+                    worker.await_demotion(token, Rc::clone(self));
                     sent += 1;
                 }
                 None => worker.metrics.demote_failed.inc(),
@@ -446,31 +446,14 @@ impl Ticket {
             worker.metrics.backfill_overran.inc();
             worker.metrics.backfill_overrun_ms.add(now - end);
         }
-        match store::transact(&EnvoyStore, &endpoint.ledger_key, CAS_ATTEMPTS, |l| {
-            l.release(g.lease, now)
-        }) {
-            Ok((outcome, ledger)) => {
-                endpoint.observe(&ledger);
-                if matches!(outcome, kvgate_core::ReleaseOutcome::Released(_)) {
-                    worker.metrics.released.inc();
-                } else {
-                    // Already released by the backend's report, reaped, or preempted.
-                    worker.metrics.release_unknown.inc();
-                }
-                if let Some(rt) = worker.runtime() {
-                    let level = worker.level(&rt.cfg);
-                    worker
-                        .metrics
-                        .observe_request(worker, Some(&endpoint), level);
-                }
-            }
-            Err(e) => {
-                worker.metrics.ledger_errors.inc();
-                host::warn(&format!(
-                    "kvgate: release of lease {} failed: {e}; the reaper will reclaim it",
-                    g.lease
-                ));
-            }
+        if let Err(e) = worker.release_lease(&endpoint, g.lease, now) {
+            // The worker is alive, so the reaper would never take this lease: it is released
+            // again at every tick until the ledger takes it.
+            host::warn(&format!(
+                "kvgate: release of lease {} failed: {e}; retried at the next tick",
+                g.lease
+            ));
+            worker.release_later(endpoint, g.lease);
         }
     }
 }

@@ -13,11 +13,12 @@ use kvgate_core::fleet::{self, View};
 use kvgate_core::queue::AdmissionQueue;
 use kvgate_core::reconcile::Output;
 use kvgate_core::retry::splitmix64;
+use kvgate_core::store;
 use kvgate_core::{ClassPolicy, ErrorKind, Ledger, Level, Reservation, TokenCounter};
 
-use crate::host::{self, Metric};
+use crate::host::{self, EnvoyStore, Metric};
 use crate::ticket::Ticket;
-use crate::LEDGER_KEY;
+use crate::{CAS_ATTEMPTS, LEDGER_KEY};
 
 /// What a request needs from the configuration; replaced whole on reconfiguration.
 pub struct Runtime {
@@ -286,6 +287,9 @@ pub struct Worker {
     /// worker is gone, until their ledger is empty.
     retired: RefCell<Vec<Rc<Endpoint>>>,
     lease_seed: u64,
+    /// Leases whose release failed (every compare-and-swap lost, or a host error): released
+    /// again at every tick until the ledger takes them.
+    unreleased: RefCell<Vec<(Rc<Endpoint>, u64)>>,
     /// This gateway's number (configured, or drawn once per Envoy in shared data).
     gateway: Cell<u16>,
     lease_counter: Cell<u64>,
@@ -347,6 +351,7 @@ impl Worker {
             queue: RefCell::new(AdmissionQueue::default()),
             demotions: RefCell::new(HashMap::new()),
             lease_seed: h.finish(),
+            unreleased: RefCell::new(Vec::new()),
             lease_counter: Cell::new(0),
             endpoints: RefCell::new(Vec::new()),
             retired: RefCell::new(Vec::new()),
@@ -493,6 +498,47 @@ impl Worker {
         self.retired.borrow_mut().retain(|r| !Rc::ptr_eq(r, e));
     }
 
+    /// Give lease `lease` on `endpoint` back to its ledger, counted as released (or as already
+    /// gone: released by the backend's report, reaped, or preempted).
+    pub fn release_lease(
+        &self,
+        endpoint: &Endpoint,
+        lease: u64,
+        now: u64,
+    ) -> Result<(), store::StoreError> {
+        let (outcome, ledger) =
+            store::transact(&EnvoyStore, &endpoint.ledger_key, CAS_ATTEMPTS, |l| {
+                l.release(lease, now)
+            })
+            .inspect_err(|_| self.metrics.ledger_errors.inc())?;
+        endpoint.observe(&ledger);
+        if matches!(outcome, kvgate_core::ReleaseOutcome::Released(_)) {
+            self.metrics.released.inc();
+        } else {
+            self.metrics.release_unknown.inc();
+        }
+        if let Some(rt) = self.runtime() {
+            let level = self.level(&rt.cfg);
+            self.metrics.observe_request(self, Some(endpoint), level);
+        }
+        Ok(())
+    }
+
+    /// A release that failed: tried again at every tick (`retry_releases`).
+    pub fn release_later(&self, endpoint: Rc<Endpoint>, lease: u64) {
+        self.unreleased.borrow_mut().push((endpoint, lease));
+    }
+
+    /// Try the failed releases again; those that fail again stay for the next tick.
+    pub fn retry_releases(&self, now: u64) {
+        let pending = std::mem::take(&mut *self.unreleased.borrow_mut());
+        for (endpoint, lease) in pending {
+            if self.release_lease(&endpoint, lease, now).is_err() {
+                self.unreleased.borrow_mut().push((endpoint, lease));
+            }
+        }
+    }
+
     pub fn endpoints(&self) -> Vec<Rc<Endpoint>> {
         self.endpoints.borrow().clone()
     }
@@ -576,12 +622,38 @@ impl Worker {
         }
     }
 
+    /// A demotion sent for request `ticket`, answered under callout `token`.
+    pub fn await_demotion(&self, token: u32, ticket: Rc<Ticket>) {
+        self.demotions.borrow_mut().insert(token, ticket);
+        self.count_demotions();
+    }
+
+    /// The request of stream `context_id` ended: it waits for no demotion any more. The SDK
+    /// delivers a callout's answer to the context that sent it, and drops it once that
+    /// context is gone, so an answer after the stream's end never reaches
+    /// `demotion_answered`: without this, its ticket (and the request body it holds) would
+    /// stay here for the life of the VM.
+    pub fn forget_demotions(&self, context_id: u32) {
+        self.demotions
+            .borrow_mut()
+            .retain(|_, t| t.context_id != context_id);
+        self.count_demotions();
+    }
+
+    fn count_demotions(&self) {
+        let n = self.demotions.borrow().len();
+        self.metrics
+            .demotions_pending
+            .set(u64::try_from(n).unwrap_or(u64::MAX));
+    }
+
     /// A preemption demotion was answered (or failed): when the ticket's last one is in, its
     /// request goes on. Returns false when the token is not a demotion of this worker.
     pub fn demotion_answered(&self, token: u32) -> bool {
         let Some(t) = self.demotions.borrow_mut().remove(&token) else {
             return false;
         };
+        self.count_demotions();
         let status = crate::abi::header(
             proxy_wasm::types::MapType::HttpCallResponseHeaders,
             ":status",
@@ -613,6 +685,8 @@ pub struct Metrics {
     pub preempted: Metric,
     /// Demotions not sent, or not answered 200.
     pub demote_failed: Metric,
+    /// Demotions sent and not answered yet, of requests still waiting for them.
+    pub demotions_pending: Metric,
     pub released: Metric,
     pub released_by_backend: Metric,
     pub reaped: Metric,
@@ -651,21 +725,8 @@ pub struct Metrics {
 
 impl Metrics {
     fn define() -> Metrics {
-        let kinds = [
-            ErrorKind::InvalidRequest,
-            ErrorKind::BodyTooLarge,
-            ErrorKind::ContextLengthExceeded,
-            ErrorKind::KvRequestTooLarge,
-            ErrorKind::KvCapacityExceeded,
-            ErrorKind::QueueTimeout,
-            ErrorKind::QueueFull,
-            ErrorKind::LedgerUnavailable,
-            ErrorKind::BackendUnavailable,
-            ErrorKind::MethodNotAllowed,
-            ErrorKind::Internal,
-        ];
         let per_kind = |prefix: &str| -> Vec<(ErrorKind, Metric)> {
-            kinds
+            ErrorKind::ALL
                 .iter()
                 .map(|k| (*k, Metric::counter(&format!("{prefix}.{}", k.code()))))
                 .collect()
@@ -677,6 +738,7 @@ impl Metrics {
             degraded: Metric::counter("kvgate.degraded"),
             preempted: Metric::counter("kvgate.preempted"),
             demote_failed: Metric::counter("kvgate.demote_failed"),
+            demotions_pending: Metric::gauge("kvgate.demotions_pending"),
             released: Metric::counter("kvgate.released"),
             released_by_backend: Metric::counter("kvgate.released_by_backend"),
             reaped: Metric::counter("kvgate.reaped"),

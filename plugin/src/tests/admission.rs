@@ -152,6 +152,29 @@ fn a_reservation_survives_lost_cas_races() {
 }
 
 #[test]
+fn a_release_that_loses_every_cas_race_is_retried_at_the_next_tick() {
+    // The worker is alive and heartbeating, so the reaper would never take the lease: without
+    // a retry it would hold its bytes for the life of the ledger.
+    let mut vm = start(20_000, json!({}));
+    let (s, action) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(action, Action::Continue);
+    testhost::with(|h| h.inject_cas_mismatches = crate::CAS_ATTEMPTS);
+    vm.finish(s);
+    assert_eq!(ledger().committed(), 200 * PER_TOKEN, "every attempt lost");
+    assert_eq!(Vm::metric("kvgate.ledger_errors"), 1);
+    vm.tick();
+    assert_eq!(ledger().committed(), 0, "released at the next tick");
+    assert!(ledger().leases().is_empty());
+    assert_eq!(Vm::metric("kvgate.released"), 1, "released once");
+    vm.tick();
+    assert_eq!(
+        Vm::metric("kvgate.released") + Vm::metric("kvgate.release_unknown"),
+        1,
+        "and not again"
+    );
+}
+
+#[test]
 fn a_stream_cut_short_is_cancelled_at_the_backend_and_released() {
     let mut vm = start(20_000, json!({"backend": {"cluster": "kvgate_backend"}}));
     let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));

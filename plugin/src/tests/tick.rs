@@ -152,7 +152,9 @@ fn preempted_from_the_queue(status: u32) {
         "the request waits for the demotion to be answered"
     );
 
+    assert_eq!(Vm::metric("kvgate.demotions_pending"), 1);
     vm.answer_call(demotions[0].token, status, b"{}");
+    assert_eq!(Vm::metric("kvgate.demotions_pending"), 0);
     assert!(Vm::resumed(s), "the queued stream is resumed");
     assert_eq!(
         Vm::metric("kvgate.demote_failed"),
@@ -168,6 +170,41 @@ fn preempted_from_the_queue(status: u32) {
     );
     vm.finish(s);
     assert_eq!(ledger().committed(), 0);
+    assert!(
+        ledger().lease(22).is_some(),
+        "the demoted lease ends with its own request"
+    );
+}
+
+#[test]
+fn a_preempting_request_whose_client_left_before_its_demotion_was_answered_leaves_nothing() {
+    // The SDK delivers a callout's answer to the context that sent it and drops it once that
+    // context is gone: the request waiting for the demotion must not stay in the worker (with
+    // its body) for the life of the VM.
+    let mut vm = start(10_000, queue_config());
+    put_lease(22, 3_000, "batch", 0, owner_id());
+    // 7,000 free + 3,000 preemptible: admitted at once by demoting the batch lease.
+    let (s, action) = vm.post("/v1/completions", &[], &completion(500, Some(9_000)));
+    assert_eq!(
+        action,
+        Action::Pause,
+        "waits for the demotion to be answered"
+    );
+    assert_eq!(ledger().lease(22).map(|v| v.bytes), Some(0));
+    let demotions = calls_to("/v1/admission/leases/22/demote");
+    assert_eq!(demotions.len(), 1);
+    assert_eq!(Vm::metric("kvgate.demotions_pending"), 1);
+
+    vm.finish(s); // the client is gone before the backend answers
+    assert_eq!(
+        Vm::metric("kvgate.demotions_pending"),
+        0,
+        "nothing waits for it"
+    );
+    assert_eq!(ledger().committed(), 0, "its reservation is released");
+    vm.answer_call(demotions[0].token, 200, b"{}"); // dropped by the SDK: its stream is gone
+    assert_eq!(Vm::metric("kvgate.demotions_pending"), 0);
+    assert!(!Vm::resumed(s));
     assert!(
         ledger().lease(22).is_some(),
         "the demoted lease ends with its own request"
