@@ -42,6 +42,8 @@ pub struct AppState {
     pub scratch_margin_bytes: u64,
     pub prefill_scratch_bytes: u64,
     pub decode_scratch_bytes: u64,
+    /// The largest request body accepted (`--max-body-bytes`).
+    pub max_body_bytes: usize,
 }
 
 impl AppState {
@@ -79,6 +81,7 @@ impl AppState {
 type Shared = State<Arc<AppState>>;
 
 pub fn router(state: Arc<AppState>) -> Router {
+    let body_limit = axum::extract::DefaultBodyLimit::max(state.max_body_bytes);
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -89,6 +92,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/admission/leases/{id}/cancel", post(cancel))
         .route("/v1/admission/leases/{id}/demote", post(demote))
         .fallback(not_found)
+        .layer(body_limit)
         .with_state(state)
 }
 
@@ -233,16 +237,40 @@ async fn demote(
     }
 }
 
-async fn completions(State(st): Shared, headers: HeaderMap, body: axum::body::Bytes) -> Response {
-    generate(st, headers, Endpoint::Completions, &body).await
+/// A request body as the handlers read it: over `--max-body-bytes` (or unreadable), an
+/// OpenAI-style error, not axum's plain-text rejection.
+type Body = Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>;
+
+async fn completions(State(st): Shared, headers: HeaderMap, body: Body) -> Response {
+    match body {
+        Ok(b) => generate(st, headers, Endpoint::Completions, &b).await,
+        Err(e) => body_refused(&st, &e),
+    }
 }
 
-async fn chat_completions(
-    State(st): Shared,
-    headers: HeaderMap,
-    body: axum::body::Bytes,
-) -> Response {
-    generate(st, headers, Endpoint::ChatCompletions, &body).await
+async fn chat_completions(State(st): Shared, headers: HeaderMap, body: Body) -> Response {
+    match body {
+        Ok(b) => generate(st, headers, Endpoint::ChatCompletions, &b).await,
+        Err(e) => body_refused(&st, &e),
+    }
+}
+
+fn body_refused(st: &AppState, e: &axum::extract::rejection::BytesRejection) -> Response {
+    let err = match e.status() {
+        axum::http::StatusCode::PAYLOAD_TOO_LARGE => ApiError::new(
+            ErrorKind::BodyTooLarge,
+            format!(
+                "The request body is larger than this server accepts ({} bytes, --max-body-bytes).",
+                st.max_body_bytes
+            ),
+        ),
+        status => ApiError::new(
+            ErrorKind::InvalidRequest,
+            format!("The request body could not be read: {}", e.body_text()),
+        )
+        .with_status(u32::from(status.as_u16())),
+    };
+    HttpError(err).into_response()
 }
 
 struct Validated {

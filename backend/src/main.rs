@@ -95,6 +95,11 @@ struct Args {
     /// Cap on the context length (the model's own is used when smaller).
     #[arg(long, default_value_t = 8192)]
     max_context: usize,
+    /// The largest request body accepted, in bytes; a larger one is refused with an
+    /// OpenAI-style 413 (`request_body_too_large`). The default is the filter's default
+    /// `max_body_bytes`: keep this at least as large as the filter's.
+    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    max_body_bytes: usize,
     /// A file holding the secret the gateway sends (`x-kvgate-secret`) on admission calls and on
     /// requests that carry a lease. Without it the admission API is open to anyone who can reach
     /// this port (bind it to loopback or an internal network). `KVGATE_ADMISSION_SECRET` also works.
@@ -278,6 +283,7 @@ async fn main() -> Result<()> {
         scratch_margin_bytes: stats.block_bytes,
         prefill_scratch_bytes: prefill_scratch,
         decode_scratch_bytes: decode_scratch,
+        max_body_bytes: args.max_body_bytes.max(1),
     });
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
