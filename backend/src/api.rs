@@ -120,7 +120,7 @@ impl From<ApiError> for HttpError {
 }
 
 async fn not_found() -> HttpError {
-    HttpError(ApiError::new(ErrorKind::InvalidRequest, "Unknown path.").with_status(404))
+    HttpError(ApiError::new(ErrorKind::NotFound, "Unknown path."))
 }
 
 async fn health() -> &'static str {
@@ -211,11 +211,7 @@ async fn cancel(
 
 /// 404 for a lease id the backend does not hold.
 fn no_live_lease(id: &str) -> HttpError {
-    HttpError(
-        ApiError::new(ErrorKind::InvalidRequest, format!("No live lease {id:?}."))
-            .with_param("id")
-            .with_status(404),
-    )
+    HttpError(ApiError::new(ErrorKind::NotFound, format!("No live lease {id:?}.")).with_param("id"))
 }
 
 async fn demote(

@@ -319,6 +319,43 @@ impl Config {
         let p = path.split('?').next().unwrap_or(path);
         self.guarded_paths.iter().any(|g| g == p)
     }
+
+    /// Is `path` the backend's admission API (the shipped `/v1/admission/…`, or the configured
+    /// `backend` paths up to their `{id}`)? Only the gateway calls it, and never through its
+    /// own listener: a client's request for it is refused whatever the routes send where.
+    /// Repeated slashes are merged first, as a permissive router would.
+    pub fn is_internal(&self, path: &str) -> bool {
+        if self.guards(path) {
+            return false;
+        }
+        let raw = path.split(['?', '#']).next().unwrap_or(path);
+        let mut p = String::with_capacity(raw.len().min(4096));
+        for c in raw.chars().take(4096) {
+            if !(c == '/' && p.ends_with('/')) {
+                p.push(c);
+            }
+        }
+        let p = p.to_ascii_lowercase();
+        let prefix = |template: &str| -> String {
+            template
+                .split("{id}")
+                .next()
+                .unwrap_or(template)
+                .to_ascii_lowercase()
+        };
+        let mut internal = vec!["/v1/admission".to_string()];
+        if let Some(b) = &self.backend {
+            internal.extend([
+                prefix(&b.leases_path),
+                prefix(&b.cancel_path),
+                prefix(&b.demote_path),
+            ]);
+        }
+        internal.iter().any(|i| {
+            let i = i.trim_end_matches('/');
+            !i.is_empty() && (p == i || p.starts_with(&format!("{i}/")))
+        })
+    }
 }
 
 impl TryFrom<RawConfig> for Config {
@@ -693,6 +730,49 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_admission_api_is_internal_however_the_path_is_spelled() {
+        let cfg = Config::from_json(
+            br#"{"model": {"layers": 2, "kv_heads": 1, "head_dim": 8, "kv_dtype_bytes": 2,
+                 "context_tokens": 1024}, "kv_budget_bytes": 1000000,
+                 "backend": {"cluster": "b", "leases_path": "/internal/leases",
+                             "cancel_path": "/internal/leases/{id}/cancel"}}"#,
+        )
+        .unwrap();
+        for p in [
+            "/v1/admission/leases",
+            "/v1/admission/leases?since=0",
+            "/v1/admission/leases/7/cancel",
+            "//v1//admission/leases/7/demote",
+            "/V1/Admission/leases",
+            "/v1/admission",
+            "/internal/leases",
+            "/internal/leases/9/cancel",
+        ] {
+            assert!(cfg.is_internal(p), "{p}");
+        }
+        for p in [
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/models",
+            "/v1/admissions",
+            "/internal",
+            "/",
+            "",
+        ] {
+            assert!(!cfg.is_internal(p), "{p}");
+        }
+        // A backend path under a guarded one never shadows the guarded path itself.
+        let odd = Config::from_json(
+            br#"{"model": {"layers": 2, "kv_heads": 1, "head_dim": 8, "kv_dtype_bytes": 2,
+                 "context_tokens": 1024}, "kv_budget_bytes": 1000000,
+                 "backend": {"cluster": "b", "cancel_path": "/v1/completions/{id}/cancel"}}"#,
+        )
+        .unwrap();
+        assert!(!odd.is_internal("/v1/completions"));
+        assert!(odd.is_internal("/v1/completions/3/cancel"));
+    }
 
     const MIN: &str = r#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},"kv_budget_bytes":1073741824}"#;
 

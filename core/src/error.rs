@@ -65,6 +65,8 @@ pub enum ErrorKind {
     BackendUnavailable,
     /// The method is not allowed on this path (the OpenAI paths take POST).
     MethodNotAllowed,
+    /// A path not served to this caller (the backend's admission API, through the gateway).
+    NotFound,
     /// The admission ledger cannot be read (corrupt, or written by an unknown version). Admission
     /// stops rather than forget live leases. Nothing was reserved.
     LedgerUnavailable,
@@ -77,7 +79,7 @@ pub enum ErrorKind {
 
 impl ErrorKind {
     /// Every kind: the filter defines a `rejected.<code>` counter for each.
-    pub const ALL: [ErrorKind; 15] = [
+    pub const ALL: [ErrorKind; 16] = [
         ErrorKind::InvalidRequest,
         ErrorKind::BodyTooLarge,
         ErrorKind::ContextLengthExceeded,
@@ -90,6 +92,7 @@ impl ErrorKind {
         ErrorKind::Unauthorized,
         ErrorKind::BackendUnavailable,
         ErrorKind::MethodNotAllowed,
+        ErrorKind::NotFound,
         ErrorKind::LedgerUnavailable,
         ErrorKind::KvCacheExhausted,
         ErrorKind::Internal,
@@ -110,6 +113,7 @@ impl ErrorKind {
             ErrorKind::BackendUnavailable => "backend_unavailable",
             ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::NotFound => "not_found",
             ErrorKind::KvCacheExhausted => "kv_cache_exhausted",
             ErrorKind::Internal => "kvgate_internal_error",
         }
@@ -123,7 +127,8 @@ impl ErrorKind {
             | ErrorKind::ContextLengthExceeded
             | ErrorKind::KvRequestTooLarge
             | ErrorKind::ModelNotFound
-            | ErrorKind::MethodNotAllowed => "invalid_request_error",
+            | ErrorKind::MethodNotAllowed
+            | ErrorKind::NotFound => "invalid_request_error",
             ErrorKind::Unauthorized => "authentication_error",
             ErrorKind::KvCapacityExceeded | ErrorKind::QueueTimeout | ErrorKind::QueueFull => {
                 "rate_limit_error"
@@ -149,7 +154,7 @@ impl ErrorKind {
             | ErrorKind::KvCacheExhausted => 503,
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::Unauthorized => 401,
-            ErrorKind::ModelNotFound => 404,
+            ErrorKind::ModelNotFound | ErrorKind::NotFound => 404,
             ErrorKind::Internal => 500,
         }
     }
@@ -280,6 +285,7 @@ mod tests {
                 | ErrorKind::Unauthorized
                 | ErrorKind::BackendUnavailable
                 | ErrorKind::MethodNotAllowed
+                | ErrorKind::NotFound
                 | ErrorKind::LedgerUnavailable
                 | ErrorKind::KvCacheExhausted
                 | ErrorKind::Internal => assert_eq!(listed(k), 1, "{k:?}"),

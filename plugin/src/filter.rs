@@ -388,6 +388,13 @@ impl HttpContext for Filter {
             return self.serve_status(&rt);
         }
         Self::strip_spoofed_headers(&rt);
+        if rt.cfg.is_internal(&path) {
+            // The backend's admission API is the gateway's own (its callouts do not pass
+            // through this listener): refused here whatever the routes would do with it, in
+            // shadow mode too.
+            let e = ApiError::new(ErrorKind::NotFound, "Unknown path.");
+            return self.reject(&rt, &e);
+        }
         if !rt.cfg.guards(&path) {
             return Action::Continue;
         }

@@ -135,6 +135,31 @@ fn client_sent_kvgate_headers_are_stripped() {
 }
 
 #[test]
+fn the_backends_admission_api_is_refused_to_clients_in_every_mode() {
+    for mode in ["enforce", "shadow"] {
+        let mut vm = start(
+            20_000,
+            json!({"mode": mode, "backend": {"cluster": "kvgate_backend"}}),
+        );
+        for (method, path) in [
+            ("GET", "/v1/admission/leases"),
+            ("POST", "/v1/admission/leases/1/cancel"),
+            ("POST", "//v1/admission/leases/1/demote"),
+        ] {
+            let s = vm.open(method, path, &[], b"");
+            assert_eq!(vm.request_headers(s, true), Action::Pause, "{mode} {path}");
+            let replies = Vm::replies(s);
+            assert_eq!(replies.len(), 1, "{mode} {method} {path}");
+            assert_eq!(replies[0].status, 404);
+            assert_eq!(replies[0].json()["error"]["code"], "not_found");
+            vm.finish(s);
+        }
+        assert_eq!(Vm::metric("kvgate.rejected.not_found"), 3);
+        assert!(ledger().leases().is_empty());
+    }
+}
+
+#[test]
 fn a_reservation_survives_lost_cas_races() {
     let mut vm = start(20_000, json!({}));
     testhost::with(|h| h.inject_cas_mismatches = 3);
