@@ -40,6 +40,7 @@ pub struct Ticket {
     /// As of its last try: an elastic class's allowance is chosen at each try, from what the
     /// class has learned by then (see [`Ticket::reprice`]).
     pub priced: RefCell<Priced>,
+    /// The parsed request body until it is forwarded (empty after admission).
     pub body: RefCell<Map<String, Value>>,
     pub body_size: usize,
     pub granted: Cell<Option<Granted>>,
@@ -334,6 +335,9 @@ impl Ticket {
                         format!("kvgate could not forward the admitted request ({s:?})."),
                     ));
                 }
+                // Forwarded: the parsed body (several times the request's own size for small
+                // array elements) is not needed for the rest of a stream that may run minutes.
+                drop(std::mem::take(&mut *self.body.borrow_mut()));
                 let demotions = self.demote_at_backend(worker, rt, &endpoint, &preempted);
                 self.pending_demotions.set(demotions);
                 Attempt::Admitted {
