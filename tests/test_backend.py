@@ -421,7 +421,7 @@ def test_bad_requests_get_openai_errors_and_allocate_nothing(backend):
         (b"{oops", 400, None),
         (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "many"}).encode(), 400, "max_tokens"),
         (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "model"),
-        (json.dumps({"model": MODEL, "prompt": [1] * 8192}).encode(), 400, "messages"),
+        (json.dumps({"model": MODEL, "prompt": [1] * 8192}).encode(), 400, "prompt"),
         (json.dumps({"model": MODEL, "prompt": [1] * 100, "max_tokens": 8100}).encode(), 400, "max_tokens"),
         (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "n"),
         (json.dumps({"model": MODEL, "prompt": [99999999]}).encode(), 400, "prompt"),

@@ -102,9 +102,9 @@ def test_two_gateways_two_backends_bursts_never_overfill_a_pool(fleet):
             outcomes[r.status_code] += 1
             if r.status_code == 200:
                 lease_ids.setdefault(j, []).append(int(r.headers["x-kvgate-lease"]))
-            elif r.status_code == 429:
-                assert "retry-after" in r.headers, r.headers
-            else:
+            elif r.status_code == 429 and "retry-after" not in r.headers:
+                outcomes["429 without retry-after"] += 1
+            elif r.status_code != 429:
                 outcomes[r.text[:200]] += 1
 
     # Bursts through both gateways at once: 2 × 10 requests of ~230 tokens each, where each
@@ -130,10 +130,6 @@ def test_two_gateways_two_backends_bursts_never_overfill_a_pool(fleet):
         m = b.metrics()
         assert m["kvgate_backend_kv_oom_total"] == 0, "an admitted request ran a backend out of KV"
         assert peak[b.port] <= capacity[b.port]
-        # The backend's own peak gauge, where it has one.
-        for name, v in m.items():
-            if "peak" in name and "kv" in name:
-                assert v <= capacity[b.port], (name, v)
     # Lease ids carry their gateway's id (bits 43..52) and never collide across gateways.
     for j, ids in lease_ids.items():
         assert all(i >> 43 == j + 1 for i in ids), (j, ids)
@@ -142,8 +138,8 @@ def test_two_gateways_two_backends_bursts_never_overfill_a_pool(fleet):
     # Each backend refusal reached one gateway, which released its reservation and passed the 429.
     refused = sum(b.metrics()["kvgate_backend_rejected_kv_total"] for b in bs)
     stats = [gw.stats() for gw in gws]
-    assert sum(st.get("kvgate.backend_refused", 0) for st in stats) == refused
-    assert all(st.get("kvgate.upstream_mismatch", 0) == 0 for st in stats), "a request landed elsewhere than chosen"
+    assert sum(st["kvgate.backend_refused"] for st in stats) == refused
+    assert all(st["kvgate.upstream_mismatch"] == 0 for st in stats), "a request landed elsewhere than chosen"
     for b in bs:
         admitted = sum(endpoint_stat(gw, b.address, "admitted") for gw in gws)
         assert admitted > 0, f"no gateway admitted on {b.address}"
@@ -204,7 +200,7 @@ def test_a_backend_killed_mid_run_fails_its_requests_cleanly_and_comes_back(flee
     t.join(timeout=90)
     assert held.get("finish") == "length", held
     drained(gws, [a, b])
-    assert gw.stats().get("kvgate.upstream_mismatch", 0) == 0
+    assert gw.stats()["kvgate.upstream_mismatch"] == 0
 
 
 def test_a_changed_endpoint_list_applies_live_and_keeps_the_leases_that_stay(fleet):
@@ -248,4 +244,4 @@ def test_a_changed_endpoint_list_applies_live_and_keeps_the_leases_that_stay(fle
     gw.wait_for(lambda s: gw.endpoint(drop.address, s) is not None and gw.endpoint(drop.address, s)["up"],
                 20, "the endpoint back in the list")
     drained(gws, bs)
-    assert gw.stats().get("kvgate.upstream_mismatch", 0) == 0
+    assert gw.stats()["kvgate.upstream_mismatch"] == 0

@@ -88,9 +88,9 @@ def test_prompt_over_context_is_413_and_reserves_nothing(gateway, upstream):
     r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(8192), "max_tokens": 10}, timeout=10)
     assert r.status_code == 413
     err = r.json()["error"]
-    assert err["code"] == "context_length_exceeded"
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
     assert "8192" in err["message"] and "10 output tokens" in err["message"]
-    assert r.headers["x-kvgate-level"] == "green"
+    assert r.headers["x-kvgate-level"] == "green""
     assert upstream.requests() == []
     assert gw.status()["committed_bytes"] == 0
     assert gw.stats()["kvgate.rejected.context_length_exceeded"] == 1
@@ -101,6 +101,11 @@ def test_context_error_status_can_be_400(gateway):
     r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(9000)}, timeout=10)
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    r = requests.post(gw.url + "/v1/chat/completions", timeout=10,
+                      json={"messages": [{"role": "user", "content": "word " * 9000}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages", "a chat's prompt is its messages"
 
 
 def test_full_budget_answers_429_with_retry_after_then_admits_after_release(gateway, upstream):
@@ -343,7 +348,7 @@ def test_a_queue_wait_longer_than_envoys_request_timeout_still_ends_in_admission
     gw.assert_drained()
     st = gw.stats()
     assert st["kvgate.admitted"] == 2 and st["kvgate.queued"] == 0
-    assert st.get("kvgate.rejected.kv_queue_timeout", 0) == 0
+    assert st["kvgate.rejected.kv_queue_timeout"] == 0
 
 
 def test_a_client_cannot_pick_its_class(gateway, upstream):
@@ -419,15 +424,15 @@ def admission_wait_of_a_big_request_among_small_ones(gw, seconds=12):
 
 def test_a_big_request_is_not_starved_by_small_ones(gateway):
     retry = {"min_ms": 100, "max_ms": 1000, "jitter": 0.1, "default_lease_ms": 1000}
-    unfair = admission_wait_of_a_big_request_among_small_ones(
-        gateway(budget(1000, retry_after=retry, fair_retry_patience_ms=0)), seconds=10)
     gw = gateway(budget(1000, retry_after=retry))
     fair = admission_wait_of_a_big_request_among_small_ones(gw, seconds=20)
-    print(f"big request's admission wait: fair retries {fair} s, without {unfair} s")
+    print(f"big request's admission wait with fair retries: {fair} s")
     # With fair retries the freed bytes are set aside for the big request: it is admitted once the
     # small leases ahead of it end (1 s streams, a few rounds on a loaded machine), not when five
-    # happen to end at once and no small client is quicker.
-    assert fair is not None and fair < 10.0, (fair, unfair)
+    # happen to end at once and no small client is quicker. (Without them it may wait for ever;
+    # that comparison is a benchmark's, BENCHMARKS.md "Queue aging and retries that keep their
+    # age", not a test's.)
+    assert fair is not None and fair < 10.0, fair
     gw.assert_drained()
     # Places in line of clients that stopped retrying expire (twice the advertised wait + 5 s).
     s = gw.wait_for(lambda s: s["claims"] == 0 and s["claimed_bytes"] == 0, timeout=20, what="claims to expire")
@@ -657,7 +662,7 @@ def test_shadow_mode_lets_everything_through_and_counts_what_it_would_do(gateway
     st = gw.stats()
     assert st["kvgate.shadow.would_reject.kv_capacity_exceeded"] == 1
     assert st["kvgate.shadow.would_reject.invalid_request"] == 1
-    assert st.get("kvgate.rejected.kv_capacity_exceeded", 0) == 0
+    assert st["kvgate.rejected.kv_capacity_exceeded"] == 0
     gw.assert_drained()
 
 

@@ -339,8 +339,8 @@ fn validate(
     }
     let context = st.spec.context_tokens;
     let p = prompt.len() as u64;
-    let cap =
-        effective_output_cap(req.requested_cap(), p, context).map_err(|e| e.with_status(400))?;
+    let cap = effective_output_cap(req.requested_cap(), p, context)
+        .map_err(|e| e.with_status(400).with_param(req.prompt_field()))?;
     if cap.clamped {
         let asked = req.requested_cap().unwrap_or(0);
         let field = if req.max_completion_tokens.is_some() {

@@ -71,7 +71,9 @@ pub fn price(
     let mut prompt_tokens = counter
         .count_input_capped(&req.input, context)
         .map_err(|_| {
-            prompt_over_context(req.requested_cap(), context).with_status(cfg.context_error_status)
+            prompt_over_context(req.requested_cap(), context)
+                .with_status(cfg.context_error_status)
+                .with_param(req.prompt_field())
         })?;
     if cfg.token_multiplier > 1.0 {
         // A fallback tokenizer only approximates the model's: pad text counts (token arrays
@@ -93,7 +95,9 @@ pub fn price(
     let price =
         price_request(&cfg.pricing, &prompt_tokens, req.requested_cap(), choices).map_err(|e| {
             match e.kind {
-                ErrorKind::ContextLengthExceeded => e.with_status(cfg.context_error_status),
+                ErrorKind::ContextLengthExceeded => e
+                    .with_status(cfg.context_error_status)
+                    .with_param(req.prompt_field()),
                 _ => e,
             }
         })?;

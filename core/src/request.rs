@@ -63,6 +63,14 @@ pub struct ParsedRequest {
 pub const MAX_CHOICES: u64 = 128;
 
 impl ParsedRequest {
+    /// The request field that holds the prompt: what an error about its length names.
+    pub fn prompt_field(&self) -> &'static str {
+        match self.endpoint {
+            Endpoint::Completions => "prompt",
+            Endpoint::ChatCompletions => "messages",
+        }
+    }
+
     /// The output cap the client asked for: the stricter of the two cap fields.
     pub fn requested_cap(&self) -> Option<u64> {
         match (self.max_tokens, self.max_completion_tokens) {
