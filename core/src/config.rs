@@ -463,7 +463,7 @@ impl TryFrom<RawConfig> for Config {
         for p in raw
             .guarded_paths
             .iter()
-            .chain(std::iter::once(&raw.status_path))
+            .chain(Some(&raw.status_path).filter(|p| !p.is_empty()))
         {
             if !p.starts_with('/') {
                 return Err(ConfigError::new(

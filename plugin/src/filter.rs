@@ -384,7 +384,10 @@ impl HttpContext for Filter {
         };
         let path = abi::header(REQ, ":path").unwrap_or_default();
         let method = abi::header(REQ, ":method").unwrap_or_default();
-        if method == "GET" && path.split('?').next() == Some(rt.cfg.status_path.as_str()) {
+        if method == "GET"
+            && !rt.cfg.status_path.is_empty()
+            && path.split('?').next() == Some(rt.cfg.status_path.as_str())
+        {
             return self.serve_status(&rt);
         }
         Self::strip_spoofed_headers(&rt);

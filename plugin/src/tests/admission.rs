@@ -405,6 +405,19 @@ fn the_status_endpoint_reports_the_ledger() {
     vm.finish(a);
 }
 
+#[test]
+fn an_empty_status_path_turns_the_status_endpoint_off() {
+    let mut vm = start(20_000, json!({"status_path": ""}));
+    let s = vm.open("GET", "/kvgate/status", &[], b"");
+    assert_eq!(
+        vm.request_headers(s, true),
+        Action::Continue,
+        "passed on, as any path"
+    );
+    assert!(Vm::replies(s).is_empty());
+    vm.finish(s);
+}
+
 // ---- 7. shadow mode ------------------------------------------------------------------------
 
 #[test]
