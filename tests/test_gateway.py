@@ -90,7 +90,7 @@ def test_prompt_over_context_is_413_and_reserves_nothing(gateway, upstream):
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == "prompt", err
     assert "8192" in err["message"] and "10 output tokens" in err["message"]
-    assert r.headers["x-kvgate-level"] == "green""
+    assert r.headers["x-kvgate-level"] == "green"
     assert upstream.requests() == []
     assert gw.status()["committed_bytes"] == 0
     assert gw.stats()["kvgate.rejected.context_length_exceeded"] == 1
@@ -292,6 +292,48 @@ def test_only_the_openai_paths_are_routed_and_errors_are_openai_shaped(gateway, 
     s.close()
     assert answer.startswith(b"HTTP/1.1 413"), answer[:100]
     assert b"request_body_too_large" in answer
+    gw.assert_drained()
+
+
+def raw_exchange(port, request):
+    """Send raw bytes and read the answer until the gateway closes or 2 s of silence."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        s.sendall(request)
+        s.settimeout(2)
+        out = b""
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except socket.timeout:
+                break
+            if not chunk:
+                break
+            out += chunk
+        return out
+    finally:
+        s.close()
+
+
+def test_requests_envoy_refuses_as_bad_http_get_openai_style_errors(gateway, upstream):
+    gw = gateway(budget(20_000))
+    upstream.clear()
+    cases = [
+        # Both framings at once (request smuggling's shape).
+        (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+         b"transfer-encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+        # One header past Envoy's 60 KiB default.
+        (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * 100_000 +
+         b"\r\ncontent-length: 2\r\n\r\n{}", 431),
+    ]
+    for request, status in cases:
+        answer = raw_exchange(gw.port, request)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 %d" % status), answer[:300]
+        assert b"content-type: application/json" in head.lower(), head
+        err = json.loads(body)["error"]
+        assert err["code"] == "invalid_request" and err["type"] == "invalid_request_error", err
+    assert upstream.requests() == [], "nothing reached the backend"
     gw.assert_drained()
 
 
