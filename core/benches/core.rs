@@ -387,9 +387,57 @@ fn chat_templates(c: &mut Criterion) {
     g.finish();
 }
 
+/// A hostile chat: about 4 MiB of empty messages, counted on the admission path against an
+/// 8,192-token context, as ChatML and through SmolLM2's template. The vocabulary of
+/// `chat_templates` plus one 128-byte token, as real vocabularies have (r50k's longest is 128
+/// bytes): with only short tokens the messages' bytes alone would prove the chat over.
+fn chat_flood(c: &mut Criterion) {
+    let mut g = c.benchmark_group("chat_140k_empty_messages");
+    let mut ranks: Vec<(Vec<u8>, u32)> = (0..=255u8).map(|b| (vec![b], u32::from(b))).collect();
+    for w in WORDS {
+        for t in [w.to_string(), format!(" {w}")] {
+            let r = ranks.len() as u32;
+            ranks.push((t.into_bytes(), r));
+        }
+    }
+    let r = ranks.len() as u32;
+    ranks.push((vec![b' '; 128], r));
+    let base = CustomBpe {
+        ranks,
+        pattern: GPT2_STYLE_PATTERN.into(),
+        special_tokens: vec![
+            ("<|im_start|>".to_string(), 1000),
+            ("<|im_end|>".to_string(), 1001),
+        ],
+        ..CustomBpe::default()
+    };
+    let jinja = CustomBpe {
+        chat_template: ChatTemplate::Jinja {
+            source: SMOLLM2_TEMPLATE.into(),
+            bos_token: "<|im_start|>".into(),
+            eos_token: "<|im_end|>".into(),
+        },
+        ..base.clone()
+    };
+    let flood: Vec<ChatMessage> = (0..140_000)
+        .map(|_| ChatMessage {
+            role: "user".into(),
+            content: String::new(),
+        })
+        .collect();
+    for (name, spec) in [("chatml", base), ("jinja_smollm2", jinja)] {
+        let counter = TokenCounter::new(&TokenizerSpec::Custom(spec)).expect("tokenizer");
+        g.bench_with_input(BenchmarkId::new(name, "count"), &flood, |b, m| {
+            b.iter(|| counter.count_chat_capped(black_box(m), 8192))
+        });
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
     chat_templates,
+    chat_flood,
     counting,
     transition,
     fleet_admission,

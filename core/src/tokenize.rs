@@ -203,6 +203,10 @@ pub struct TokenCounter {
     template: Option<template::Compiled>,
     add_bos: Option<Rank>,
     name: String,
+    /// The fewest tokens the chat template spends on one message, whatever its content (at
+    /// least 1; measured when the counter is built): a chat with more messages than the limit
+    /// can hold at that price is over without being rendered.
+    min_message_tokens: u64,
 }
 
 /// A part of rendered chat text: ordinary text, or a special token's id.
@@ -290,7 +294,7 @@ impl TokenCounter {
             }
             TokenizerSpec::Builtin(_) => (None, None),
         };
-        Ok(TokenCounter {
+        let mut counter = TokenCounter {
             bpe,
             pieces: PieceCounter::new(ranks, regex),
             specials,
@@ -298,7 +302,59 @@ impl TokenCounter {
             template,
             add_bos,
             name,
-        })
+            min_message_tokens: 1,
+        };
+        counter.min_message_tokens = counter.measure_min_message_tokens();
+        Ok(counter)
+    }
+
+    /// The fewest tokens one more empty message adds to a rendered chat, over every role a
+    /// client may send, appended after a few prefixes (alternating turns, as templates that
+    /// insist on them accept). Renders the template refuses are not measurements. At least 1:
+    /// every chat template marks each message, and a chat with more messages than the context
+    /// has tokens is not a request anyone serves.
+    fn measure_min_message_tokens(&self) -> u64 {
+        let Some(t) = &self.template else {
+            return 1;
+        };
+        let msg = |role: &str| ChatMessage {
+            role: role.to_string(),
+            content: String::new(),
+        };
+        let rendered = |m: &[ChatMessage]| -> Option<u64> {
+            let text = t.render(&self.escape_contents(m)).ok()?;
+            let mut tally = Tally::new(u64::MAX);
+            self.tally_rendered(&text, &mut tally).ok()?;
+            Some(tally.n)
+        };
+        let prefixes: [&[&str]; 4] = [
+            &[],
+            &["user"],
+            &["user", "assistant"],
+            &["system", "user", "assistant"],
+        ];
+        let mut least: Option<u64> = None;
+        for prefix in prefixes {
+            let base: Vec<ChatMessage> = prefix.iter().map(|r| msg(r)).collect();
+            for role in crate::validate::ROLES {
+                let mut one = base.clone();
+                one.push(msg(role));
+                let mut two = one.clone();
+                two.push(msg(role));
+                for (a, b) in [(&base, &one), (&one, &two)] {
+                    if let (Some(x), Some(y)) = (rendered(a), rendered(b)) {
+                        let d = y.saturating_sub(x);
+                        least = Some(least.map_or(d, |l| l.min(d)));
+                    }
+                }
+            }
+        }
+        least.unwrap_or(1).max(1)
+    }
+
+    /// See `min_message_tokens`.
+    pub fn min_message_tokens(&self) -> u64 {
+        self.min_message_tokens
     }
 
     pub fn name(&self) -> &str {
@@ -340,6 +396,12 @@ impl TokenCounter {
                 .saturating_add(m.role.len())
         });
         if self.pieces.surely_over(bytes, limit) {
+            return Capped::Over;
+        }
+        // Many short messages: over by their count alone, before a render that grows with
+        // it (the first and last messages may be rendered specially, so they are not counted).
+        let priced = u64::try_from(messages.len().saturating_sub(2)).unwrap_or(u64::MAX);
+        if priced.saturating_mul(self.min_message_tokens) > limit {
             return Capped::Over;
         }
         let mut tally = Tally::new(limit);
@@ -1079,5 +1141,69 @@ mod tests {
             PromptItem::Text("hello world".into()),
         ]);
         assert_eq!(c.count_input(&input), vec![17, 2]);
+    }
+
+    #[test]
+    fn a_chat_of_many_short_messages_is_over_by_its_count_and_never_wrongly() {
+        // The counter with SmolLM2's Jinja template (the last of `counters()`): rendering grows
+        // with the number of messages, so a 4 MiB body of empty messages must be refused by
+        // their count, before any render.
+        let c = counters().last().unwrap();
+        let per = c.min_message_tokens();
+        assert!(per >= 3, "<|im_start|> role \\n <|im_end|> \\n: {per}");
+        let msg = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        let flood: Vec<ChatMessage> = (0..140_000).map(|_| msg("user", "")).collect();
+        assert_eq!(c.count_chat_capped(&flood, 8192), Capped::Over);
+        // By the count, not by a render: a template that marks only the first four messages
+        // renders 10,000 of them in a few tokens, and the chat is still over 8,192 (at least
+        // one token a message is assumed of every template).
+        let r50k = tiktoken_rs::r50k_base().unwrap();
+        let mut ranks: Vec<(Vec<u8>, Rank)> = ordinary_ranks(&r50k).into_iter().collect();
+        ranks.sort_by_key(|(_, r)| *r);
+        let odd = TokenCounter::new(&TokenizerSpec::Custom(CustomBpe {
+            ranks,
+            pattern: GPT2_STYLE_PATTERN.into(),
+            special_tokens: vec![(IM_START.into(), 50300)],
+            chat_template: ChatTemplate::Jinja {
+                source: "{% for m in messages %}{% if loop.index <= 4 %}<|im_start|>{{ m.role }}{% endif %}{% endfor %}".into(),
+                bos_token: IM_START.into(),
+                eos_token: IM_START.into(),
+            },
+            ..CustomBpe::default()
+        }))
+        .unwrap();
+        assert_eq!(odd.min_message_tokens(), 1);
+        let many: Vec<ChatMessage> = (0..10_000).map(|_| msg("user", "")).collect();
+        assert!(odd.count_chat(&many) < 20, "rendered, it is a few tokens");
+        assert_eq!(odd.count_chat_capped(&many, 8192), Capped::Over);
+        // Never over when the exact count fits: for chats of every size around the bound, the
+        // capped count at exactly the exact count is that count.
+        for n in [1usize, 2, 3, 4, 10, 100, 1_000, 2_000, 2_800] {
+            for roles in [
+                &["user"][..],
+                &["user", "assistant"],
+                &["system", "developer"],
+            ] {
+                let chat: Vec<ChatMessage> =
+                    (0..n).map(|i| msg(roles[i % roles.len()], "")).collect();
+                let exact = c.count_chat(&chat);
+                assert_eq!(
+                    c.count_chat_capped(&chat, exact),
+                    Capped::Within(exact),
+                    "{n} {roles:?}"
+                );
+                let short: Vec<ChatMessage> =
+                    (0..n).map(|i| msg(roles[i % roles.len()], "a")).collect();
+                let exact = c.count_chat(&short);
+                assert_eq!(
+                    c.count_chat_capped(&short, exact),
+                    Capped::Within(exact),
+                    "{n} {roles:?}"
+                );
+            }
+        }
     }
 }

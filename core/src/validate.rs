@@ -66,7 +66,7 @@ const UNSUPPORTED: &[&str] = &[
     "prediction",
 ];
 
-const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
 
 /// Empty-ish values that ask for nothing: `null`, `false`, `0`, `""`, `[]`, `{}`.
 fn asks_nothing(v: &Value) -> bool {
