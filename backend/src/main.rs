@@ -97,8 +97,9 @@ struct Args {
     max_context: usize,
     /// The largest request body accepted, in bytes; a larger one is refused with an
     /// OpenAI-style 413 (`request_body_too_large`). The default is the filter's default
-    /// `max_body_bytes`: keep this at least as large as the filter's.
-    #[arg(long, default_value_t = 4 * 1024 * 1024)]
+    /// `max_body_bytes` plus 64 KiB for what the gateway writes into a body it admits (the
+    /// cap, its note): keep it that much above the filter's.
+    #[arg(long, default_value_t = 4 * 1024 * 1024 + 64 * 1024)]
     max_body_bytes: usize,
     /// A file holding the secret the gateway sends (`x-kvgate-secret`) on admission calls and on
     /// requests that carry a lease. Without it the admission API is open to anyone who can reach

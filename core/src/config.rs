@@ -320,42 +320,74 @@ impl Config {
         self.guarded_paths.iter().any(|g| g == p)
     }
 
-    /// Is `path` the backend's admission API (the shipped `/v1/admission/…`, or the configured
-    /// `backend` paths up to their `{id}`)? Only the gateway calls it, and never through its
-    /// own listener: a client's request for it is refused whatever the routes send where.
-    /// Repeated slashes are merged first, as a permissive router would.
+    /// Is `path` the backend's admission API (the shipped `/v1/admission/…`, or one of the
+    /// configured `backend` paths, `{id}` standing for any non-empty text)? Only the gateway
+    /// calls it, and never through its own listener: a client's request for it is refused
+    /// whatever the routes send where. Compared as a permissive server would route it:
+    /// percent-decoded, repeated slashes merged, `.` and `..` segments resolved, any case.
     pub fn is_internal(&self, path: &str) -> bool {
         if self.guards(path) {
             return false;
         }
         let raw = path.split(['?', '#']).next().unwrap_or(path);
-        let mut p = String::with_capacity(raw.len().min(4096));
-        for c in raw.chars().take(4096) {
-            if !(c == '/' && p.ends_with('/')) {
-                p.push(c);
+        let p = normalize_path(raw);
+        if p == "/v1/admission" || p.starts_with("/v1/admission/") {
+            return true;
+        }
+        let Some(b) = &self.backend else {
+            return false;
+        };
+        [&b.leases_path, &b.cancel_path, &b.demote_path]
+            .iter()
+            .any(|t| template_matches(&normalize_path(t), &p))
+    }
+}
+
+/// `path` percent-decoded, lower-cased, with repeated slashes merged, `.` and `..` segments
+/// resolved and no trailing slash (but the root's).
+fn normalize_path(path: &str) -> String {
+    let bytes = path.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&c) = bytes.get(i) {
+        let hex = |j: usize| bytes.get(j).and_then(|h| (*h as char).to_digit(16));
+        match (c, hex(i + 1), hex(i + 2)) {
+            (b'%', Some(h), Some(l)) => {
+                decoded.push(u8::try_from(h * 16 + l).unwrap_or(b'%'));
+                i += 3;
+            }
+            _ => {
+                decoded.push(c);
+                i += 1;
             }
         }
-        let p = p.to_ascii_lowercase();
-        let prefix = |template: &str| -> String {
-            template
-                .split("{id}")
-                .next()
-                .unwrap_or(template)
-                .to_ascii_lowercase()
-        };
-        let mut internal = vec!["/v1/admission".to_string()];
-        if let Some(b) = &self.backend {
-            internal.extend([
-                prefix(&b.leases_path),
-                prefix(&b.cancel_path),
-                prefix(&b.demote_path),
-            ]);
-        }
-        internal.iter().any(|i| {
-            let i = i.trim_end_matches('/');
-            !i.is_empty() && (p == i || p.starts_with(&format!("{i}/")))
-        })
     }
+    let decoded = String::from_utf8_lossy(&decoded).to_ascii_lowercase();
+    let mut segments: Vec<&str> = Vec::new();
+    for seg in decoded.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    format!("/{}", segments.join("/"))
+}
+
+/// Does normalized `path` match normalized `template`, segment by segment, `{id}` in a segment
+/// standing for any non-empty text?
+fn template_matches(template: &str, path: &str) -> bool {
+    let (t, p): (Vec<&str>, Vec<&str>) = (template.split('/').collect(), path.split('/').collect());
+    template != "/"
+        && t.len() == p.len()
+        && t.iter().zip(&p).all(|(t, p)| match t.split_once("{id}") {
+            None => t == p,
+            Some((before, after)) => {
+                p.len() > before.len() + after.len() && p.starts_with(before) && p.ends_with(after)
+            }
+        })
 }
 
 impl TryFrom<RawConfig> for Config {
@@ -733,13 +765,22 @@ mod tests {
 
     #[test]
     fn the_admission_api_is_internal_however_the_path_is_spelled() {
-        let cfg = Config::from_json(
-            br#"{"model": {"layers": 2, "kv_heads": 1, "head_dim": 8, "kv_dtype_bytes": 2,
-                 "context_tokens": 1024}, "kv_budget_bytes": 1000000,
-                 "backend": {"cluster": "b", "leases_path": "/internal/leases",
-                             "cancel_path": "/internal/leases/{id}/cancel"}}"#,
-        )
-        .unwrap();
+        let with_backend = |backend: &str| {
+            Config::from_json(
+                format!(
+                    r#"{{"model": {{"layers": 2, "kv_heads": 1, "head_dim": 8, "kv_dtype_bytes": 2,
+                       "context_tokens": 1024}}, "kv_budget_bytes": 1000000, "backend": {backend}}}"#
+                )
+                .as_bytes(),
+            )
+            .unwrap()
+        };
+        let cfg = with_backend(
+            r#"{"cluster": "b", "leases_path": "/internal/leases",
+                "cancel_path": "/internal/leases/{id}/cancel",
+                "demote_path": "/admin/lease-{id}/demote"}"#,
+        );
+        let flood = format!("{}v1/admission/leases", "/".repeat(5000));
         for p in [
             "/v1/admission/leases",
             "/v1/admission/leases?since=0",
@@ -747,8 +788,15 @@ mod tests {
             "//v1//admission/leases/7/demote",
             "/V1/Admission/leases",
             "/v1/admission",
+            "/v1/admission%2Fleases",
+            "/v1/%61dmission/leases",
+            "/v1/models/../admission/leases",
+            "/v1/./admission/leases/",
+            flood.as_str(),
             "/internal/leases",
+            "/internal/leases/",
             "/internal/leases/9/cancel",
+            "/admin/lease-7/demote",
         ] {
             assert!(cfg.is_internal(p), "{p}");
         }
@@ -758,20 +806,23 @@ mod tests {
             "/v1/models",
             "/v1/admissions",
             "/internal",
+            "/internal/leases/9",
+            "/admin/lease-/demote",
             "/",
             "",
         ] {
             assert!(!cfg.is_internal(p), "{p}");
         }
-        // A backend path under a guarded one never shadows the guarded path itself.
-        let odd = Config::from_json(
-            br#"{"model": {"layers": 2, "kv_heads": 1, "head_dim": 8, "kv_dtype_bytes": 2,
-                 "context_tokens": 1024}, "kv_budget_bytes": 1000000,
-                 "backend": {"cluster": "b", "cancel_path": "/v1/completions/{id}/cancel"}}"#,
-        )
-        .unwrap();
+        // Templates whose `{id}` leaves a short prefix never shadow other paths, nor a guarded
+        // path itself.
+        let odd = with_backend(
+            r#"{"cluster": "b", "cancel_path": "/v1/completions/{id}/cancel",
+                "demote_path": "/v1/{id}/demote"}"#,
+        );
         assert!(!odd.is_internal("/v1/completions"));
+        assert!(!odd.is_internal("/v1/models"));
         assert!(odd.is_internal("/v1/completions/3/cancel"));
+        assert!(odd.is_internal("/v1/3/demote"));
     }
 
     const MIN: &str = r#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},"kv_budget_bytes":1073741824}"#;

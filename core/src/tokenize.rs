@@ -203,10 +203,11 @@ pub struct TokenCounter {
     template: Option<template::Compiled>,
     add_bos: Option<Rank>,
     name: String,
-    /// The fewest tokens the chat template spends on one message, whatever its content (at
-    /// least 1; measured when the counter is built): a chat with more messages than the limit
-    /// can hold at that price is over without being rendered.
-    min_message_tokens: u64,
+    /// The fewest tokens the chat template spends on one message of each role in
+    /// `validate::ROLES`, whatever its content (measured when the counter is built; 0 where
+    /// it spends none or could not be measured): a chat whose messages cost more than the
+    /// limit at these prices is over without being rendered.
+    min_message_tokens: [u64; crate::validate::ROLES.len()],
 }
 
 /// A part of rendered chat text: ordinary text, or a special token's id.
@@ -302,29 +303,29 @@ impl TokenCounter {
             template,
             add_bos,
             name,
-            min_message_tokens: 1,
+            min_message_tokens: [0; crate::validate::ROLES.len()],
         };
         counter.min_message_tokens = counter.measure_min_message_tokens();
         Ok(counter)
     }
 
-    /// The fewest tokens one more empty message adds to a rendered chat, over every role a
-    /// client may send, appended after a few prefixes (alternating turns, as templates that
-    /// insist on them accept). Renders the template refuses are not measurements. At least 1:
-    /// every chat template marks each message, and a chat with more messages than the context
-    /// has tokens is not a request anyone serves.
-    fn measure_min_message_tokens(&self) -> u64 {
-        let Some(t) = &self.template else {
-            return 1;
-        };
+    /// For each role, the fewest tokens one more empty message of it adds to a chat, appended
+    /// after a few prefixes (alternating turns, as templates that insist on them accept).
+    /// Renders the template refuses are not measurements; a role with none costs 0.
+    fn measure_min_message_tokens(&self) -> [u64; crate::validate::ROLES.len()] {
         let msg = |role: &str| ChatMessage {
             role: role.to_string(),
             content: String::new(),
         };
-        let rendered = |m: &[ChatMessage]| -> Option<u64> {
-            let text = t.render(&self.escape_contents(m)).ok()?;
+        let counted = |m: &[ChatMessage]| -> Option<u64> {
             let mut tally = Tally::new(u64::MAX);
-            self.tally_rendered(&text, &mut tally).ok()?;
+            match &self.template {
+                Some(t) => {
+                    let text = t.render(&self.escape_contents(m)).ok()?;
+                    self.tally_rendered(&text, &mut tally).ok()?;
+                }
+                None => self.tally_chat(m, &mut tally).ok()?,
+            }
             Some(tally.n)
         };
         let prefixes: [&[&str]; 4] = [
@@ -333,28 +334,50 @@ impl TokenCounter {
             &["user", "assistant"],
             &["system", "user", "assistant"],
         ];
-        let mut least: Option<u64> = None;
-        for prefix in prefixes {
-            let base: Vec<ChatMessage> = prefix.iter().map(|r| msg(r)).collect();
-            for role in crate::validate::ROLES {
+        let mut least = [0; crate::validate::ROLES.len()];
+        for (slot, role) in least.iter_mut().zip(crate::validate::ROLES) {
+            let mut fewest: Option<u64> = None;
+            for prefix in prefixes {
+                let base: Vec<ChatMessage> = prefix.iter().map(|r| msg(r)).collect();
                 let mut one = base.clone();
                 one.push(msg(role));
                 let mut two = one.clone();
                 two.push(msg(role));
                 for (a, b) in [(&base, &one), (&one, &two)] {
-                    if let (Some(x), Some(y)) = (rendered(a), rendered(b)) {
+                    if let (Some(x), Some(y)) = (counted(a), counted(b)) {
                         let d = y.saturating_sub(x);
-                        least = Some(least.map_or(d, |l| l.min(d)));
+                        fewest = Some(fewest.map_or(d, |f| f.min(d)));
                     }
                 }
             }
+            *slot = fewest.unwrap_or(0);
         }
-        least.unwrap_or(1).max(1)
+        least
     }
 
-    /// See `min_message_tokens`.
-    pub fn min_message_tokens(&self) -> u64 {
-        self.min_message_tokens
+    /// The fewest tokens one message of `role` adds to a chat (0: none, or not known).
+    pub fn min_message_tokens(&self, role: &str) -> u64 {
+        crate::validate::ROLES
+            .iter()
+            .position(|r| *r == role)
+            .and_then(|i| self.min_message_tokens.get(i).copied())
+            .unwrap_or(0)
+    }
+
+    /// The fewest tokens `messages` can render to: each message at its role's price, but the
+    /// two dearest (the first and last may be rendered specially).
+    fn least_chat_tokens(&self, messages: &[ChatMessage]) -> u64 {
+        let (mut sum, mut top) = (0u64, [0u64; 2]);
+        for m in messages {
+            let t = self.min_message_tokens(&m.role);
+            sum = sum.saturating_add(t);
+            if t > top[0] {
+                top = [t, top[0]];
+            } else if t > top[1] {
+                top[1] = t;
+            }
+        }
+        sum.saturating_sub(top[0]).saturating_sub(top[1])
     }
 
     pub fn name(&self) -> &str {
@@ -398,10 +421,9 @@ impl TokenCounter {
         if self.pieces.surely_over(bytes, limit) {
             return Capped::Over;
         }
-        // Many short messages: over by their count alone, before a render that grows with
-        // it (the first and last messages may be rendered specially, so they are not counted).
-        let priced = u64::try_from(messages.len().saturating_sub(2)).unwrap_or(u64::MAX);
-        if priced.saturating_mul(self.min_message_tokens) > limit {
+        // Many short messages: over by what their roles cost alone, before a render that
+        // grows with their number.
+        if self.least_chat_tokens(messages) > limit {
             return Capped::Over;
         }
         let mut tally = Tally::new(limit);
@@ -1147,19 +1169,26 @@ mod tests {
     fn a_chat_of_many_short_messages_is_over_by_its_count_and_never_wrongly() {
         // The counter with SmolLM2's Jinja template (the last of `counters()`): rendering grows
         // with the number of messages, so a 4 MiB body of empty messages must be refused by
-        // their count, before any render.
+        // what their roles cost, before any render.
         let c = counters().last().unwrap();
-        let per = c.min_message_tokens();
-        assert!(per >= 3, "<|im_start|> role \\n <|im_end|> \\n: {per}");
+        for role in crate::validate::ROLES {
+            // <|im_start|> role \n <|im_end|> \n
+            assert!(
+                c.min_message_tokens(role) >= 3,
+                "{role}: {}",
+                c.min_message_tokens(role)
+            );
+        }
         let msg = |role: &str, content: &str| ChatMessage {
             role: role.into(),
             content: content.into(),
         };
         let flood: Vec<ChatMessage> = (0..140_000).map(|_| msg("user", "")).collect();
+        assert!(c.least_chat_tokens(&flood) > 8192, "over by price alone");
         assert_eq!(c.count_chat_capped(&flood, 8192), Capped::Over);
-        // By the count, not by a render: a template that marks only the first four messages
-        // renders 10,000 of them in a few tokens, and the chat is still over 8,192 (at least
-        // one token a message is assumed of every template).
+        // By that price, not by a render: a template that marks only the first four messages
+        // renders 10,000 of them in a few tokens; it spends nothing on a message in general,
+        // so nothing is refused by count, and the chat is counted as rendered.
         let r50k = tiktoken_rs::r50k_base().unwrap();
         let mut ranks: Vec<(Vec<u8>, Rank)> = ordinary_ranks(&r50k).into_iter().collect();
         ranks.sort_by_key(|(_, r)| *r);
@@ -1175,34 +1204,34 @@ mod tests {
             ..CustomBpe::default()
         }))
         .unwrap();
-        assert_eq!(odd.min_message_tokens(), 1);
+        assert_eq!(odd.min_message_tokens("user"), 0);
         let many: Vec<ChatMessage> = (0..10_000).map(|_| msg("user", "")).collect();
-        assert!(odd.count_chat(&many) < 20, "rendered, it is a few tokens");
-        assert_eq!(odd.count_chat_capped(&many, 8192), Capped::Over);
-        // Never over when the exact count fits: for chats of every size around the bound, the
+        let exact = odd.count_chat(&many);
+        assert!(exact < 20, "rendered, it is a few tokens: {exact}");
+        assert_eq!(odd.count_chat_capped(&many, 8192), Capped::Within(exact));
+        // Never over when the exact count fits: for chats of every size and mix of roles, the
         // capped count at exactly the exact count is that count.
-        for n in [1usize, 2, 3, 4, 10, 100, 1_000, 2_000, 2_800] {
-            for roles in [
-                &["user"][..],
-                &["user", "assistant"],
-                &["system", "developer"],
-            ] {
-                let chat: Vec<ChatMessage> =
-                    (0..n).map(|i| msg(roles[i % roles.len()], "")).collect();
-                let exact = c.count_chat(&chat);
-                assert_eq!(
-                    c.count_chat_capped(&chat, exact),
-                    Capped::Within(exact),
-                    "{n} {roles:?}"
-                );
-                let short: Vec<ChatMessage> =
-                    (0..n).map(|i| msg(roles[i % roles.len()], "a")).collect();
-                let exact = c.count_chat(&short);
-                assert_eq!(
-                    c.count_chat_capped(&short, exact),
-                    Capped::Within(exact),
-                    "{n} {roles:?}"
-                );
+        for counter in counters() {
+            for n in [1usize, 2, 3, 4, 10, 100, 1_000, 2_000] {
+                for roles in [
+                    &["user"][..],
+                    &["user", "assistant"],
+                    &["system", "developer"],
+                    &["developer", "user", "system", "assistant"],
+                ] {
+                    for content in ["", "a", " "] {
+                        let chat: Vec<ChatMessage> = (0..n)
+                            .map(|i| msg(roles[i % roles.len()], content))
+                            .collect();
+                        let exact = counter.count_chat(&chat);
+                        assert_eq!(
+                            counter.count_chat_capped(&chat, exact),
+                            Capped::Within(exact),
+                            "{} {n} {roles:?} {content:?}",
+                            counter.name()
+                        );
+                    }
+                }
             }
         }
     }

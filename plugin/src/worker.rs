@@ -529,12 +529,20 @@ impl Worker {
         self.unreleased.borrow_mut().push((endpoint, lease));
     }
 
-    /// Try the failed releases again; those that fail again stay for the next tick.
+    /// Try the failed releases again; those that lost their races again (or met a failed host
+    /// call) stay for the next tick. A ledger that is missing or unreadable will not take them
+    /// later either: admission has stopped on it, and they are dropped, logged.
     pub fn retry_releases(&self, now: u64) {
         let pending = std::mem::take(&mut *self.unreleased.borrow_mut());
         for (endpoint, lease) in pending {
-            if self.release_lease(&endpoint, lease, now).is_err() {
-                self.unreleased.borrow_mut().push((endpoint, lease));
+            match self.release_lease(&endpoint, lease, now) {
+                Ok(()) => {}
+                Err(store::StoreError::Contended { .. } | store::StoreError::Host(_)) => {
+                    self.unreleased.borrow_mut().push((endpoint, lease));
+                }
+                Err(e) => host::warn(&format!(
+                    "kvgate: release of lease {lease} dropped: {e}; its ledger cannot take it"
+                )),
             }
         }
     }
@@ -624,8 +632,10 @@ impl Worker {
 
     /// A demotion sent for request `ticket`, answered under callout `token`.
     pub fn await_demotion(&self, token: u32, ticket: Rc<Ticket>) {
-        self.demotions.borrow_mut().insert(token, ticket);
-        self.count_demotions();
+        if self.demotions.borrow_mut().insert(token, ticket).is_none() {
+            // Every worker moves the same gauge: added to, never set.
+            self.metrics.demotions_pending.add(1);
+        }
     }
 
     /// The request of stream `context_id` ended: it waits for no demotion any more. The SDK
@@ -634,17 +644,15 @@ impl Worker {
     /// `demotion_answered`: without this, its ticket (and the request body it holds) would
     /// stay here for the life of the VM.
     pub fn forget_demotions(&self, context_id: u32) {
-        self.demotions
-            .borrow_mut()
-            .retain(|_, t| t.context_id != context_id);
-        self.count_demotions();
-    }
-
-    fn count_demotions(&self) {
-        let n = self.demotions.borrow().len();
-        self.metrics
-            .demotions_pending
-            .set(u64::try_from(n).unwrap_or(u64::MAX));
+        let mut d = self.demotions.borrow_mut();
+        let before = d.len();
+        d.retain(|_, t| t.context_id != context_id);
+        let gone = before.saturating_sub(d.len());
+        if gone > 0 {
+            self.metrics
+                .demotions_pending
+                .add_signed(-i64::try_from(gone).unwrap_or(i64::MAX));
+        }
     }
 
     /// A preemption demotion was answered (or failed): when the ticket's last one is in, its
@@ -653,7 +661,7 @@ impl Worker {
         let Some(t) = self.demotions.borrow_mut().remove(&token) else {
             return false;
         };
-        self.count_demotions();
+        self.metrics.demotions_pending.add_signed(-1);
         let status = crate::abi::header(
             proxy_wasm::types::MapType::HttpCallResponseHeaders,
             ":status",
