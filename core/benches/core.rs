@@ -337,25 +337,24 @@ fn ordinary_before_after(c: &mut Criterion) {
 /// SmolLM2-135M-Instruct's GGUF chat template.
 const SMOLLM2_TEMPLATE: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
-/// A chat of about 8k tokens (four turns), counted as ChatML and through a Jinja template, with
-/// the same vocabulary (the 256 bytes, then each word and " word"): what rendering costs.
-fn chat_templates(c: &mut Criterion) {
-    let mut g = c.benchmark_group("chat_8k_tokens");
+/// The chat benchmarks' vocabulary (the 256 bytes, then each word and " word", then `extra`)
+/// with ChatML's special tokens: as ChatML, and with SmolLM2's Jinja template.
+fn chatml_and_smollm2(extra: &[Vec<u8>]) -> [(&'static str, CustomBpe); 2] {
     let mut ranks: Vec<(Vec<u8>, u32)> = (0..=255u8).map(|b| (vec![b], u32::from(b))).collect();
-    for w in WORDS {
-        for t in [w.to_string(), format!(" {w}")] {
-            let r = ranks.len() as u32;
-            ranks.push((t.into_bytes(), r));
-        }
+    let words = WORDS
+        .iter()
+        .flat_map(|w| [w.to_string().into_bytes(), format!(" {w}").into_bytes()]);
+    for t in words.chain(extra.iter().cloned()) {
+        let r = ranks.len() as u32;
+        ranks.push((t, r));
     }
-    let specials = vec![
-        ("<|im_start|>".to_string(), 1000),
-        ("<|im_end|>".to_string(), 1001),
-    ];
     let base = CustomBpe {
         ranks,
         pattern: GPT2_STYLE_PATTERN.into(),
-        special_tokens: specials,
+        special_tokens: vec![
+            ("<|im_start|>".to_string(), 1000),
+            ("<|im_end|>".to_string(), 1001),
+        ],
         ..CustomBpe::default()
     };
     let jinja = CustomBpe {
@@ -366,7 +365,14 @@ fn chat_templates(c: &mut Criterion) {
         },
         ..base.clone()
     };
-    for (name, spec) in [("chatml", base), ("jinja_smollm2", jinja)] {
+    [("chatml", base), ("jinja_smollm2", jinja)]
+}
+
+/// A chat of about 8k tokens (four turns), counted as ChatML and through a Jinja template, with
+/// the same vocabulary (the 256 bytes, then each word and " word"): what rendering costs.
+fn chat_templates(c: &mut Criterion) {
+    let mut g = c.benchmark_group("chat_8k_tokens");
+    for (name, spec) in chatml_and_smollm2(&[]) {
         let counter = TokenCounter::new(&TokenizerSpec::Custom(spec)).expect("tokenizer");
         let turn = text_of_tokens(&counter, 1_250);
         let msgs: Vec<ChatMessage> = ["system", "user", "assistant", "user"]
@@ -393,39 +399,13 @@ fn chat_templates(c: &mut Criterion) {
 /// bytes): with only short tokens the messages' bytes alone would prove the chat over.
 fn chat_flood(c: &mut Criterion) {
     let mut g = c.benchmark_group("chat_140k_empty_messages");
-    let mut ranks: Vec<(Vec<u8>, u32)> = (0..=255u8).map(|b| (vec![b], u32::from(b))).collect();
-    for w in WORDS {
-        for t in [w.to_string(), format!(" {w}")] {
-            let r = ranks.len() as u32;
-            ranks.push((t.into_bytes(), r));
-        }
-    }
-    let r = ranks.len() as u32;
-    ranks.push((vec![b' '; 128], r));
-    let base = CustomBpe {
-        ranks,
-        pattern: GPT2_STYLE_PATTERN.into(),
-        special_tokens: vec![
-            ("<|im_start|>".to_string(), 1000),
-            ("<|im_end|>".to_string(), 1001),
-        ],
-        ..CustomBpe::default()
-    };
-    let jinja = CustomBpe {
-        chat_template: ChatTemplate::Jinja {
-            source: SMOLLM2_TEMPLATE.into(),
-            bos_token: "<|im_start|>".into(),
-            eos_token: "<|im_end|>".into(),
-        },
-        ..base.clone()
-    };
     let flood: Vec<ChatMessage> = (0..140_000)
         .map(|_| ChatMessage {
             role: "user".into(),
             content: String::new(),
         })
         .collect();
-    for (name, spec) in [("chatml", base), ("jinja_smollm2", jinja)] {
+    for (name, spec) in chatml_and_smollm2(&[vec![b' '; 128]]) {
         let counter = TokenCounter::new(&TokenizerSpec::Custom(spec)).expect("tokenizer");
         g.bench_with_input(BenchmarkId::new(name, "count"), &flood, |b, m| {
             b.iter(|| counter.count_chat_capped(black_box(m), 8192))
