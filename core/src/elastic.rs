@@ -194,7 +194,7 @@ impl OutputLengths {
             if let Some(old) = self.recent.pop_front() {
                 if let Ok(i) = self.sorted.binary_search(&old) {
                     self.sorted.remove(i);
-                    self.censored -= usize::from(old.1);
+                    self.censored = self.censored.saturating_sub(usize::from(old.1));
                 }
             }
         }
