@@ -423,6 +423,8 @@ def test_bad_requests_get_openai_errors_and_allocate_nothing(backend):
         (json.dumps({"model": "gpt-9", "prompt": "x"}).encode(), 404, "model"),
         (json.dumps({"model": MODEL, "prompt": [1] * 8192}).encode(), 400, "prompt"),
         (json.dumps({"model": MODEL, "prompt": [1] * 100, "max_tokens": 8100}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": [1] * 100, "max_tokens": 2**64 - 1}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": MODEL, "prompt": "x", "stop": ["y" * 1025]}).encode(), 400, "stop"),
         (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "n"),
         (json.dumps({"model": MODEL, "prompt": [99999999]}).encode(), 400, "prompt"),
         (json.dumps({"model": MODEL, "prompt": "x", "temperature": 9}).encode(), 400, "temperature"),
@@ -460,6 +462,23 @@ def test_a_body_up_to_the_filters_default_limit_is_served_and_a_larger_one_refus
     err = r.json()["error"]
     assert err["code"] == "request_body_too_large" and err["type"] == "invalid_request_error", err
     assert "--max-body-bytes" in err["message"]
+    b.wait_pool_empty()
+
+
+def test_a_prompt_of_a_million_spaces_is_refused_and_the_backend_lives_on(backend):
+    # The exact encoder (tiktoken-rs) panics on a whitespace run of about a million characters
+    # (its regex gives up), which would end the process; the capped count comes first.
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES)
+    for body in [{"model": MODEL, "prompt": " " * 1_100_000 + "x", "max_tokens": 1},
+                 {"model": MODEL, "messages": [{"role": "user", "content": " " * 1_100_000 + "x"}]}]:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = requests.post(b.url + path, json=body, timeout=60)
+        assert r.status_code == 400, r.text[:200]
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        assert requests.get(b.url + "/health", timeout=5).text == "ok"
+    r = requests.post(b.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
     b.wait_pool_empty()
 
 

@@ -309,6 +309,24 @@ fn validate(
     };
     // The same checks the gateway runs before reserving (kvgate-core's validator).
     let sampling = kvgate_core::validate(&req, &obj, &st.served())?;
+    let context = st.spec.context_tokens;
+    // Counted first, capped at the context, as the gateway counts: a prompt surely past the
+    // context is refused before the exact encoder runs. (On a run of about a million
+    // whitespace characters tiktoken-rs's encoder panics, which would end this process; the
+    // capped count takes each byte after such a run as a token, so it is over any context
+    // this server serves.)
+    if st
+        .tok
+        .counter
+        .count_input_capped(&req.input, context)
+        .is_err()
+    {
+        return Err(
+            kvgate_core::cap::prompt_over_context(req.requested_cap(), context)
+                .with_status(400)
+                .with_param(req.prompt_field()),
+        );
+    }
     let prompt: Vec<u32> = match &req.input {
         Input::Chat(messages) => st.tok.counter.encode_chat(messages).map_err(|e| {
             ApiError::invalid(
@@ -337,7 +355,6 @@ fn validate(
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "The prompt is empty."));
     }
-    let context = st.spec.context_tokens;
     let p = prompt.len() as u64;
     let cap = effective_output_cap(req.requested_cap(), p, context)
         .map_err(|e| e.with_status(400).with_param(req.prompt_field()))?;
@@ -353,7 +370,7 @@ fn validate(
             format!(
                 "This model's maximum context length is {context} tokens. However, you requested {} tokens \
                  ({p} in the prompt, {asked} for the completion). Please reduce the prompt or the completion length.",
-                p + asked
+                p.saturating_add(asked)
             ),
         )
         .with_param(field)

@@ -68,6 +68,9 @@ const UNSUPPORTED: &[&str] = &[
 
 pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
 
+/// The longest stop string accepted, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+
 /// Empty-ish values that ask for nothing: `null`, `false`, `0`, `""`, `[]`, `{}`.
 fn asks_nothing(v: &Value) -> bool {
     match v {
@@ -202,6 +205,14 @@ pub fn validate(
             ))
         }
     };
+    // The server looks for every stop string in the output after every token: their length is
+    // work per token for the whole batch.
+    if stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("Each stop string must be at most {MAX_STOP_BYTES} bytes."),
+        ));
+    }
     let include_usage = match obj.get("stream_options") {
         None | Some(Value::Null) => false,
         Some(Value::Object(o)) => match o.get("include_usage") {
@@ -376,6 +387,13 @@ mod tests {
                 "{body}"
             );
         }
+        // A stop string past the limit (searched for after every token); one at it is served.
+        let stop = |n: usize| format!(r#"{{"prompt":"hi","stop":["{}"]}}"#, "y".repeat(n));
+        assert_eq!(
+            refused(Endpoint::Completions, &stop(MAX_STOP_BYTES + 1)),
+            (400, "stop".to_string())
+        );
+        assert!(check(Endpoint::Completions, &stop(MAX_STOP_BYTES)).is_ok());
     }
 
     #[test]
