@@ -299,6 +299,23 @@ def test_bf16_weights_and_kv_answer_and_price_half_the_bytes(backend):
     b.wait_pool_empty()
 
 
+def test_a_lease_the_engine_refuses_for_room_is_reported_refused_once(backend):
+    b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES, "--step-delay-ms", "50")
+    r1 = requests.post(b.url + "/v1/completions", headers=b.gateway_headers(x_kvgate_lease="F1"), stream=True,
+                       timeout=120, json={"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 900,
+                                          "temperature": 0, "stream": True})
+    assert r1.status_code == 200
+    cursor = b.leases()["cursor"]
+    r2 = requests.post(b.url + "/v1/completions", headers=b.gateway_headers(x_kvgate_lease="F2"), timeout=30,
+                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 300})
+    assert r2.status_code == 429 and r2.json()["error"]["code"] == "kv_capacity_exceeded", r2.text
+    finished = b.leases(since=cursor)["finished"]
+    assert [(f["id"], f["reason"]) for f in finished] == [("F2", "refused")]
+    r1.close()
+    state = b.wait_pool_empty()
+    assert [f["reason"] for f in state["finished"] if f["id"] == "F2"] == ["refused"], "reported once"
+
+
 def test_leases_are_acknowledged_at_arrival_single_use_and_refusals_are_reported(backend):
     b = backend("--kv-cache-bytes", 64 * BLOCK_BYTES, "--step-delay-ms", "100")
     cursor = b.leases()["cursor"]

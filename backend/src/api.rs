@@ -500,13 +500,15 @@ async fn generate(
         params: v.params,
         events: tx,
     });
-    let id = match (submitted, rx.recv().await) {
-        (true, Some(Event::Admitted { id })) => {
-            if let Some(a) = arrival.as_mut() {
-                a.engine_took_it = true;
-            }
-            id
+    if submitted {
+        // From here the engine reports how the lease ends (refused, cancelled when this
+        // handler is dropped, or finished), even if this handler is dropped before the answer.
+        if let Some(a) = arrival.as_mut() {
+            a.engine_took_it = true;
         }
+    }
+    let id = match (submitted, rx.recv().await) {
+        (true, Some(Event::Admitted { id })) => id,
         (_, Some(Event::Rejected(e))) => return HttpError(e).into_response(),
         _ => {
             return HttpError(ApiError::new(

@@ -377,6 +377,21 @@ impl<M: Forward> Engine<M> {
             .with_extra("need_bytes", need)
             .with_extra("free_bytes", free)
             .with_retry_after_ms(1000);
+            // The engine took the request, so it reports the outcome: the HTTP layer records
+            // nothing for a request it submitted (its handler may be gone by now).
+            if let Some(lease) = &s.lease {
+                self.published
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .record_finished(
+                        lease,
+                        FinishReason::Refused,
+                        0,
+                        0,
+                        s.class.clone(),
+                        s.gateway_prompt_tokens,
+                    );
+            }
             let _ = s.events.send(Event::Rejected(err));
             return;
         };
