@@ -296,6 +296,8 @@ pub struct Config {
     pub mode: Mode,
     pub gateway_id: Option<u16>,
     pub backend: Option<BackendCallout>,
+    /// The configured `backend` paths, normalized once (`normalize_path`) for `is_internal`.
+    pub internal_templates: Vec<String>,
     /// What the backend serves (from its descriptor): requests it would refuse are refused here,
     /// before anything is reserved. Unknown until the descriptor arrives.
     pub served: crate::validate::Served,
@@ -331,15 +333,12 @@ impl Config {
         }
         let raw = path.split(['?', '#']).next().unwrap_or(path);
         let p = normalize_path(raw);
-        if p == "/v1/admission" || p.starts_with("/v1/admission/") {
-            return true;
-        }
-        let Some(b) = &self.backend else {
-            return false;
-        };
-        [&b.leases_path, &b.cancel_path, &b.demote_path]
-            .iter()
-            .any(|t| template_matches(&normalize_path(t), &p))
+        p == "/v1/admission"
+            || p.starts_with("/v1/admission/")
+            || self
+                .internal_templates
+                .iter()
+                .any(|t| template_matches(t, &p))
     }
 }
 
@@ -630,6 +629,12 @@ impl TryFrom<RawConfig> for Config {
             backfill: raw.fair_retry_backfill && raw.mode != Mode::Shadow,
             mode: raw.mode,
             gateway_id: raw.gateway_id,
+            internal_templates: raw.backend.as_ref().map_or_else(Vec::new, |b| {
+                [&b.leases_path, &b.cancel_path, &b.demote_path]
+                    .iter()
+                    .map(|t| normalize_path(t))
+                    .collect()
+            }),
             backend: raw.backend,
             served: crate::validate::Served::default(),
         })

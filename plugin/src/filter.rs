@@ -391,14 +391,14 @@ impl HttpContext for Filter {
             return self.serve_status(&rt);
         }
         Self::strip_spoofed_headers(&rt);
-        if rt.cfg.is_internal(&path) {
-            // The backend's admission API is the gateway's own (its callouts do not pass
-            // through this listener): refused here whatever the routes would do with it, in
-            // shadow mode too.
-            let e = ApiError::new(ErrorKind::NotFound, "Unknown path.");
-            return self.reject(&rt, &e);
-        }
         if !rt.cfg.guards(&path) {
+            if rt.cfg.is_internal(&path) {
+                // The backend's admission API is the gateway's own (its callouts do not pass
+                // through this listener): refused here whatever the routes would do with it,
+                // in shadow mode too. Guarded paths, the hot path, never pay for the check.
+                let e = ApiError::new(ErrorKind::NotFound, "Unknown path.");
+                return self.reject(&rt, &e);
+            }
             return Action::Continue;
         }
         let Some(endpoint) = Endpoint::from_path(&path) else {
