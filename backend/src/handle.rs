@@ -123,19 +123,6 @@ impl EngineHandle {
         self.pool.stats()
     }
 
-    /// The pool as the lease report carries it: what the allocator holds, plus the blocks
-    /// promised to sequences that have not taken them yet (`--lazy-blocks`), as used.
-    ///
-    /// Blocks the allocator took after the leases were published (a sequence growing in the
-    /// step running now) are not counted until the next publish, with the lease that took
-    /// them: counted now, they would be use no lease in the report holds, which the gateway
-    /// holds back past that lease's end, until its next poll. Blocks given back since count
-    /// at once.
-    pub fn pool_report(&self) -> PoolStats {
-        let p = self.published.lock().unwrap_or_else(|e| e.into_inner());
-        self.pool_as_published(&p)
-    }
-
     /// The lease report's pool, leases, leases finished after cursor `since`, and the cursor,
     /// all from one publish: read under one lock, so a report never pairs the pool of one step
     /// with the leases of another.
@@ -149,9 +136,17 @@ impl EngineHandle {
         (pool, leases, finished, cursor)
     }
 
-    /// `pool_report` from published state `p`, read with its lock held. The allocator is read
-    /// under that lock too: `publish` reads it under the same lock, so the two agree on which
-    /// blocks had been taken when `p` was written.
+    /// The pool as the lease report carries it, from published state `p` (read with its lock
+    /// held): what the allocator holds, plus the blocks promised to sequences that have not
+    /// taken them yet (`--lazy-blocks`), as used. The allocator is read under that lock too:
+    /// `publish` reads it under the same lock, so the two agree on which blocks had been taken
+    /// when `p` was written.
+    ///
+    /// Blocks the allocator took after the leases were published (a sequence growing in the
+    /// step running now) are not counted until the next publish, with the lease that took
+    /// them: counted now, they would be use no lease in the report holds, which the gateway
+    /// holds back past that lease's end, until its next poll. Blocks given back since count
+    /// at once.
     fn pool_as_published(&self, p: &Published) -> PoolStats {
         let (promised, allocated) = (p.promised_bytes, p.allocated_bytes);
         let s = self.pool.stats();

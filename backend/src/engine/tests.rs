@@ -1502,22 +1502,22 @@ fn the_lease_report_counts_a_block_taken_after_the_leases_were_published_only_on
     let _ = grow_until(&mut e, &mut a, 2);
     let (tx, _rx) = std::sync::mpsc::channel();
     let h = EngineHandle::new(tx, e.published.clone(), e.pool.clone(), e.metrics.clone());
-    let before = h.pool_report();
+    let before = h.lease_report(0).0;
     let block = e.pool.block_bytes;
     let mut taken = e.pool.allocate(1).unwrap();
-    let mid = h.pool_report();
+    let mid = h.lease_report(0).0;
     assert_eq!(
         (mid.used_bytes, mid.free_bytes, mid.blocks_free),
         (before.used_bytes, before.free_bytes, before.blocks_free),
         "not counted before the next publish"
     );
     e.publish();
-    let published = h.pool_report();
+    let published = h.lease_report(0).0;
     assert_eq!(published.used_bytes, before.used_bytes + block);
     assert_eq!(published.blocks_free + 1, before.blocks_free);
     // Given back before the next publish: counted at once.
     taken.release();
-    assert_eq!(h.pool_report().used_bytes, before.used_bytes);
+    assert_eq!(h.lease_report(0).0.used_bytes, before.used_bytes);
     e.publish();
-    assert_eq!(h.pool_report().used_bytes, before.used_bytes);
+    assert_eq!(h.lease_report(0).0.used_bytes, before.used_bytes);
 }
