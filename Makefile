@@ -18,7 +18,7 @@ WASM      := target/wasm32-wasip1/wasm/kvgate_plugin.wasm
 PYTEST_PAR ?= -n 2
 WASI_RUN  := node --no-warnings --no-incremental-marking $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: bench-llama-cpp backend-test-build bench-prefill bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv setup-bench test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: bench-llama-cpp backend-test-build bench-prefill bench-stop bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv setup-bench test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -205,6 +205,10 @@ $(LLAMA_VENV)/.ok:
 bench-llama-cpp: model $(LLAMA_VENV)/.ok
 	cargo build --release -p kvgate-backend --example decode_bench
 	$(LLAMA_VENV)/bin/python bench/llama_cpp_bench.py
+
+# One sequence's stop-string search: new text only vs the whole text after every token.
+bench-stop:
+	cargo run --release -p kvgate-backend --example stop_bench
 
 # A 4k-token prompt prefilled whole vs in chunks: peak extra memory against the stated bound,
 # and how long running streams pause while it is prefilled (issue 12).

@@ -259,10 +259,23 @@ impl TextStream {
     }
 
     /// Append a token's bytes; true once the text holds a stop string (generation ends there).
+    ///
+    /// Only the new text and the held-back tail before it are searched: a stop string that
+    /// was not in the text before this token must end in what it added, so it starts at most
+    /// `hold` bytes before. A sequence's search costs its output's length, not its square.
     pub fn push(&mut self, bytes: &[u8]) -> bool {
+        let before = self.detok.text.len();
         self.detok.push(bytes);
         if self.stop_at.is_none() {
-            self.stop_at = find_stop(&self.detok.text, &self.stops);
+            let text = &self.detok.text;
+            let mut from = before.saturating_sub(self.hold);
+            while !text.is_char_boundary(from) {
+                from -= 1;
+            }
+            self.stop_at = text
+                .get(from..)
+                .and_then(|tail| find_stop(tail, &self.stops))
+                .map(|at| from + at);
         }
         self.stop_at.is_some()
     }
@@ -530,6 +543,29 @@ mod tests {
         assert_eq!(out.concat(), "abcEN");
         let (out, _) = stream(&[], &["a", "b"]);
         assert_eq!(out, vec!["a", "b"], "no stop strings: nothing held back");
+    }
+
+    proptest::proptest! {
+        /// The search of the new text alone finds the stop the whole text's search finds,
+        /// however the text is cut into tokens (multi-byte characters and stops included).
+        #[test]
+        fn searching_only_the_new_text_finds_the_first_stop(
+            text in "[ab€X]{0,60}",
+            sizes in proptest::collection::vec(0usize..7, 1..40),
+            stops in proptest::collection::vec("[ab€X]{1,3}", 0..4),
+        ) {
+            let mut t = TextStream::new(&stops);
+            let mut rest = text.as_bytes();
+            for n in sizes.iter().cycle().take(text.len() + sizes.len()) {
+                let (token, after) = rest.split_at((*n).min(rest.len()));
+                rest = after;
+                let stopped = t.push(token);
+                proptest::prop_assert_eq!(t.stop_at, find_stop(&t.detok.text, &stops));
+                if stopped || rest.is_empty() {
+                    break;
+                }
+            }
+        }
     }
 
     #[test]
