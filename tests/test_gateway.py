@@ -79,7 +79,9 @@ def test_chat_cap_field_is_rewritten(gateway, upstream):
     prompt = 8192 - cap
     # ChatML framing is counted: more than the bare question's 7 cl100k tokens.
     assert 10 < prompt < 40
-    assert "max_tokens" not in seen["body"]
+    # And in max_tokens, the field every server reads (one that ignores max_completion_tokens
+    # would otherwise run to its context).
+    assert seen["body"]["max_tokens"] == cap
     gw.assert_drained()
 
 

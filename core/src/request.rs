@@ -210,20 +210,16 @@ impl GatewayNote {
 }
 
 /// Write the effective cap into the body so the backend cannot generate past the reservation.
-/// Every cap field the client sent is set to `cap`; when none was sent, `max_tokens` is added
-/// (understood by OpenAI-compatible servers for both endpoints).
+/// `max_tokens` is always set to `cap`: it is the one cap field every OpenAI-compatible server
+/// reads, on both endpoints (the legacy completions API has no other), so a server that ignores
+/// `max_completion_tokens` and runs an unset `max_tokens` to its context (llama.cpp's default)
+/// still stops at the cap. A `max_completion_tokens` the client sent is set to `cap` too.
 pub fn write_cap(obj: &mut Map<String, Value>, cap: u64) -> Vec<u8> {
-    let mut wrote = false;
-    for field in ["max_tokens", "max_completion_tokens"] {
-        if let Some(v) = obj.get_mut(field) {
-            if !v.is_null() {
-                *v = Value::from(cap);
-                wrote = true;
-            }
+    obj.insert("max_tokens".into(), Value::from(cap));
+    if let Some(v) = obj.get_mut("max_completion_tokens") {
+        if !v.is_null() {
+            *v = Value::from(cap);
         }
-    }
-    if !wrote {
-        obj.insert("max_tokens".into(), Value::from(cap));
     }
     serde_json::to_vec(obj).unwrap_or_default()
 }
@@ -529,7 +525,10 @@ mod tests {
         .unwrap();
         let body: Value = serde_json::from_slice(&write_cap(&mut obj, 100)).unwrap();
         assert_eq!(body["max_completion_tokens"], 100);
-        assert!(body.get("max_tokens").is_none());
+        assert_eq!(
+            body["max_tokens"], 100,
+            "the field every server reads, always"
+        );
         let (_, mut obj) = parse_request(
             Endpoint::Completions,
             br#"{"prompt":"x","max_tokens":null}"#,
@@ -537,6 +536,19 @@ mod tests {
         .unwrap();
         let body: Value = serde_json::from_slice(&write_cap(&mut obj, 42)).unwrap();
         assert_eq!(body["max_tokens"], 42);
+        assert!(body.get("max_completion_tokens").is_none());
+        // The legacy completions API has no `max_completion_tokens`: a server that does not read
+        // it gets the cap in `max_tokens`.
+        let (_, mut obj) = parse_request(
+            Endpoint::Completions,
+            br#"{"prompt":"x","max_completion_tokens":16}"#,
+        )
+        .unwrap();
+        let body: Value = serde_json::from_slice(&write_cap(&mut obj, 16)).unwrap();
+        assert_eq!(
+            (&body["max_tokens"], &body["max_completion_tokens"]),
+            (&16.into(), &16.into())
+        );
     }
 
     #[test]

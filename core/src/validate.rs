@@ -64,6 +64,11 @@ const UNSUPPORTED: &[&str] = &[
     "audio",
     "modalities",
     "prediction",
+    // vLLM's extensions that change the rendered prompt: neither served here nor priceable by
+    // a gateway in front of a server that takes them.
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
 ];
 
 pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
@@ -71,16 +76,27 @@ pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
 /// The longest stop string accepted, in bytes.
 pub const MAX_STOP_BYTES: usize = 1024;
 
-/// Empty-ish values that ask for nothing: `null`, `false`, `0`, `""`, `[]`, `{}`.
-fn asks_nothing(v: &Value) -> bool {
-    match v {
-        Value::Null => true,
-        Value::Bool(b) => !b,
-        Value::Number(n) => n.as_f64() == Some(0.0),
-        Value::String(s) => s.is_empty(),
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.is_empty(),
-    }
+/// Values of `field` that ask for nothing: `null`, `false`, `0`, `""`, `[]`, `{}`, and the
+/// defaults spelled out (`response_format: {"type": "text"}`, `modalities: ["text"]`).
+fn asks_nothing(field: &str, v: &Value) -> bool {
+    let default = match field {
+        "response_format" => v
+            .as_object()
+            .is_some_and(|o| o.len() == 1 && o.get("type").and_then(Value::as_str) == Some("text")),
+        "modalities" => v
+            .as_array()
+            .is_some_and(|a| a.iter().all(|m| m.as_str() == Some("text"))),
+        _ => false,
+    };
+    default
+        || match v {
+            Value::Null => true,
+            Value::Bool(b) => !b,
+            Value::Number(n) => n.as_f64() == Some(0.0),
+            Value::String(s) => s.is_empty(),
+            Value::Array(a) => a.is_empty(),
+            Value::Object(o) => o.is_empty(),
+        }
 }
 
 /// Check a parsed request against what is served. `obj` is the request's JSON object.
@@ -90,7 +106,7 @@ pub fn validate(
     served: &Served,
 ) -> Result<Sampling, ApiError> {
     for field in UNSUPPORTED {
-        if obj.get(*field).is_some_and(|v| !asks_nothing(v)) {
+        if obj.get(*field).is_some_and(|v| !asks_nothing(field, v)) {
             return Err(ApiError::invalid(
                 field,
                 format!("'{field}' is not supported by this server."),
@@ -375,6 +391,30 @@ mod tests {
             ),
             (
                 ChatCompletions,
+                r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}}"#,
+                400,
+                "response_format",
+            ),
+            (
+                ChatCompletions,
+                r#"{"messages":[{"role":"user","content":"x"}],"modalities":["text","audio"]}"#,
+                400,
+                "modalities",
+            ),
+            (
+                ChatCompletions,
+                r#"{"messages":[{"role":"user","content":"x"}],"documents":[{"text":"long"}]}"#,
+                400,
+                "documents",
+            ),
+            (
+                ChatCompletions,
+                r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"a":1}}"#,
+                400,
+                "chat_template_kwargs",
+            ),
+            (
+                ChatCompletions,
                 r#"{"messages":[{"role":"alien","content":"x"}]}"#,
                 400,
                 "messages[0].role",
@@ -402,7 +442,8 @@ mod tests {
             Endpoint::ChatCompletions,
             r#"{"model":"m","messages":[{"role":"system","content":"be brief"},{"role":"user","content":"x"}],
                 "temperature":0,"top_p":0.5,"seed":-3,"stop":["\n"],"stream_options":{"include_usage":true},
-                "tools":[],"logprobs":false,"presence_penalty":0,"user":"u1"}"#,
+                "tools":[],"logprobs":false,"presence_penalty":0,"user":"u1",
+                "response_format":{"type":"text"},"modalities":["text"]}"#,
         )
         .unwrap();
         assert_eq!((s.temperature, s.top_p), (0.0, 0.5));
