@@ -70,6 +70,19 @@ def test_chat_through_the_gateway_prices_exactly_and_frees_everything(stack):
     assert b.metrics()["kvgate_backend_requests_total"] == 1
 
 
+def test_a_chat_without_a_cap_is_served_when_the_pool_holds_the_whole_context(stack):
+    # The shipped inline configuration counts with cl100k and ChatML; SmolLM2's own template adds
+    # a default system prompt, so the backend counts the chat higher. An unset cap written as the
+    # gateway's context - prompt was over the backend's context: a 400 for a plain chat.
+    gw, b = stack(580)  # 9,280 tokens of KV, 0.9 of them usable: the whole 8,192-token context fits
+    r = requests.post(gw.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    assert int(r.headers["x-kvgate-max-tokens"]) > 8100, "priced at the rest of the context"
+    drained(gw, b)
+
+
 def test_status_tracks_the_backend_while_a_stream_runs(stack):
     gw, b = stack(64)
     t, res = long_stream(gw, 300)

@@ -94,6 +94,13 @@ pub struct Price {
     pub reserved_tokens: u64,
     /// Bytes reserved: tokens × per-token price + scratch margin.
     pub bytes: u64,
+    /// The client set no cap, the request has one prompt, and the cap is what the model's whole
+    /// context leaves after it: each sequence is reserved the whole context, which the server's
+    /// own context bounds, so the cap need not be written into the body. Written, it would be
+    /// the context less the gateway's count, which a server whose count of the same prompt is
+    /// higher (a configured tokenizer only approximates the model's, and a chat template may
+    /// add a system prompt) refuses as over its context.
+    pub cap_from_context: bool,
 }
 
 /// Price a request whose prompts have the given token counts, asking for `requested` output
@@ -133,6 +140,9 @@ pub fn price_request(
         .reservation_bytes(reserved_tokens)
         .ok_or_else(too_large)?;
     Ok(Price {
+        cap_from_context: requested.is_none()
+            && prompt_tokens.len() == 1
+            && context == pricing.spec.context_tokens,
         cap,
         prompt_tokens: prompt_tokens.iter().fold(0u64, |a, p| a.saturating_add(*p)),
         sequences: (prompt_tokens.len() as u64).saturating_mul(choices),
@@ -200,6 +210,36 @@ mod tests {
         assert_eq!(d.status, 413);
         assert_eq!(d.kind.code(), "context_length_exceeded");
         assert!(d.message.contains("8192"));
+    }
+
+    #[test]
+    fn only_an_unset_cap_the_whole_context_bounds_is_left_to_the_server() {
+        let p = pricing(8192, 0);
+        // One prompt, no cap, a budget that holds the context: every sequence is reserved the
+        // whole context, so the server's own context bounds it.
+        assert!(price_request(&p, &[200], None, 2).unwrap().cap_from_context);
+        // A cap the client set, clamped or not, is written.
+        assert!(
+            !price_request(&p, &[200], Some(100), 1)
+                .unwrap()
+                .cap_from_context
+        );
+        assert!(
+            !price_request(&p, &[200], Some(100_000), 1)
+                .unwrap()
+                .cap_from_context
+        );
+        // Several prompts share the cap the longest leaves: a shorter one would run past it.
+        assert!(
+            !price_request(&p, &[200, 10], None, 1)
+                .unwrap()
+                .cap_from_context
+        );
+        // A budget smaller than the context: the unset cap is what the budget holds, below
+        // what the server's context would let it reach.
+        let small = Pricing::new(p.spec, 4096 * 46_080, 1.0, 0).unwrap();
+        let c = price_request(&small, &[200], None, 1).unwrap();
+        assert_eq!((c.cap.cap, c.cap_from_context), (3896, false));
     }
 
     #[test]

@@ -214,11 +214,14 @@ impl GatewayNote {
 /// reads, on both endpoints (the legacy completions API has no other), so a server that ignores
 /// `max_completion_tokens` and runs an unset `max_tokens` to its context (llama.cpp's default)
 /// still stops at the cap. A `max_completion_tokens` the client sent is set to `cap` too.
-pub fn write_cap(obj: &mut Map<String, Value>, cap: u64) -> Vec<u8> {
-    obj.insert("max_tokens".into(), Value::from(cap));
-    if let Some(v) = obj.get_mut("max_completion_tokens") {
-        if !v.is_null() {
-            *v = Value::from(cap);
+/// `None` leaves the body's cap fields as they are (see [`crate::cap::Price::cap_from_context`]).
+pub fn write_cap(obj: &mut Map<String, Value>, cap: Option<u64>) -> Vec<u8> {
+    if let Some(cap) = cap {
+        obj.insert("max_tokens".into(), Value::from(cap));
+        if let Some(v) = obj.get_mut("max_completion_tokens") {
+            if !v.is_null() {
+                *v = Value::from(cap);
+            }
         }
     }
     serde_json::to_vec(obj).unwrap_or_default()
@@ -523,7 +526,7 @@ mod tests {
             br#"{"messages":[{"role":"user","content":"x"}],"max_completion_tokens":9000}"#,
         )
         .unwrap();
-        let body: Value = serde_json::from_slice(&write_cap(&mut obj, 100)).unwrap();
+        let body: Value = serde_json::from_slice(&write_cap(&mut obj, Some(100))).unwrap();
         assert_eq!(body["max_completion_tokens"], 100);
         assert_eq!(
             body["max_tokens"], 100,
@@ -534,7 +537,7 @@ mod tests {
             br#"{"prompt":"x","max_tokens":null}"#,
         )
         .unwrap();
-        let body: Value = serde_json::from_slice(&write_cap(&mut obj, 42)).unwrap();
+        let body: Value = serde_json::from_slice(&write_cap(&mut obj, Some(42))).unwrap();
         assert_eq!(body["max_tokens"], 42);
         assert!(body.get("max_completion_tokens").is_none());
         // The legacy completions API has no `max_completion_tokens`: a server that does not read
@@ -544,7 +547,7 @@ mod tests {
             br#"{"prompt":"x","max_completion_tokens":16}"#,
         )
         .unwrap();
-        let body: Value = serde_json::from_slice(&write_cap(&mut obj, 16)).unwrap();
+        let body: Value = serde_json::from_slice(&write_cap(&mut obj, Some(16))).unwrap();
         assert_eq!(
             (&body["max_tokens"], &body["max_completion_tokens"]),
             (&16.into(), &16.into())
@@ -563,7 +566,7 @@ mod tests {
             prompt_tokens: 7,
         };
         note.write(&mut obj);
-        let body = write_cap(&mut obj, 100);
+        let body = write_cap(&mut obj, Some(100));
         let (_, mut back) = parse_request(Endpoint::Completions, &body).unwrap();
         assert_eq!(GatewayNote::take(&mut back).unwrap(), Some(note));
         assert!(back.get(GATEWAY_FIELD).is_none(), "taken out of the body");

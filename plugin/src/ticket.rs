@@ -316,7 +316,10 @@ impl Ticket {
                         }
                         .write(&mut body);
                     }
-                    write_cap(&mut body, cap)
+                    // An unset cap the whole context bounds is left to the server, unless a
+                    // degrade lowered it.
+                    let from_context = priced.price.cap_from_context && degraded_from.is_none();
+                    write_cap(&mut body, (!from_context).then_some(cap))
                 };
                 let routed = match &endpoint.address {
                     // Envoy's override_host balancer picks this host (header_mutation copies the

@@ -25,13 +25,15 @@ fn an_admitted_request_is_rewritten_reserved_under_this_worker_and_released_at_i
     assert_eq!(ledger().committed(), 0, "the ledger is seeded empty");
     assert_eq!(testhost::with(|h| h.tick_period_ms), 100);
 
-    // No max_tokens: the cap is the rest of the context, and it is written into the body.
+    // No max_tokens: the cap is the rest of the context, reserved whole. The server's own
+    // context bounds it, so none is written (a server that counts the prompt higher would
+    // refuse the gateway's context - prompt as over its context).
     let (s, action) = vm.post("/v1/completions", &[], &completion(200, None));
     assert_eq!(action, Action::Continue, "admitted: the body goes on");
     assert!(Vm::replies(s).is_empty());
     let cap = CONTEXT - 200;
     let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
-    assert_eq!(forwarded["max_tokens"], cap);
+    assert!(forwarded.get("max_tokens").is_none(), "{forwarded}");
     assert_eq!(forwarded["prompt"].as_array().unwrap().len(), 200);
     assert_eq!(
         Vm::request_header(s, "content-length"),
@@ -317,6 +319,34 @@ fn a_degrade_class_is_admitted_with_the_cap_that_fits() {
     );
     vm.finish(s);
     assert_eq!(ledger().committed(), 600 * PER_TOKEN);
+}
+
+#[test]
+fn an_unset_cap_is_written_when_a_degrade_lowers_it_and_left_to_the_server_otherwise() {
+    let mut vm = start(
+        CONTEXT + 1_000,
+        json!({"policy": {"default_class": "batch", "classes": {
+            "batch": {"action": "degrade", "min_output_tokens": 64, "priority": 0}}}}),
+    );
+    let (a, _) = vm.post("/v1/completions", &[], &completion(100, None));
+    let forwarded: Value = serde_json::from_slice(&Vm::body(a)).unwrap();
+    assert!(
+        forwarded.get("max_tokens").is_none(),
+        "reserved the whole context"
+    );
+    assert_eq!(ledger().committed(), CONTEXT * PER_TOKEN);
+    // 1,000 tokens left: the next unset cap is lowered to 900, and the server must be told.
+    let (b, _) = vm.post("/v1/completions", &[], &completion(100, None));
+    let forwarded: Value = serde_json::from_slice(&Vm::body(b)).unwrap();
+    assert_eq!(forwarded["max_tokens"], 900);
+    vm.respond(b);
+    assert_eq!(
+        Vm::response_header(b, "x-kvgate-degraded"),
+        Some(format!("max_tokens={}->900", CONTEXT - 100))
+    );
+    vm.finish(a);
+    vm.finish(b);
+    assert_eq!(ledger().committed(), 0);
 }
 
 #[test]
