@@ -69,7 +69,7 @@ def validate(path):
 def test_compose_gateways_validate_with_their_mounts(tmp_path, wasm):
     for gateway, filter_config in (("gateway.yaml", "kvgate-filter.yaml"), ("fleet.yaml", "fleet-filter.yaml")):
         text = (ROOT / "envoy/compose" / gateway).read_text()
-        text = text.replace(f"/etc/kvgate/{filter_config}", str(ROOT / "envoy/compose" / filter_config))
+        text = text.replace(f"/etc/kvgate/conf/{filter_config}", str(ROOT / "envoy/compose" / filter_config))
         cfg = tmp_path / gateway
         cfg.write_text(text)
         validate(cfg)
@@ -98,6 +98,13 @@ def test_istio_resources_are_well_formed():
     for f in ("envoy/istio/wasmplugin.yaml", "envoy/istio/fleet-wasmplugin.yaml"):
         plugin = yaml.safe_load((ROOT / f).read_text())
         assert plugin["kind"] == "WasmPlugin" and plugin["spec"]["failStrategy"] == "FAIL_CLOSE", f
+        cfg = plugin["spec"]["pluginConfig"]
+        assert cfg["model"] == "from_backend", "priced with the backend's own tokenizer and template"
+        # A sample applied as it is must not let a client pick its class with a header.
+        assert not cfg["policy"].get("class_header_trusted", False), f
+        assert cfg["max_body_bytes"] <= 1 << 20, "within Envoy's default per-connection buffer"
+    sidecar = yaml.safe_load((ROOT / "envoy/istio/wasmplugin.yaml").read_text())["spec"]
+    assert sidecar["match"] == [{"mode": "SERVER"}], "inbound only: outbound calls have no buffer filter"
     buf = yaml.safe_load((ROOT / "envoy/istio/buffer-envoyfilter.yaml").read_text())
     patch = buf["configPatches"][0] if "configPatches" in buf else buf["spec"]["configPatches"][0]
     assert patch["patch"]["value"]["name"] == "envoy.filters.http.buffer"
@@ -145,3 +152,16 @@ def test_docker_compose_file_is_valid():
     assert doc["services"]["backend"]["build"]["dockerfile"] == "backend/Dockerfile.cuda"
     assert doc["services"]["backend-cpu"]["build"]["dockerfile"] == "backend/Dockerfile"
     assert Path(ROOT / "backend/Dockerfile.cuda").exists() and Path(ROOT / "backend/Dockerfile").exists()
+    services = doc["services"]
+    # Every backend takes the secret the gateways' callouts carry: its admission API answers no one else.
+    secrets = {services[b]["environment"]["KVGATE_ADMISSION_SECRET"]
+               for b in ("backend", "backend-b", "backend-cpu", "backend-cpu-b")}
+    for f in ("envoy/compose/kvgate-filter.yaml", "envoy/compose/fleet-filter.yaml"):
+        assert {plugin_json(f)["backend"]["secret"]} == secrets, f
+        assert plugin_json(f)["model"] == "from_backend", "priced with the backend's own tokenizer and template"
+    # The filter configs are edited live by renaming a new file over the old one: the gateway
+    # must mount their directory (a file mounted on its own keeps its old inode in the container).
+    for gw, conf in (("gateway", "gateway.yaml"), ("gateway-fleet", "fleet.yaml")):
+        mounts = dict(v.rsplit(":", 2)[:2] for v in services[gw]["volumes"])
+        assert mounts["./envoy/compose"] == "/etc/kvgate/conf", mounts
+        assert f"/etc/kvgate/conf/{conf}" in services[gw]["command"]
