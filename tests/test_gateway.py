@@ -275,6 +275,24 @@ def test_a_stream_that_outlives_its_lease_ttl_keeps_its_reservation_until_it_end
     assert "reaped lease" not in gw.logs()
 
 
+def test_a_backend_silent_past_the_routes_idle_timeout_gets_an_openai_504(gateway, upstream):
+    # Envoy answers the route's idle timeout itself (504 "stream timeout", flag SI, not UT): the
+    # shipped bootstrap maps it to JSON as it does the route's overall timeout.
+    boot = shipped_bootstrap()
+    routes = http_connection_manager(boot)["route_config"]["virtual_hosts"][0]["routes"]
+    for r in routes:
+        if "idle_timeout" in r.get("route", {}):
+            r["route"]["idle_timeout"] = "1s"
+    gw = gateway(budget(20_000), bootstrap=boot)
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(10), "max_tokens": 10},
+                      headers={"x-mock-mode": "hang", "x-mock-hang-s": "4"}, timeout=30)
+    assert r.status_code == 504, r.text
+    assert r.headers["content-type"] == "application/json"
+    err = r.json()["error"]
+    assert err["code"] == "backend_timeout" and err["type"] == "server_error", err
+    gw.assert_drained()
+
+
 def test_only_the_openai_paths_are_routed_and_errors_are_openai_shaped(gateway, upstream):
     gw = gateway(budget(20_000))
     upstream.clear()
