@@ -48,7 +48,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = KvLayout::Auto)]
     kv_layout: KvLayout,
     /// Type of the projection weights and of the paged KV arena. `auto`: bf16 on CUDA, f32 on
-    /// CPU (Q4_1 and half-precision weights drift on CPU; see shared/FACTS.md). On CPU, `bf16`
+    /// CPU (Q4_1 and half-precision weights drift into wrong text on CPU). On CPU, `bf16`
     /// halves the bytes a decode step reads (about 1.8× one stream's tok/s, BENCHMARKS.md) at
     /// the cost of that drift; f16 falls back to a slow path there. The host KV layout is always
     /// f32. The KV type sets `kv_dtype_bytes` in the descriptor, so the gateway

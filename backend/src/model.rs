@@ -5,7 +5,7 @@
 //! embeddings, norms, projections and the MLP run on a `[batch, hidden]` matrix, so the weights are
 //! read once per step whatever the batch; only attention, whose length differs per sequence, runs
 //! per sequence. Weights are loaded from GGUF and dequantized to f32 (the Q4_1 weights as shipped
-//! drift into wrong text; see shared/FACTS.md).
+//! drift into wrong text when computed in them on CPU, measured when this backend was written).
 //!
 //! Forward passes are CPU/GPU bound and must never run on the async executor: the engine thread
 //! owns the model.

@@ -62,7 +62,7 @@ pub struct CustomBpe {
 }
 
 /// The pre-tokenizer pattern of GPT-2-style byte-level BPE as used by SmolLM2 / many Llama-family
-/// models (verified against the reference tokenizer on 2.1 M tokens; see shared/FACTS.md).
+/// models (verified against the reference tokenizer on 2.1 M tokens when it was written).
 pub const GPT2_STYLE_PATTERN: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+";
 
