@@ -120,6 +120,8 @@ impl Filter {
                     "free_bytes": ledger.free(), "held_back_bytes": ledger.held_back(),
                     "lendable_bytes": ledger.lendable(),
                     "foreign_bytes": h.foreign_bytes, "foreign_leases": h.foreign_leases,
+                    "drift_bytes": i64::try_from(h.drift_bytes).unwrap_or(i64::MAX),
+                    "unseen_bytes": h.unseen_bytes, "unseen_leases": h.unseen_leases,
                     "live_leases": ledger.leases().len(),
                     "level": e.level(&ledger, &rt.cfg).as_str(),
                     "backend_used_bytes": h.used_bytes, "consecutive_failures": h.failures,

@@ -5,7 +5,9 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use kvgate_core::config::Config;
-use kvgate_core::reconcile::{drift, reconcile, BackendReport, Descriptor, ProgressTracker};
+use kvgate_core::reconcile::{
+    reconcile, unexplained_drift, BackendReport, Descriptor, ProgressTracker,
+};
 use kvgate_core::spec::usable_capacity;
 use kvgate_core::store::{self, StoreError};
 use kvgate_core::{ApiError, ErrorKind, Ledger, Pricing, TokenCounter};
@@ -474,17 +476,24 @@ impl Root {
     /// The fleet-wide backend gauges, from every endpoint's health.
     fn observe_backends(&self, rt: &Runtime) {
         let (mut up, mut used, mut drift) = (false, 0u64, 0u64);
+        let (mut unseen_leases, mut unseen_bytes) = (0u64, 0u64);
         for e in self.worker.endpoints() {
             let h = e.health();
             up |= !h.down();
             used = used.saturating_add(h.used_bytes);
             drift = drift
                 .saturating_add(u64::try_from(h.drift_bytes.unsigned_abs()).unwrap_or(u64::MAX));
+            unseen_leases = unseen_leases.saturating_add(h.unseen_leases);
+            unseen_bytes = unseen_bytes.saturating_add(h.unseen_bytes);
         }
+        // Totals over every endpoint, from each one's last poll: one endpoint's poll does not
+        // hide what another's found.
         let m = &self.worker.metrics;
         m.backend_up.set(u64::from(up));
         m.backend_used_bytes.set(used);
         m.drift_bytes.set(drift);
+        m.unseen_leases.set(unseen_leases);
+        m.unseen_bytes.set(unseen_bytes);
         m.observe(&self.worker, &rt.cfg);
     }
 
@@ -579,14 +588,10 @@ impl Root {
             .metrics
             .released_by_backend
             .add(rec.released.len() as u64);
-        self.worker
-            .metrics
-            .unseen_leases
-            .set(rec.unseen.len() as u64);
-        self.worker.metrics.unseen_bytes.set(rec.unseen_bytes());
-        // Elastic sequences grown past their reservations hold more than the ledger counts:
-        // expected (and held back from admission), not drift.
-        let d = drift(&ledger, &report) + i128::from(rec.grown_bytes);
+        // Elastic sequences grown past their reservations hold more than the ledger counts,
+        // and other gateways' leases are their ledgers': expected (and held back from
+        // admission), not drift.
+        let d = unexplained_drift(&ledger, &report, &rec);
         e.grown.set(rec.grown_bytes);
         // An older backend in reserve mode reads elastic reservations only from a header this
         // gateway no longer sends: worst case in front of it.
@@ -619,6 +624,7 @@ impl Root {
             drift_bytes: d,
             last_ok_ms: now,
             unseen_bytes: rec.unseen_bytes(),
+            unseen_leases: rec.unseen.len() as u64,
             foreign_bytes: rec.foreign_bytes,
             foreign_leases: rec.foreign_leases as u64,
         });

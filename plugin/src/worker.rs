@@ -43,6 +43,8 @@ pub struct BackendHealth {
     pub last_ok_ms: u64,
     /// Bytes of ledger leases the backend did not know past the grace period (drift).
     pub unseen_bytes: u64,
+    /// How many such leases.
+    pub unseen_leases: u64,
     /// Bytes the backend holds for leases this gateway does not own.
     pub foreign_bytes: u64,
     pub foreign_leases: u64,
@@ -50,7 +52,7 @@ pub struct BackendHealth {
 
 impl BackendHealth {
     fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(72);
+        let mut v = Vec::with_capacity(80);
         v.push(u8::from(self.polled));
         v.push(u8::from(self.up));
         v.extend_from_slice(&self.failures.to_le_bytes());
@@ -63,6 +65,7 @@ impl BackendHealth {
         v.extend_from_slice(&self.foreign_leases.to_le_bytes());
         v.push(u8::from(self.full));
         v.push(u8::from(self.mismatch));
+        v.extend_from_slice(&self.unseen_leases.to_le_bytes());
         v
     }
 
@@ -81,6 +84,8 @@ impl BackendHealth {
             foreign_leases: u64_at(62)?,
             full: *b.get(70)? != 0,
             mismatch: *b.get(71)? != 0,
+            // Absent from what an older filter wrote.
+            unseen_leases: u64_at(72).unwrap_or(0),
         })
     }
 

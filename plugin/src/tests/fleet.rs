@@ -579,3 +579,66 @@ fn an_endpoint_another_worker_marked_down_is_not_chosen_before_this_workers_tick
     vm.finish(s);
     assert_eq!(ledger_at(A).committed() + ledger_at(B).committed(), 0);
 }
+
+#[test]
+fn drift_totals_every_endpoint_and_another_gateways_leases_are_not_drift() {
+    let mut vm = start(10_000, fleet(&[A, B], json!({"drift_warn_bytes": 1})));
+    let (s, action) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(action, Action::Continue);
+    let (mine, other) = match routed_to(s).as_deref() {
+        Some(A) => (A, B),
+        _ => (B, A),
+    };
+    let lease = lease_of(s);
+    let held = 200 * PER_TOKEN;
+    // Another gateway (the next number) holds 3,000 tokens at the other endpoint; this
+    // gateway's lease is never reported where it was sent. Answer this gateway's endpoint
+    // first, so the other endpoint's poll comes last in every round.
+    let peer = (((lease >> 43) + 1) << 43) | 7;
+    let peers = 3_000 * PER_TOKEN;
+    for _ in 0..5 {
+        let before = Vm::calls().len();
+        vm.advance_ms(300);
+        vm.tick();
+        let mut calls: Vec<_> = Vm::calls().into_iter().skip(before).collect();
+        calls.retain(|c| {
+            c.header(":path")
+                .unwrap_or_default()
+                .starts_with("/v1/admission/leases")
+        });
+        calls.sort_by_key(|c| c.header("x-kvgate-endpoint").unwrap_or_default() != mine);
+        for call in calls {
+            let body = if call.header("x-kvgate-endpoint").unwrap_or_default() == mine {
+                report(0, json!([]))
+            } else {
+                let leases = json!([{"id": peer.to_string(), "reserved_bytes": peers}]);
+                report(peers, leases)
+            };
+            vm.answer_call(call.token, 200, &body);
+        }
+    }
+    // Past the 1 s grace: the lease is unseen at its endpoint, whatever the other one said.
+    assert_eq!(Vm::metric("kvgate.unseen_leases"), 1);
+    assert_eq!(Vm::metric("kvgate.unseen_bytes"), held as i64);
+    // The drift is this gateway's reservation the backend does not hold, and nothing at the
+    // other endpoint: the other gateway's reservation is its own ledger's.
+    assert_eq!(Vm::metric("kvgate.drift_bytes"), held as i64);
+    let st = vm.open("GET", "/kvgate/status", &[], b"");
+    vm.request_headers(st, true);
+    let doc = Vm::replies(st)[0].json();
+    let entry = |a: &str| {
+        doc["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["address"] == a)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(entry(mine)["unseen_leases"], 1);
+    assert_eq!(entry(mine)["drift_bytes"], held);
+    assert_eq!(entry(other)["drift_bytes"], 0);
+    assert_eq!(entry(other)["level"], "green", "{doc}");
+    vm.finish(s);
+    assert_eq!(ledger_at(A).committed() + ledger_at(B).committed(), 0);
+}
