@@ -54,6 +54,9 @@ pub struct View {
     pub leases: u64,
     /// Bytes claims set aside there (as last decoded; a peek keeps the last value).
     pub claimed: u64,
+    /// Claims (places in the fair-retry line) there, holding bytes or not (as last decoded; a
+    /// peek keeps the last value).
+    pub claims: u64,
 }
 
 impl View {
@@ -64,6 +67,7 @@ impl View {
         self.held_back = ledger.held_back();
         self.leases = ledger.leases().len() as u64;
         self.claimed = ledger.claimed();
+        self.claims = ledger.claims().len() as u64;
     }
 
     /// Take a [`peek`] (eligibility stays).
@@ -71,6 +75,7 @@ impl View {
         *self = View {
             eligible: self.eligible,
             claimed: self.claimed,
+            claims: self.claims,
             ..*p
         };
     }
@@ -97,6 +102,7 @@ pub fn peek(bytes: &[u8]) -> Option<View> {
         held_back,
         leases: u64::from(leases),
         claimed: 0,
+        claims: 0,
     })
 }
 
@@ -184,9 +190,11 @@ pub fn admit<S: SharedStore + ?Sized, T>(
             }
             if let Some(out) = out {
                 // Admitted away from its home, where a claim of an earlier refusal may still
-                // set bytes aside for it: give them back now rather than at its expiry.
+                // be in line: drop it now rather than at its expiry. Whether or not it holds
+                // bytes yet: an active claim at the front of the line would take the next bytes
+                // freed there and hold them, idle, for a request already served.
                 if let (Some(h), Some(k)) = (home.filter(|h| *h != index), claim_key) {
-                    if views.get(h).is_some_and(|v| v.claimed > 0) {
+                    if views.get(h).is_some_and(|v| v.claims > 0) {
                         if let Ok((_, l)) =
                             store::transact(store, &key(h), attempts, |l| l.drop_claim(k))
                         {
@@ -363,6 +371,60 @@ mod tests {
         assert_eq!(home(&v, 5000, 1), None);
         // Too large for all: the largest answers (it says "too large", not "full").
         assert_eq!(fallback(&v, 5000), Some(0));
+    }
+
+    #[test]
+    fn an_admission_away_from_home_drops_its_claim_there_even_one_holding_nothing() {
+        let (s, mut v) = fleet(&[1000, 1000]);
+        let cfg = RetryAfterConfig::default();
+        for (e, id) in [("e0", 50), ("e1", 51)] {
+            store::transact(&s, e, 4, |l| l.try_admit(&req(id, 900), &cfg, 0)).unwrap();
+        }
+        let key = 2; // home: e0
+        assert_eq!(home(&v, 300, key), Some(0));
+        let with_claim = AdmitRequest {
+            claim: Some(crate::ledger::ClaimTicket {
+                key,
+                patience_ms: 60_000,
+                run_ms: 0,
+                max_line_permille: 0,
+            }),
+            ..req(1, 300)
+        };
+        let mut try_once = |s: &MemoryStore, v: &mut [View]| {
+            let admitted = |l: &mut Ledger| {
+                matches!(
+                    l.try_admit(&with_claim, &cfg, 0),
+                    AdmitOutcome::Admitted { .. }
+                )
+            };
+            let placed = admit(
+                s,
+                |i| format!("e{i}"),
+                v,
+                300,
+                Choice::MostRoom,
+                Some(key),
+                8,
+                |l| (l.free() >= 300 && admitted(l)).then_some(true),
+                admitted,
+            )
+            .unwrap();
+            match placed {
+                Placed::At { index, out, .. } => (index, out),
+                Placed::Nowhere => panic!("no endpoint"),
+            }
+        };
+        // Refused at home (nothing is free anywhere): its claim is there, holding nothing.
+        assert_eq!(try_once(&s, &mut v), (0, false));
+        let l0 = store::read(&s, "e0").unwrap();
+        assert_eq!((l0.claims().len(), l0.claimed()), (1, 0));
+        // e1 frees room first: the request is admitted there, and leaves no place in e0's line
+        // to take e0's next freed bytes for a request already served.
+        store::transact(&s, "e1", 4, |l| Some(l.release(51, 0))).unwrap();
+        v[1].observe(&store::read(&s, "e1").unwrap()); // the next tick's view
+        assert_eq!(try_once(&s, &mut v), (1, true));
+        assert!(store::read(&s, "e0").unwrap().claims().is_empty());
     }
 
     #[test]
