@@ -391,7 +391,7 @@ mod tests {
             }),
             ..req(1, 300)
         };
-        let mut try_once = |s: &MemoryStore, v: &mut [View]| {
+        let try_once = |s: &MemoryStore, v: &mut [View]| {
             let admitted = |l: &mut Ledger| {
                 matches!(
                     l.try_admit(&with_claim, &cfg, 0),
