@@ -20,6 +20,13 @@ use crate::host::{self, EnvoyStore, Metric};
 use crate::ticket::Ticket;
 use crate::{CAS_ATTEMPTS, LEDGER_KEY};
 
+thread_local! {
+    /// Leases whose release failed (every compare-and-swap lost, or a host error), released
+    /// again at every tick until the ledger takes them. One list per VM (a wasm VM is one
+    /// thread), shared by its root contexts: see [`Worker::release_later`].
+    static UNRELEASED: RefCell<Vec<(Rc<Endpoint>, u64)>> = const { RefCell::new(Vec::new()) };
+}
+
 /// What a request needs from the configuration; replaced whole on reconfiguration.
 pub struct Runtime {
     pub cfg: Config,
@@ -292,9 +299,6 @@ pub struct Worker {
     /// worker is gone, until their ledger is empty.
     retired: RefCell<Vec<Rc<Endpoint>>>,
     lease_seed: u64,
-    /// Leases whose release failed (every compare-and-swap lost, or a host error): released
-    /// again at every tick until the ledger takes them.
-    unreleased: RefCell<Vec<(Rc<Endpoint>, u64)>>,
     /// This gateway's number (configured, or drawn once per Envoy in shared data).
     gateway: Cell<u16>,
     lease_counter: Cell<u64>,
@@ -356,7 +360,6 @@ impl Worker {
             queue: RefCell::new(AdmissionQueue::default()),
             demotions: RefCell::new(HashMap::new()),
             lease_seed: h.finish(),
-            unreleased: RefCell::new(Vec::new()),
             lease_counter: Cell::new(0),
             endpoints: RefCell::new(Vec::new()),
             retired: RefCell::new(Vec::new()),
@@ -529,21 +532,24 @@ impl Worker {
         Ok(())
     }
 
-    /// A release that failed: tried again at every tick (`retry_releases`).
+    /// A release that failed: tried again at every tick (`retry_releases`), by whichever root
+    /// context of this VM ticks: a configuration update starts a new root context beside this
+    /// one, and this one is gone once its last stream ends, while its leases' owner (the VM)
+    /// keeps its heartbeat, so the reaper would never take them.
     pub fn release_later(&self, endpoint: Rc<Endpoint>, lease: u64) {
-        self.unreleased.borrow_mut().push((endpoint, lease));
+        UNRELEASED.with(|u| u.borrow_mut().push((endpoint, lease)));
     }
 
     /// Try the failed releases again; those that lost their races again (or met a failed host
     /// call) stay for the next tick. A ledger that is missing or unreadable will not take them
     /// later either: admission has stopped on it, and they are dropped, logged.
     pub fn retry_releases(&self, now: u64) {
-        let pending = std::mem::take(&mut *self.unreleased.borrow_mut());
+        let pending = UNRELEASED.with(|u| std::mem::take(&mut *u.borrow_mut()));
         for (endpoint, lease) in pending {
             match self.release_lease(&endpoint, lease, now) {
                 Ok(()) => {}
                 Err(store::StoreError::Contended { .. } | store::StoreError::Host(_)) => {
-                    self.unreleased.borrow_mut().push((endpoint, lease));
+                    self.release_later(endpoint, lease);
                 }
                 Err(e) => host::warn(&format!(
                     "kvgate: release of lease {lease} dropped: {e}; its ledger cannot take it"

@@ -89,6 +89,35 @@ impl Vm {
         unsafe { proxy_on_configure(self.root, config.len()) }
     }
 
+    /// A configuration update as Envoy applies it to a running VM: a new root context beside
+    /// the old one, configured with `config`. Streams opened from now on belong to it; those
+    /// already open keep theirs. Returns the old root's id (for `retire_root`) and what
+    /// `on_configure` answered.
+    pub fn new_root(&mut self, config: &str) -> (u32, bool) {
+        let old = self.root;
+        let root = self.next_context;
+        self.next_context += 1;
+        self.root = root;
+        with(|h| {
+            h.live.insert(root);
+        });
+        self.enter(root);
+        unsafe { proxy_on_context_create(root, 0) };
+        (old, self.reconfigure(config))
+    }
+
+    /// The end of an old root context, once its last stream is done.
+    pub fn retire_root(&self, root: u32) {
+        self.enter(root);
+        unsafe {
+            proxy_on_done(root);
+            proxy_on_delete(root);
+        }
+        with(|h| {
+            h.live.remove(&root);
+        });
+    }
+
     fn enter(&self, context: u32) {
         with(|h| {
             h.effective = context;

@@ -202,6 +202,25 @@ fn a_release_that_loses_every_cas_race_is_retried_at_the_next_tick() {
 }
 
 #[test]
+fn a_failed_release_outlives_the_root_context_of_its_configuration() {
+    // A configuration update starts a new root context beside the old one; the old one is
+    // gone once its last stream ends. The lease's owner (this VM) keeps its heartbeat through
+    // the new root, so only a retry from the new root can release it.
+    let mut vm = start(20_000, json!({}));
+    let (s, action) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(action, Action::Continue);
+    let (old, ok) = vm.new_root(&config(20_000, json!({"tick_ms": 100})));
+    assert!(ok);
+    testhost::with(|h| h.inject_cas_mismatches = crate::CAS_ATTEMPTS);
+    vm.finish(s);
+    assert_eq!(ledger().committed(), 200 * PER_TOKEN, "every attempt lost");
+    vm.retire_root(old);
+    vm.tick();
+    assert_eq!(ledger().committed(), 0, "released by the new root's tick");
+    assert!(ledger().leases().is_empty());
+}
+
+#[test]
 fn a_stream_cut_short_is_cancelled_at_the_backend_and_released() {
     let mut vm = start(20_000, json!({"backend": {"cluster": "kvgate_backend"}}));
     let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
