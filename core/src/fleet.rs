@@ -123,18 +123,18 @@ fn room(views: &[View], i: usize) -> u64 {
     views.get(i).map_or(0, |v| v.room)
 }
 
-/// The endpoint a request's claim lives on: its key over the eligible endpoints that could hold
-/// it at all (capacity ≥ `need`).
+/// The endpoint a request's claim lives on: among the eligible endpoints that could hold it at
+/// all (capacity ≥ `need`), the one whose hash with its key is highest (rendezvous hashing). A
+/// home moves only when that endpoint itself drops out: another endpoint marked full or down
+/// for a poll leaves every other request's place in line where it was.
 pub fn home(views: &[View], need: u64, claim_key: u64) -> Option<usize> {
-    let able: Vec<usize> = (0..views.len())
+    (0..views.len())
         .filter(|&i| {
             views
                 .get(i)
                 .is_some_and(|v| v.eligible && v.capacity >= need)
         })
-        .collect();
-    let n = u64::try_from(able.len()).ok().filter(|n| *n > 0)?;
-    able.get(usize::try_from(claim_key % n).ok()?).copied()
+        .max_by_key(|&i| crate::retry::splitmix64(claim_key ^ crate::retry::splitmix64(i as u64)))
 }
 
 /// The policy pass's endpoint when the request has no home: the most room among the eligible
@@ -363,11 +363,32 @@ mod tests {
         ];
         v[1].capacity = 10;
         v[2].eligible = false;
-        let homes: Vec<_> = (0..6).map(|k| home(&v, 500, k)).collect();
-        assert_eq!(
-            homes,
-            [Some(0), Some(3), Some(0), Some(3), Some(0), Some(3)]
-        );
+        for k in 0..1000 {
+            assert!(
+                matches!(home(&v, 500, k), Some(0 | 3)),
+                "eligible and able to hold it"
+            );
+        }
+        let homes: Vec<_> = (0..1000).map(|k| home(&v, 500, k)).collect();
+        let on = |e| homes.iter().filter(|h| **h == Some(e)).count();
+        assert!(on(0) > 400 && on(3) > 400, "spread: {} / {}", on(0), on(3));
+        // Endpoint 3 drops out: only its requests move; endpoint 0's keep their home.
+        v[3].eligible = false;
+        for (k, before) in homes.iter().enumerate() {
+            assert_eq!(home(&v, 500, k as u64), Some(0), "key {k} (was {before:?})");
+        }
+        v[3].eligible = true;
+        // A new endpoint that joins takes only requests from the others, never moves them
+        // between the others.
+        v[2].eligible = true;
+        for (k, before) in homes.iter().enumerate() {
+            let now = home(&v, 500, k as u64);
+            assert!(
+                now == *before || now == Some(2),
+                "key {k}: {before:?} -> {now:?}"
+            );
+        }
+        v[2].eligible = false;
         assert_eq!(home(&v, 5000, 1), None);
         // Too large for all: the largest answers (it says "too large", not "full").
         assert_eq!(fallback(&v, 5000), Some(0));
@@ -380,8 +401,7 @@ mod tests {
         for (e, id) in [("e0", 50), ("e1", 51)] {
             store::transact(&s, e, 4, |l| l.try_admit(&req(id, 900), &cfg, 0)).unwrap();
         }
-        let key = 2; // home: e0
-        assert_eq!(home(&v, 300, key), Some(0));
+        let key = (0..).find(|k| home(&v, 300, *k) == Some(0)).unwrap();
         let with_claim = AdmitRequest {
             claim: Some(crate::ledger::ClaimTicket {
                 key,
