@@ -96,10 +96,11 @@ pub struct Price {
     pub bytes: u64,
     /// The client set no cap, the request has one prompt, and the cap is what the model's whole
     /// context leaves after it: each sequence is reserved the whole context, which the server's
-    /// own context bounds, so the cap need not be written into the body. Written, it would be
-    /// the context less the gateway's count, which a server whose count of the same prompt is
-    /// higher (a configured tokenizer only approximates the model's, and a chat template may
-    /// add a system prompt) refuses as over its context.
+    /// own context bounds (if it is not longer than the one priced), so the cap need not be
+    /// written into the body. Written, it would be the context less the gateway's count, which
+    /// a server whose count of the same prompt is higher (a configured tokenizer only
+    /// approximates the model's, and a chat template may add a system prompt) refuses as over
+    /// its context. The filter leaves it out only where its count is such an approximation.
     pub cap_from_context: bool,
 }
 

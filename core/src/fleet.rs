@@ -57,6 +57,9 @@ pub struct View {
     /// Claims (places in the fair-retry line) there, holding bytes or not (as last decoded; a
     /// peek keeps the last value).
     pub claims: u64,
+    /// A stable name of the endpoint (e.g. a hash of its address) that [`home`] hashes, so a
+    /// home does not move when the list's order does; 0: its index in the list.
+    pub key: u64,
 }
 
 impl View {
@@ -76,6 +79,7 @@ impl View {
             eligible: self.eligible,
             claimed: self.claimed,
             claims: self.claims,
+            key: self.key,
             ..*p
         };
     }
@@ -103,6 +107,7 @@ pub fn peek(bytes: &[u8]) -> Option<View> {
         leases: u64::from(leases),
         claimed: 0,
         claims: 0,
+        key: 0,
     })
 }
 
@@ -126,15 +131,24 @@ fn room(views: &[View], i: usize) -> u64 {
 /// The endpoint a request's claim lives on: among the eligible endpoints that could hold it at
 /// all (capacity ≥ `need`), the one whose hash with its key is highest (rendezvous hashing). A
 /// home moves only when that endpoint itself drops out: another endpoint marked full or down
-/// for a poll leaves every other request's place in line where it was.
+/// for a poll, or a list that gains, loses or reorders endpoints (named by [`View::key`]),
+/// leaves every other request's place in line where it was.
 pub fn home(views: &[View], need: u64, claim_key: u64) -> Option<usize> {
+    use crate::retry::splitmix64;
+    let name = |i: usize| views.get(i).map_or(0, |v| v.key);
     (0..views.len())
         .filter(|&i| {
             views
                 .get(i)
                 .is_some_and(|v| v.eligible && v.capacity >= need)
         })
-        .max_by_key(|&i| crate::retry::splitmix64(claim_key ^ crate::retry::splitmix64(i as u64)))
+        .max_by_key(|&i| {
+            let key = match name(i) {
+                0 => i as u64,
+                k => k,
+            };
+            splitmix64(claim_key ^ splitmix64(key))
+        })
 }
 
 /// The policy pass's endpoint when the request has no home: the most room among the eligible
@@ -363,6 +377,15 @@ mod tests {
         ];
         v[1].capacity = 10;
         v[2].eligible = false;
+        // Named endpoints keep their homes when the list is reordered.
+        for (i, x) in v.iter_mut().enumerate() {
+            x.key = 100 + i as u64;
+        }
+        let named: Vec<_> = (0..1000).map(|k| home(&v, 500, k)).collect();
+        v.reverse();
+        for (k, before) in named.iter().enumerate() {
+            assert_eq!(home(&v, 500, k as u64).map(|i| 3 - i), *before, "key {k}");
+        }
         for k in 0..1000 {
             assert!(
                 matches!(home(&v, 500, k), Some(0 | 3)),

@@ -93,7 +93,7 @@ fn rewrite(
     validated: &[bool],
     f: &Fixture,
 ) {
-    let body = write_cap(&mut obj, cap);
+    let body = write_cap(&mut obj, Some(cap));
     let (again, obj2) = match parse_request(endpoint, &body) {
         Ok(r) => r,
         Err(e) => panic!(

@@ -147,7 +147,14 @@ impl Endpoint {
             tokens_per_s: Cell::new(0.0),
             metrics,
         };
-        e.update_view(|_| ());
+        // Named by its address for the homes of requests' places in line (`fleet::home`), so
+        // they stay put when a new endpoint list reorders it.
+        let key = e.address.as_deref().map_or(0, |a| {
+            a.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+            })
+        });
+        e.update_view(|v| v.key = key);
         e.refresh();
         e
     }

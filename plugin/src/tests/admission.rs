@@ -369,6 +369,26 @@ fn an_unset_cap_is_written_when_a_degrade_lowers_it_and_left_to_the_server_other
 }
 
 #[test]
+fn an_unset_cap_is_written_when_the_model_comes_from_the_backend() {
+    // Priced from the backend's descriptor (or, until it comes, its fallback with padded
+    // counts), the written cap fits the server's context, and it bounds an endpoint that
+    // serves a longer context than the one priced.
+    let spec = json!({"layers": 30, "kv_heads": 3, "head_dim": 64, "kv_dtype_bytes": 4,
+                      "context_tokens": CONTEXT});
+    let mut vm = start(
+        CONTEXT + 1_000,
+        json!({"model": "from_backend", "fallback_model": spec,
+               "backend": {"cluster": "kvgate_backend"}}),
+    );
+    let (s, action) = vm.post("/v1/completions", &[], &completion(100, None));
+    assert_eq!(action, Action::Continue);
+    let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
+    assert_eq!(forwarded["max_tokens"], CONTEXT - 100);
+    vm.finish(s);
+    assert_eq!(ledger().committed(), 0);
+}
+
+#[test]
 fn reconfiguration_keeps_the_ledger_and_its_leases() {
     let mut vm = start(20_000, json!({}));
     let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
