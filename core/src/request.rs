@@ -381,7 +381,12 @@ fn content_parts(parts: &[Value], field: &str) -> Result<String, ApiError> {
             return Err(wrong_type(&at, "an object", p));
         };
         match (p.get("type"), p.get("text")) {
+            // Joined with newlines, as vLLM (and TensorRT-LLM) render text parts: a filter in
+            // front of them counts what they render.
             (Some(Value::String(t)), Some(Value::String(text))) if t == "text" => {
+                if j > 0 {
+                    out.push('\n');
+                }
                 out.push_str(text)
             }
             (Some(Value::String(t)), _) if t == "text" => {
@@ -465,7 +470,7 @@ mod tests {
         )
         .unwrap();
         let Input::Chat(m) = &p.input else { panic!() };
-        assert_eq!(m[1].content, "ab");
+        assert_eq!(m[1].content, "a\nb", "text parts joined as vLLM joins them");
         assert_eq!(m[2].content, r#"[{"id":"1"}]"#);
         assert_eq!(p.requested_cap(), Some(7));
         assert_eq!(p.choices(), 2);
