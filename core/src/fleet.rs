@@ -57,9 +57,9 @@ pub struct View {
     /// Claims (places in the fair-retry line) there, holding bytes or not (as last decoded; a
     /// peek keeps the last value).
     pub claims: u64,
-    /// A stable name of the endpoint (e.g. a hash of its address) that [`home`] hashes, so a
-    /// home does not move when the list's order does; 0: its index in the list.
-    pub key: u64,
+    /// The endpoint's [`endpoint_name`], which [`home`] hashes, so a home does not move when
+    /// the list's order does; 0: its index in the list.
+    pub name: u64,
 }
 
 impl View {
@@ -79,7 +79,7 @@ impl View {
             eligible: self.eligible,
             claimed: self.claimed,
             claims: self.claims,
-            key: self.key,
+            name: self.name,
             ..*p
         };
     }
@@ -107,7 +107,7 @@ pub fn peek(bytes: &[u8]) -> Option<View> {
         leases: u64::from(leases),
         claimed: 0,
         claims: 0,
-        key: 0,
+        name: 0,
     })
 }
 
@@ -135,20 +135,21 @@ fn room(views: &[View], i: usize) -> u64 {
 /// leaves every other request's place in line where it was.
 pub fn home(views: &[View], need: u64, claim_key: u64) -> Option<usize> {
     use crate::retry::splitmix64;
-    let name = |i: usize| views.get(i).map_or(0, |v| v.key);
+    let able = |v: &View| v.eligible && v.capacity >= need;
     (0..views.len())
-        .filter(|&i| {
-            views
-                .get(i)
-                .is_some_and(|v| v.eligible && v.capacity >= need)
+        .filter_map(|i| views.get(i).filter(|v| able(v)).map(|v| (i, v)))
+        .max_by_key(|(i, v)| {
+            let name = if v.name == 0 { *i as u64 } else { v.name };
+            splitmix64(claim_key ^ splitmix64(name))
         })
-        .max_by_key(|&i| {
-            let key = match name(i) {
-                0 => i as u64,
-                k => k,
-            };
-            splitmix64(claim_key ^ splitmix64(key))
-        })
+        .map(|(i, _)| i)
+}
+
+/// A stable, non-zero name for the endpoint at `address` ([`View::name`]).
+pub fn endpoint_name(address: &str) -> u64 {
+    let mut h = crate::spec::Fnv1a::new();
+    h.write(address.as_bytes());
+    h.finish().max(1)
 }
 
 /// The policy pass's endpoint when the request has no home: the most room among the eligible
@@ -375,46 +376,45 @@ mod tests {
             };
             4
         ];
-        v[1].capacity = 10;
-        v[2].eligible = false;
-        // Named endpoints keep their homes when the list is reordered.
-        for (i, x) in v.iter_mut().enumerate() {
-            x.key = 100 + i as u64;
+        v[1].capacity = 10; // cannot hold it
+        v[2].eligible = false; // down
+        let homes = |v: &[View]| (0..1000).map(|k| home(v, 500, k)).collect::<Vec<_>>();
+        let before = homes(&v);
+        assert!(
+            before.iter().all(|h| matches!(h, Some(0 | 3))),
+            "eligible and able"
+        );
+        let on = |hs: &[Option<usize>], e| hs.iter().filter(|h| **h == Some(e)).count();
+        assert!(on(&before, 0) > 400 && on(&before, 3) > 400, "spread");
+        // An endpoint that comes back takes requests only from the others: none moves between
+        // the others (with the key modulo the eligible count, about half would).
+        v[2].eligible = true;
+        let with_2 = homes(&v);
+        for (k, (was, now)) in before.iter().zip(&with_2).enumerate() {
+            assert!(now == was || *now == Some(2), "key {k}: {was:?} -> {now:?}");
         }
-        let named: Vec<_> = (0..1000).map(|k| home(&v, 500, k)).collect();
-        v.reverse();
-        for (k, before) in named.iter().enumerate() {
-            assert_eq!(home(&v, 500, k as u64).map(|i| 3 - i), *before, "key {k}");
-        }
-        for k in 0..1000 {
-            assert!(
-                matches!(home(&v, 500, k), Some(0 | 3)),
-                "eligible and able to hold it"
-            );
-        }
-        let homes: Vec<_> = (0..1000).map(|k| home(&v, 500, k)).collect();
-        let on = |e| homes.iter().filter(|h| **h == Some(e)).count();
-        assert!(on(0) > 400 && on(3) > 400, "spread: {} / {}", on(0), on(3));
-        // Endpoint 3 drops out: only its requests move; endpoint 0's keep their home.
+        assert!(on(&with_2, 2) > 200, "it takes its share");
+        // One that drops out moves only its own.
         v[3].eligible = false;
-        for (k, before) in homes.iter().enumerate() {
-            assert_eq!(home(&v, 500, k as u64), Some(0), "key {k} (was {before:?})");
+        for (k, (was, now)) in with_2.iter().zip(homes(&v)).enumerate() {
+            assert!(
+                now == *was || *was == Some(3),
+                "key {k}: {was:?} -> {now:?}"
+            );
         }
         v[3].eligible = true;
-        // A new endpoint that joins takes only requests from the others, never moves them
-        // between the others.
-        v[2].eligible = true;
-        for (k, before) in homes.iter().enumerate() {
-            let now = home(&v, 500, k as u64);
-            assert!(
-                now == *before || now == Some(2),
-                "key {k}: {before:?} -> {now:?}"
-            );
-        }
-        v[2].eligible = false;
         assert_eq!(home(&v, 5000, 1), None);
         // Too large for all: the largest answers (it says "too large", not "full").
         assert_eq!(fallback(&v, 5000), Some(0));
+        // Endpoints named by their addresses keep their homes when the list is reordered.
+        for (i, x) in v.iter_mut().enumerate() {
+            x.name = endpoint_name(&format!("10.0.0.{i}:8000"));
+        }
+        let named = homes(&v);
+        v.reverse();
+        for (k, was) in named.iter().enumerate() {
+            assert_eq!(home(&v, 500, k as u64).map(|i| 3 - i), *was, "key {k}");
+        }
     }
 
     #[test]

@@ -149,12 +149,8 @@ impl Endpoint {
         };
         // Named by its address for the homes of requests' places in line (`fleet::home`), so
         // they stay put when a new endpoint list reorders it.
-        let key = e.address.as_deref().map_or(0, |a| {
-            a.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-            })
-        });
-        e.update_view(|v| v.key = key);
+        let name = e.address.as_deref().map_or(0, fleet::endpoint_name);
+        e.update_view(|v| v.name = name);
         e.refresh();
         e
     }
