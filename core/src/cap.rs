@@ -100,7 +100,8 @@ pub struct Price {
     /// written into the body. Written, it would be the context less the gateway's count, which
     /// a server whose count of the same prompt is higher (a configured tokenizer only
     /// approximates the model's, and a chat template may add a system prompt) refuses as over
-    /// its context. The filter leaves it out only where its count is such an approximation.
+    /// its context. `gate::price` clears it when the model comes from the backend's
+    /// descriptor, whose counts are the backend's own.
     pub cap_from_context: bool,
 }
 

@@ -92,15 +92,17 @@ pub fn price(
         }
     }
     let choices = req.choices();
-    let price =
-        price_request(&cfg.pricing, &prompt_tokens, req.requested_cap(), choices).map_err(|e| {
-            match e.kind {
-                ErrorKind::ContextLengthExceeded => e
-                    .with_status(cfg.context_error_status)
-                    .with_param(req.prompt_field()),
-                _ => e,
-            }
+    let mut price = price_request(&cfg.pricing, &prompt_tokens, req.requested_cap(), choices)
+        .map_err(|e| match e.kind {
+            ErrorKind::ContextLengthExceeded => e
+                .with_status(cfg.context_error_status)
+                .with_param(req.prompt_field()),
+            _ => e,
         })?;
+    // Priced from the backend's descriptor (or its padded fallback until it comes), the count
+    // is the backend's own or above it: the written cap fits, and it also bounds an endpoint
+    // serving a longer context than the one priced. Left out only with an inline model.
+    price.cap_from_context &= !cfg.from_backend;
     Ok(Priced {
         prompt_tokens,
         choices,

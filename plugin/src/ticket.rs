@@ -316,16 +316,9 @@ impl Ticket {
                         }
                         .write(&mut body);
                     }
-                    // An unset cap the whole context bounds is left to the server, unless a
-                    // degrade lowered it, and only where the count is the configured
-                    // tokenizer's approximation (an inline `model`): written, the context less
-                    // an undercount is over the server's context. With the backend's
-                    // descriptor the count is the backend's own (or padded, until it
-                    // arrives), so the written cap fits, and it also bounds an endpoint whose
-                    // context is longer than the one priced.
-                    let from_context = priced.price.cap_from_context
-                        && degraded_from.is_none()
-                        && !rt.cfg.from_backend;
+                    // An unset cap the whole context bounds is left to the server
+                    // (`Price::cap_from_context`), unless a degrade lowered it.
+                    let from_context = priced.price.cap_from_context && degraded_from.is_none();
                     write_cap(&mut body, (!from_context).then_some(cap))
                 };
                 let routed = match &endpoint.address {
