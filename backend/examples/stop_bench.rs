@@ -11,7 +11,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kvgate_backend::tokenizer::TextStream;
+use kvgate_backend::tokenizer::{find_stop, TextStream};
 
 fn arg(name: &str, default: usize) -> usize {
     let args: Vec<String> = std::env::args().collect();
@@ -28,12 +28,7 @@ fn whole_text(tokens: &[String], stops: &[String]) -> usize {
     let mut found = 0;
     for t in tokens {
         text.push_str(t);
-        if stops
-            .iter()
-            .filter_map(|s| text.find(s.as_str()))
-            .min()
-            .is_some()
-        {
+        if find_stop(&text, stops).is_some() {
             found += 1;
         }
     }

@@ -380,17 +380,14 @@ impl<M: Forward> Engine<M> {
             // The engine took the request, so it reports the outcome: the HTTP layer records
             // nothing for a request it submitted (its handler may be gone by now).
             if let Some(lease) = &s.lease {
-                self.published
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .record_finished(
-                        lease,
-                        FinishReason::Refused,
-                        0,
-                        0,
-                        s.class.clone(),
-                        s.gateway_prompt_tokens,
-                    );
+                self.published().record_finished(
+                    lease,
+                    FinishReason::Refused,
+                    0,
+                    0,
+                    s.class.clone(),
+                    s.gateway_prompt_tokens,
+                );
             }
             let _ = s.events.send(Event::Rejected(err));
             return;
@@ -1070,23 +1067,26 @@ impl<M: Forward> Engine<M> {
         drop(alloc);
         // The blocks go back to the pool (the Allocation drops with the rest of `seq`) and the
         // end is in the report *before* the client can see its last byte.
-        self.published
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .record_finished(
-                &id,
-                reason,
-                prompt_tokens,
-                completion_tokens,
-                class,
-                gateway_prompt_tokens,
-            );
+        self.published().record_finished(
+            &id,
+            reason,
+            prompt_tokens,
+            completion_tokens,
+            class,
+            gateway_prompt_tokens,
+        );
         let _ = events.send(Event::Finished {
             reason,
             prompt_tokens,
             completion_tokens,
             error,
         });
+    }
+
+    /// What the lease report reads, locked (a panic elsewhere while it was held leaves it as
+    /// it was: kept, not poisoned for good).
+    fn published(&self) -> std::sync::MutexGuard<'_, Published> {
+        self.published.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn publish(&self) {
@@ -1160,7 +1160,7 @@ impl<M: Forward> Engine<M> {
                 .sum::<u64>(),
             false => 0,
         };
-        let mut p = self.published.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.published();
         p.leases = leases;
         p.promised_bytes = untaken * self.pool.block_bytes;
         p.allocated_bytes = self.pool.stats().used_bytes;

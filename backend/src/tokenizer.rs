@@ -310,7 +310,7 @@ impl TextStream {
 }
 
 /// Byte offset of the first stop string in `text`, if any.
-fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
+pub fn find_stop(text: &str, stops: &[String]) -> Option<usize> {
     stops
         .iter()
         .filter(|s| !s.is_empty())
