@@ -278,18 +278,39 @@ def test_a_stream_that_outlives_its_lease_ttl_keeps_its_reservation_until_it_end
 def test_a_backend_silent_past_the_routes_idle_timeout_gets_an_openai_504(gateway, upstream):
     # Envoy answers the route's idle timeout itself (504 "stream timeout", flag SI, not UT): the
     # shipped bootstrap maps it to JSON as it does the route's overall timeout.
-    boot = shipped_bootstrap()
-    routes = http_connection_manager(boot)["route_config"]["virtual_hosts"][0]["routes"]
-    for r in routes:
-        if "idle_timeout" in r.get("route", {}):
-            r["route"]["idle_timeout"] = "1s"
-    gw = gateway(budget(20_000), bootstrap=boot)
+    def idle_1s():
+        boot = shipped_bootstrap()
+        for r in http_connection_manager(boot)["route_config"]["virtual_hosts"][0]["routes"]:
+            if "idle_timeout" in r.get("route", {}):
+                r["route"]["idle_timeout"] = "1s"
+        return boot
+    gw = gateway(budget(20_000), bootstrap=idle_1s())
     r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(10), "max_tokens": 10},
                       headers={"x-mock-mode": "hang", "x-mock-hang-s": "4"}, timeout=30)
     assert r.status_code == 504, r.text
     assert r.headers["content-type"] == "application/json"
     err = r.json()["error"]
     assert err["code"] == "backend_timeout" and err["type"] == "server_error", err
+    gw.assert_drained()
+    # It bounds a wait in a queue class too (README: keep it above max_wait_ms): nothing moves on
+    # a queued stream, and its place ends with it.
+    gw = gateway(budget(1_000, policy={"default_class": "q",
+                                       "classes": {"q": {"action": "queue", "max_wait_ms": 5000}}}),
+                 bootstrap=idle_1s())
+    result = {}
+
+    def holder():
+        result["status"] = requests.post(gw.url + "/v1/completions", timeout=30,
+                                         json={"prompt": tokens(10), "max_tokens": 900},
+                                         headers={"x-mock-mode": "stream", "x-mock-chunks": "12",
+                                                  "x-mock-delay-ms": "500"}).status_code
+    t = threading.Thread(target=holder)
+    t.start()
+    gw.wait_for(lambda s: s["leases"] == 1, what="the holder's lease")
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": tokens(10), "max_tokens": 500}, timeout=30)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "backend_timeout", r.text
+    t.join()
+    assert result["status"] == 200
     gw.assert_drained()
 
 
