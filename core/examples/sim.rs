@@ -6,9 +6,16 @@
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
 //! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries]
-//! [--allowance-by-prompt true|false] [--poll-ms M] [--dump FILE]` prints one markdown table (`make
-//! bench-sim` runs the defaults). `--poll-ms` is how often the gateway polls each backend (500,
-//! the shipped configs' `backend.poll_ms`).
+//! [--allowance-by-prompt true|false] [--poll-ms M] [--lend-to-claims true|false]
+//! [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
+//! defaults), and on stderr, per gateway arm, where the pool went: the ledger's committed, held
+//! back and claimed bytes, the backend's blocks in use and promised, averaged over the polls.
+//! `--poll-ms` is how often the gateway polls each backend (500, the shipped configs'
+//! `backend.poll_ms`). `--safety-fraction` overrides the filter config's (0.9 shipped).
+//! `--lend-to-claims false` makes every poll set the ledgers' lendable bytes to 0: requests in
+//! line (and classes that preempt) then wait for elastic sequences to end instead of taking
+//! back what those borrowed past their reservations (an experiment: the filter has no such
+//! setting).
 //!
 //! `--allowance-by-prompt` is every elastic class's `elastic_by_prompt` (default `false`, as the
 //! filter's; the filter can do it since it tells the backend the allowance in its body field):
@@ -519,6 +526,7 @@ fn filter_config(
     queue_ms: Option<u64>,
     quantile: f64,
     by_prompt: bool,
+    safety: Option<f64>,
 ) -> Res<Config> {
     let yaml = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     // The JSON is the block scalar after `value: |`, up to the first line indented less.
@@ -551,6 +559,9 @@ fn filter_config(
         (p.blocks * p.block_bytes()).into(),
     );
     o.insert("scratch_margin_bytes".into(), p.block_bytes().into());
+    if let Some(f) = safety {
+        o.insert("safety_fraction".into(), f.into());
+    }
     if let Some(prior) = elastic_prior {
         let classes = o
             .get_mut("policy")
@@ -569,7 +580,14 @@ fn filter_config(
                     c.remove("min_output_tokens");
                     c.insert("action".into(), "queue".into());
                     c.insert("max_wait_ms".into(), ms.into());
-                    c.insert("max_depth".into(), 64.into());
+                    c.insert(
+                        "max_depth".into(),
+                        std::env::var("SIM_DEPTH")
+                            .ok()
+                            .and_then(|v| v.parse::<u64>().ok())
+                            .unwrap_or(64)
+                            .into(),
+                    );
                 }
             }
         }
@@ -1309,6 +1327,7 @@ impl Gateway {
             patience_ms: cfg.fair_retry_patience_ms,
             run_ms,
             max_line_permille: cfg.max_line_permille(&class),
+            waits: from_queue || self.queue.would_wait(&class),
         });
         let holder = Holder {
             lease_id: Some(lease_id),
@@ -1551,6 +1570,10 @@ struct Opts {
     poll_ms: u64,
     /// `--lazy-blocks`: the backend's `--lazy-blocks` (see the header).
     lazy_blocks: bool,
+    /// `--lend-to-claims false`: after every poll the gateway's ledgers lend nothing of what is
+    /// held back (`Ledger::set_lendable(0)`), so requests in line (and classes that preempt)
+    /// wait for elastic sequences to finish instead of taking back what they borrowed.
+    lend_to_claims: bool,
 }
 
 struct Sim<'a> {
@@ -1570,6 +1593,8 @@ struct Sim<'a> {
     rr: usize,
     tries: u64,
     last_step: Vec<u64>,
+    /// Polls × endpoints seen, then the sums of what `poll` samples (see its end).
+    pools: [f64; 6],
 }
 
 #[derive(Debug, Clone)]
@@ -1652,6 +1677,7 @@ impl<'a> Sim<'a> {
             rr: 0,
             tries: 0,
             last_step: vec![0; o.backends],
+            pools: [0.0; 6],
         }
     }
 
@@ -1725,6 +1751,14 @@ impl<'a> Sim<'a> {
                 .to_string()
             })
             .collect();
+        if self.gw.is_some() {
+            let [n, sums @ ..] = self.pools;
+            let [committed, held_back, claimed, used, promised] = sums.map(|x| x / n.max(1.0));
+            eprintln!(
+                "{}: mean over polls and endpoints: of the ledger's capacity {committed:.2} committed, {held_back:.2} held back, {claimed:.2} set aside for claims; of the pool {used:.2} in use, {promised:.2} promised",
+                self.arm.name()
+            );
+        }
         Ok((self.summarise(), lines))
     }
 
@@ -2109,6 +2143,22 @@ impl<'a> Sim<'a> {
                     .filter(|p| p.warm())
                     .map_or(0.0, |p| p.tokens_per_s);
                 reconcile::reconcile(ledger, &report, now_ms, 30_000, progress.as_ref(), GATEWAY);
+                let cap = ledger.capacity() as f64;
+                if !o.lend_to_claims {
+                    ledger.set_lendable(0);
+                }
+                // Where the pool goes, for the line printed at the end (stderr).
+                let pool = be.total.max(1) as f64;
+                for (sum, x) in self.pools.iter_mut().zip([
+                    1.0,
+                    ledger.committed() as f64 / cap,
+                    ledger.held_back() as f64 / cap,
+                    ledger.claimed() as f64 / cap,
+                    (be.total - be.free) as f64 / pool,
+                    be.promised_blocks() as f64 / pool,
+                ]) {
+                    *sum += x;
+                }
             }
         }
         self.drain();
@@ -2272,6 +2322,8 @@ fn main() -> Res<()> {
     let mut dump: Option<String> = None;
     let mut context = None;
     let mut poll_ms = 500u64;
+    let mut lend_to_claims = true;
+    let mut safety: Option<f64> = None;
     let mut filter_path =
         concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/kvgate-filter.yaml").to_string();
     while let Some(a) = args.next() {
@@ -2303,6 +2355,8 @@ fn main() -> Res<()> {
             "--dump" => dump = Some(parse(&a, args.next())?),
             "--context" => context = Some(parse(&a, args.next())?),
             "--poll-ms" => poll_ms = parse(&a, args.next())?,
+            "--lend-to-claims" => lend_to_claims = either(&a, args.next(), "true", "false")?,
+            "--safety-fraction" => safety = Some(parse(&a, args.next())?),
             "-h" | "--help" => {
                 println!("see the header of core/examples/sim.rs");
                 return Ok(());
@@ -2376,6 +2430,7 @@ fn main() -> Res<()> {
         seed,
         poll_ms,
         lazy_blocks,
+        lend_to_claims,
     };
     let n: usize = workload.iter().map(Vec::len).sum();
     let load = match (clients, rate) {
@@ -2415,7 +2470,7 @@ fn main() -> Res<()> {
     for arm in arms {
         let gw = match arm {
             Arm::Kvgate | Arm::Oracle => Some(Gateway::new(
-                filter_config(&filter_path, &p, None, None, quantile, by_prompt)?,
+                filter_config(&filter_path, &p, None, None, quantile, by_prompt, safety)?,
                 backends,
                 backfill,
             )),
@@ -2427,6 +2482,7 @@ fn main() -> Res<()> {
                     None,
                     quantile,
                     by_prompt,
+                    safety,
                 )?,
                 backends,
                 backfill,
@@ -2439,6 +2495,7 @@ fn main() -> Res<()> {
                     Some(queue_wait_ms),
                     quantile,
                     by_prompt,
+                    safety,
                 )?,
                 backends,
                 backfill,

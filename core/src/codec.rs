@@ -9,7 +9,7 @@
 //!                     | deadline_ms u64 | owner u64 | eta_ms u64 | held u64 | class length u8
 //!                     | class bytes (UTF-8)
 //!        | claim count u32
-//!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64 | active u8
+//!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64 | flags u8 (bit 0: active, bit 1: waits)
 //!        | lendable u64
 //! ```
 //! 66 bytes per lease plus its class name, 41 per claim, 8 after them. The decoder checks every
@@ -104,7 +104,7 @@ impl Ledger {
             for v in [c.key, c.bytes, c.held, c.first_ms, c.expires_ms] {
                 out.extend_from_slice(&v.to_le_bytes());
             }
-            out.push(u8::from(c.active));
+            out.push(u8::from(c.active) | u8::from(c.waits) << 1);
         }
         out.extend_from_slice(&self.lendable.to_le_bytes());
         out
@@ -184,12 +184,16 @@ impl Ledger {
                     held: r.u64()?,
                     first_ms: r.u64()?,
                     expires_ms: r.u64()?,
-                    active: match r.u8()? {
-                        0 => false,
-                        1 => true,
-                        _ => return Err(DecodeError::Inconsistent("claim flag".into())),
-                    },
+                    active: false,
+                    waits: false,
                 });
+                let flags = r.u8()?;
+                if flags > 3 {
+                    return Err(DecodeError::Inconsistent("claim flags".into()));
+                }
+                if let Some(c) = claims.last_mut() {
+                    (c.active, c.waits) = (flags & 1 == 1, flags & 2 == 2);
+                }
             }
         }
         let lendable = if version >= 5 { r.u64()? } else { 0 };
@@ -418,6 +422,7 @@ mod tests {
                 patience_ms: 10,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
         };
         assert!(matches!(
@@ -426,6 +431,31 @@ mod tests {
         ));
         assert_eq!(l.claims().len(), 1);
         assert_eq!(Ledger::decode(&l.encode()).unwrap(), l);
+        // Both flags: a second request that waits in a gateway's queue, refused twice (active).
+        let queued = AdmitRequest {
+            claim: r.claim.map(|t| ClaimTicket {
+                key: 7,
+                waits: true,
+                ..t
+            }),
+            ..r.clone()
+        };
+        for _ in 0..2 {
+            l.try_admit(&queued, &RetryAfterConfig::default(), 0);
+        }
+        let flags: Vec<(bool, bool)> = l.claims().iter().map(|c| (c.active, c.waits)).collect();
+        assert_eq!(flags, [(false, false), (true, true)]);
+        let bytes = l.encode();
+        assert_eq!(Ledger::decode(&bytes).unwrap(), l);
+        // The flag byte is the last before `lendable`; no other bit is defined.
+        let mut bad = bytes.clone();
+        let at = bad.len() - 9;
+        assert_eq!(bad[at], 3);
+        bad[at] = 4;
+        assert_eq!(
+            Ledger::decode(&bad),
+            Err(DecodeError::Inconsistent("claim flags".into()))
+        );
     }
 
     #[test]

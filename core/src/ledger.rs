@@ -82,6 +82,11 @@ pub struct Claim {
     /// Its client has come back at least once. Only active claims hold bytes: a client that
     /// never retries (or gives up at once) never keeps bytes from anyone.
     pub active: bool,
+    /// Its client waits at the gateway (a `queue` class): it takes what is set aside for it as
+    /// soon as it is there. Otherwise its client was sent away with a Retry-After and is back
+    /// no earlier than `expires_ms` less the patience, so what is set aside for it until then
+    /// sits idle, and a backfill done by then may use it.
+    pub waits: bool,
 }
 
 /// Running counters kept with the ledger, so every worker reports the same totals.
@@ -147,6 +152,8 @@ pub struct ClaimTicket {
     /// A refusal takes a new place in line only while what the line ahead still lacks is at
     /// most this many thousandths of the capacity (0: no bound).
     pub max_line_permille: u32,
+    /// The request waits at the gateway when refused (its class queues): see [`Claim::waits`].
+    pub waits: bool,
 }
 
 /// Whether a refusal may take a new place in line: what the line ahead of it still lacks
@@ -551,6 +558,7 @@ impl Ledger {
                         c.held = c.held.min(req.bytes);
                         c.expires_ms = expires_ms;
                         c.active = true;
+                        c.waits = t.waits;
                     }
                     None if count < MAX_CLAIMS && line_has_room(self.capacity, ahead, t) => {
                         self.claims.push(Claim {
@@ -560,6 +568,7 @@ impl Ledger {
                             first_ms: req.now_ms,
                             expires_ms,
                             active: false,
+                            waits: t.waits,
                         })
                     }
                     None => {}
@@ -659,7 +668,9 @@ impl Ledger {
                 Some(short) => crate::retry::wait_for(ends.iter().copied(), short)
                     .unwrap_or_else(|| ends.last().map_or(0, |(wait, _)| *wait)),
             };
-            let back_ms = match c.active {
+            // A client sent away is back no earlier than it was told, whether or not it has
+            // come back before (each refusal tells it again); one waiting here is back now.
+            let back_ms = match c.waits {
                 true => 0,
                 false => c
                     .expires_ms
@@ -960,10 +971,18 @@ mod tests {
                 patience_ms: 60_000,
                 run_ms,
                 max_line_permille: 0,
+                waits: false,
             }),
             ttl_ms: 600_000,
             ..req(bytes, now_ms)
         }
+    }
+
+    /// [`keyed`], for a request that waits in a gateway's queue when refused.
+    fn queued(bytes: u64, key: u64, run_ms: u64, now_ms: u64) -> AdmitRequest<'static> {
+        let mut r = keyed(bytes, key, run_ms, now_ms);
+        r.claim = r.claim.map(|t| ClaimTicket { waits: true, ..t });
+        r
     }
 
     /// Admit a lease of `bytes` at 0 that is expected to end at `eta_ms`; its id.
@@ -1142,6 +1161,7 @@ mod tests {
                 patience_ms: 1000,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
             ..req(90, now)
         };
@@ -1258,24 +1278,46 @@ mod tests {
             l.try_admit(&keyed(80, 1, 0, 10_000), &cfg, 1),
             AdmitOutcome::Admitted { .. }
         ));
-        // A front that holds all it needs already is not backfilled past: it starts at once.
-        let mut m = Ledger::new(100, 1);
-        let AdmitOutcome::Admitted { lease: a } = m.try_admit(&req(50, 0), &cfg, 1) else {
-            panic!("fits");
+        // A front waiting in a gateway's queue that holds all it needs already is not
+        // backfilled past: it starts at once.
+        let front_holding_all = |front: fn(u64, u64, u64, u64) -> AdmitRequest<'static>| {
+            let mut m = Ledger::new(100, 1);
+            let AdmitOutcome::Admitted { lease: a } = m.try_admit(&req(50, 0), &cfg, 1) else {
+                panic!("fits");
+            };
+            for now in [0, 1] {
+                match m.try_admit(&front(60, 1, 0, now), &cfg, 1) {
+                    // Told to come back when the 50-byte lease ends (its deadline, 1 s).
+                    AdmitOutcome::Rejected {
+                        retry_after: Some(r),
+                        ..
+                    } => assert_eq!(r.ms, 1_000 - now),
+                    other => panic!("{other:?}"),
+                }
+            }
+            m.release(a.id, 2);
+            m
         };
-        for now in [0, 1] {
-            assert!(matches!(
-                m.try_admit(&keyed(60, 1, 0, now), &cfg, 1),
-                AdmitOutcome::Rejected { .. }
-            ));
-        }
-        m.release(a.id, 2);
+        let mut m = front_holding_all(queued);
         // 40 are free beside the 60 it holds; 50 are not, even for 1 ms.
         assert!(matches!(
             m.try_admit(&keyed(50, 2, 1, 3), &cfg, 1),
             AdmitOutcome::Rejected { .. }
         ));
         assert_eq!((m.held_for(1), m.free()), (60, 40));
+        m.check().unwrap();
+        // A front whose client was sent away is back at 1 s, as it was told: what is set aside
+        // for it sits idle until then, and a run done by then may use it.
+        let mut m = front_holding_all(keyed);
+        assert!(matches!(
+            m.try_admit(&keyed(50, 2, 1_000, 3), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        let AdmitOutcome::Admitted { lease: b } = m.try_admit(&keyed(50, 3, 990, 3), &cfg, 1)
+        else {
+            panic!("done before the front's client is back");
+        };
+        assert_eq!((b.eta_ms, m.held_for(1)), (993, 50));
         m.check().unwrap();
     }
 
@@ -1286,14 +1328,15 @@ mod tests {
         lease_ending_at(&mut l, 30, 3_000);
         lease_ending_at(&mut l, 40, 10_000);
         // A needs 50: refused once, its claim waits for its client (it holds nothing). Then the
-        // front F needs 90: active, it holds the 30 spare; alone it could start at 10 s.
+        // front F, waiting in a gateway's queue, needs 90: active, it holds the 30 spare; alone
+        // it could start at 10 s.
         assert!(matches!(
             l.try_admit(&keyed(50, 1, 0, 0), &cfg, 1),
             AdmitOutcome::Rejected { .. }
         ));
         for now in [1, 2] {
             assert!(matches!(
-                l.try_admit(&keyed(90, 2, 0, now), &cfg, 1),
+                l.try_admit(&queued(90, 2, 0, now), &cfg, 1),
                 AdmitOutcome::Rejected { .. }
             ));
         }
@@ -1318,7 +1361,7 @@ mod tests {
         m.set_held_back(15);
         for now in [0, 1] {
             assert!(matches!(
-                m.try_admit(&keyed(90, 1, 0, now), &cfg, 1),
+                m.try_admit(&queued(90, 1, 0, now), &cfg, 1),
                 AdmitOutcome::Rejected { .. }
             ));
         }
@@ -1351,7 +1394,7 @@ mod tests {
         l.release(short, 1);
         for now in [2, 3] {
             assert!(matches!(
-                l.try_admit(&keyed(80, 2, 0, now), &cfg, 1),
+                l.try_admit(&queued(80, 2, 0, now), &cfg, 1),
                 AdmitOutcome::Rejected { .. }
             ));
         }
@@ -1419,6 +1462,7 @@ mod tests {
                 patience_ms: 60_000,
                 run_ms: 0,
                 max_line_permille: 500,
+                waits: false,
             }),
             ..req(bytes, now)
         };
@@ -1484,6 +1528,7 @@ mod tests {
                 patience_ms: 60_000,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
             ..req(bytes, now)
         };
@@ -1526,6 +1571,7 @@ mod tests {
                 patience_ms: 1000,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
             ..req(30, now)
         };
@@ -1564,6 +1610,7 @@ mod tests {
                 patience_ms: 1000,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
             ..req(20, now)
         };
@@ -1634,6 +1681,7 @@ mod tests {
                 patience_ms: 1000,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
             ..req(90, now)
         };
@@ -1680,6 +1728,7 @@ mod tests {
                 patience_ms: 1000,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
             ..req(bytes, now)
         };
@@ -1723,6 +1772,7 @@ mod tests {
                 patience_ms: 10_000,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
             ..req(bytes, now)
         };
@@ -1778,6 +1828,7 @@ mod tests {
                 patience_ms: 500,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
             ..req(90, 1)
         };
@@ -1927,7 +1978,7 @@ mod tests {
                         let before = l.committed();
                         let r = AdmitRequest {
                             ttl_ms: 30,
-                            claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 , max_line_permille: 0}),
+                            claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 , max_line_permille: 0,waits: false,}),
                             ..req(b, now)
                         };
                         if let AdmitOutcome::Admitted { .. } = l.try_admit(&r, &retry(), now) {

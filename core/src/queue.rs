@@ -62,6 +62,17 @@ impl<T> AdmissionQueue<T> {
         self.entries.iter().filter(|e| e.class == class).count()
     }
 
+    /// Whether a request of `class` refused now would wait here: its class queues and has
+    /// room. Its place in line is then one whose client is present (`ClaimTicket::waits`).
+    pub fn would_wait(&self, class: &crate::policy::ClassPolicy) -> bool {
+        match class.action {
+            crate::policy::Action::Queue { max_depth, .. } => {
+                self.depth(&class.name) < max_depth as usize
+            }
+            _ => false,
+        }
+    }
+
     /// How long a wait is worth one priority level (0: strict priority). A change re-sorts.
     pub fn set_aging_ms(&mut self, aging_ms: u64) {
         if aging_ms != self.aging_ms {

@@ -964,6 +964,7 @@ mod tests {
                 patience_ms: 60_000,
                 run_ms: 0,
                 max_line_permille: 0,
+                waits: false,
             }),
             ..request(id, bytes, now)
         };

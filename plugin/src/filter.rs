@@ -227,6 +227,7 @@ impl Filter {
             max_line_permille: rt.cfg.max_line_permille(&class),
             // Each try sets it from the decode rate of the moment (`Ticket::run_ms`).
             run_ms: 0,
+            waits: self.worker.queue.borrow().would_wait(&class),
         });
         let ticket = Rc::new(Ticket {
             context_id: self.context_id,
