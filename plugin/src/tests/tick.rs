@@ -939,6 +939,10 @@ fn the_line_bound_gives_no_place_past_it_to_a_refusal_and_leaves_the_queue_alone
         vm.finish(s);
     }
     assert_eq!(keys().len(), 4, "both queued requests have their places");
+    // The queued requests' clients are there (a backfill may not count on their absence); the
+    // refused ones' are away until their Retry-After.
+    let waits: Vec<bool> = ledger().claims().iter().map(|c| c.waits).collect();
+    assert_eq!(waits, [false, false, true, true]);
     store::transact(&EnvoyStore, LEDGER_KEY, 1, |l| l.release(91, Vm::now_ms())).unwrap();
     assert_eq!(ledger().committed(), 0);
 }
