@@ -2,22 +2,24 @@
 //!
 //! Layout (little endian):
 //! ```text
-//! "KVGL" | version u8 = 6 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//! "KVGL" | version u8 = 7 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
 //!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64
 //!        | lease count u32
 //!        | per lease: id u64 | bytes u64 | priority u8 | fingerprint u64 | created_ms u64
 //!                     | deadline_ms u64 | owner u64 | eta_ms u64 | held u64 | class length u8
 //!                     | class bytes (UTF-8)
 //!        | claim count u32
-//!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64 | flags u8 (bit 0: active, bit 1: waits)
-//!        | lendable u64
+//!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64
+//!                     | flags u8 (bit 0: active, bit 1: waits)
+//!        | lendable u64 | lendable_to_line u64
 //! ```
-//! 66 bytes per lease plus its class name, 41 per claim, 8 after them. The decoder checks every
+//! 66 bytes per lease plus its class name, 41 per claim, 16 after them. The decoder checks every
 //! length and the ledger invariant; garbage returns an error, never a panic.
 //!
 //! Versions 1 (no `held_back`, no lease owner), 2 (no claims), 3 (no lease eta), 4 (no
-//! `lendable`: nothing lent until the next poll sets it) and 5 (no lease `held`: none until
-//! the next poll sets it) are still read, so a filter upgraded in place under
+//! `lendable`: nothing lent until the next poll sets it), 5 (no lease `held`: none until
+//! the next poll sets it) and 6 (no claim `waits` flag: every client away; no
+//! `lendable_to_line`: nothing lent to the line until the next poll) are still read, so a filter upgraded in place under
 //! the same `vm_id` migrates the ledger it finds instead of forgetting its leases: migrated
 //! leases have no owner and end at their deadline. An unknown version is an error, never an
 //! empty ledger.
@@ -25,7 +27,7 @@
 use crate::ledger::{Claim, Counters, Lease, Ledger, MAX_CLAIMS};
 
 const MAGIC: &[u8; 4] = b"KVGL";
-const VERSION: u8 = 6;
+const VERSION: u8 = 7;
 const CLAIM_LEN: usize = 5 * 8 + 1;
 const HEADER_LEN: usize = 4 + 1 + 9 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
@@ -107,6 +109,7 @@ impl Ledger {
             out.push(u8::from(c.active) | u8::from(c.waits) << 1);
         }
         out.extend_from_slice(&self.lendable.to_le_bytes());
+        out.extend_from_slice(&self.lendable_to_line.to_le_bytes());
         out
     }
 
@@ -188,7 +191,7 @@ impl Ledger {
                     waits: false,
                 });
                 let flags = r.u8()?;
-                if flags > 3 {
+                if flags > 3 || (version < 7 && flags > 1) {
                     return Err(DecodeError::Inconsistent("claim flags".into()));
                 }
                 if let Some(c) = claims.last_mut() {
@@ -197,6 +200,7 @@ impl Ledger {
             }
         }
         let lendable = if version >= 5 { r.u64()? } else { 0 };
+        let lendable_to_line = if version >= 7 { r.u64()? } else { 0 };
         if !r.0.is_empty() {
             return Err(DecodeError::TrailingBytes(r.0.len()));
         }
@@ -208,6 +212,7 @@ impl Ledger {
             counters,
             held_back,
             lendable,
+            lendable_to_line,
             leases,
             claims,
         };
@@ -338,13 +343,20 @@ mod tests {
         assert_eq!(old.encode()[4], VERSION);
     }
 
-    /// `l` in an older layout, `version` 3 to 5: without the per-lease fields it did not have
-    /// (v3: eta and held; v4, v5: held) and, before v5, the trailing `lendable`.
+    /// `l` in an older layout, `version` 3 to 6: without the per-lease fields it did not have
+    /// (v3: eta and held; v4, v5: held), before v5 the trailing `lendable`, and before v7 the
+    /// trailing `lendable_to_line` (its claims' flags are the caller's to keep to bit 0).
     fn encode_as(l: &Ledger, version: u8) -> Vec<u8> {
         let mut out = l.encode();
         out[4] = version;
+        if version < 7 {
+            out.truncate(out.len() - 8);
+        }
         if version < 5 {
             out.truncate(out.len() - 8);
+        }
+        if version >= 6 {
+            return out;
         }
         let dropped = if version < 4 { 16 } else { 8 };
         let mut at = HEADER_LEN;
@@ -397,11 +409,36 @@ mod tests {
         // More lendable than held back is not a ledger this code writes: refused.
         let mut bad = l.encode();
         let n = bad.len();
-        bad[n - 8..].copy_from_slice(&6_000u64.to_le_bytes());
-        assert!(matches!(
+        bad[n - 16..n - 8].copy_from_slice(&6_000u64.to_le_bytes());
+        assert_eq!(
             Ledger::decode(&bad),
-            Err(DecodeError::Inconsistent(_))
-        ));
+            Err(DecodeError::Inconsistent(
+                "more lendable than held back".into()
+            ))
+        );
+    }
+
+    #[test]
+    fn a_version_6_ledger_is_read_with_nothing_lent_to_the_line() {
+        let mut l = sample();
+        l.set_held_back(5_000);
+        l.set_lendable(3_000);
+        l.set_lendable_to_line(2_000);
+        let back = Ledger::decode(&l.encode()).unwrap();
+        assert_eq!(back, l);
+        assert_eq!(back.lendable_to_line(), 2_000);
+        let old = Ledger::decode(&encode_as(&l, 6)).unwrap();
+        assert_eq!((old.lendable(), old.lendable_to_line()), (3_000, 0));
+        // More lent to the line than lendable is not a ledger this code writes: refused.
+        let mut bad = l.encode();
+        let n = bad.len();
+        bad[n - 8..].copy_from_slice(&3_001u64.to_le_bytes());
+        assert_eq!(
+            Ledger::decode(&bad),
+            Err(DecodeError::Inconsistent(
+                "more lendable to the line than lendable".into()
+            ))
+        );
     }
 
     #[test]
@@ -447,13 +484,19 @@ mod tests {
         assert_eq!(flags, [(false, false), (true, true)]);
         let bytes = l.encode();
         assert_eq!(Ledger::decode(&bytes).unwrap(), l);
-        // The flag byte is the last before `lendable`; no other bit is defined.
+        // The flag byte is the last before `lendable` and `lendable_to_line`; no other bit is
+        // defined, and a version-6 ledger had only `active`.
         let mut bad = bytes.clone();
-        let at = bad.len() - 9;
+        let at = bad.len() - 17;
         assert_eq!(bad[at], 3);
         bad[at] = 4;
         assert_eq!(
             Ledger::decode(&bad),
+            Err(DecodeError::Inconsistent("claim flags".into()))
+        );
+        let v6 = encode_as(&l, 6);
+        assert_eq!(
+            Ledger::decode(&v6),
             Err(DecodeError::Inconsistent("claim flags".into()))
         );
     }
@@ -476,10 +519,10 @@ mod tests {
             Ledger::decode(&c),
             Err(DecodeError::Inconsistent(_))
         ));
-        // a claim count the input cannot hold (the last u32 before `lendable`).
+        // a claim count the input cannot hold (the last u32 before the two lendable u64s).
         let mut d = Ledger::new(1, 1).encode();
         let n = d.len();
-        d[n - 12..n - 8].copy_from_slice(&u32::MAX.to_le_bytes());
+        d[n - 20..n - 16].copy_from_slice(&u32::MAX.to_le_bytes());
         assert_eq!(Ledger::decode(&d), Err(DecodeError::Truncated));
     }
 

@@ -624,10 +624,12 @@ pub struct Reconciled {
     pub grown_bytes: u64,
     /// Of what is held back, what elastic sequences hold past their reservations (decoding,
     /// or part-way through a prefill): the backend gives it back to a reservation on demand,
-    /// so requests waiting in line may be admitted into it (`Ledger::set_lendable`). Plus, of
+    /// so a class that preempts may be admitted into it (`Ledger::admit_into_lent`). Plus, of
     /// the room held for a preempted sequence to resume, what the requests that were in line
-    /// before it was admitted need beyond the spare and that growth.
+    /// before it was admitted need beyond the spare.
     pub lendable: u64,
+    /// Of `lendable`, what requests in line may take: that resume room, not the growth.
+    pub lendable_to_line: u64,
 }
 
 impl Reconciled {
@@ -777,17 +779,17 @@ pub fn reconcile(
         .map(|c| c.bytes)
         .fold(0u64, u64::saturating_add);
     ledger.set_held_back(out.held_back);
-    ledger.set_lendable(growth_lent);
-    // What the claims could take now without it: the spare, and the growth as far as the
-    // firm part leaves room for it.
-    let without = ledger.unclaimed().saturating_add(ledger.lendable_now());
-    let resume_lent = resume.min(older_need.saturating_sub(without));
+    // What the claims could take now without it: the spare (not the borrowers' growth, which
+    // is lent only to classes that preempt: `Ledger::settle_claims`).
+    let resume_lent = resume.min(older_need.saturating_sub(ledger.unclaimed()));
     out.lendable = base.saturating_sub(firm_with(resume.saturating_sub(resume_lent)));
     ledger.set_lendable(out.lendable);
-    // What is lent goes to the claims now, oldest first, before any other admission can count
-    // it as room (`Ledger::admit_into_lent`).
+    ledger.set_lendable_to_line(out.lendable.saturating_sub(growth_lent));
+    // What is lent to the line goes to the claims now, oldest first, before any other
+    // admission can count it as room (`Ledger::admit_into_lent`).
     ledger.settle_claims(now_ms);
     out.lendable = ledger.lendable();
+    out.lendable_to_line = ledger.lendable_to_line();
     out
 }
 
@@ -1038,13 +1040,14 @@ mod tests {
     }
 
     #[test]
-    fn growth_the_firm_part_leaves_no_room_for_does_not_count_against_a_resume_lent() {
+    fn a_request_in_line_is_lent_the_resume_room_and_not_the_growth() {
         // Lease 1 (elastic, 1,000) runs 3,000 past its reservation. X (2,500) is refused at
         // t=10 beside lease 9's 7,000 and keeps a place in line; lease 9 ends. Lease 2
         // (elastic, 1,000) and lease 8 (worst case, 4,000) are admitted at t=30; lease 2 is
         // preempted and needs 3,000 past its reservation to resume. 6,000 is committed and
-        // 6,000 held back (the growth and the resume room): of the 3,000 of growth only 1,000
-        // can be lent, since the resume room is firm. X is lent what it lacks beyond that.
+        // 6,000 held back (the growth and the resume room). The growth is lendable (to a class
+        // that preempts), not to the line; X, in line before lease 2 was admitted, is lent
+        // what it lacks of the resume room.
         let mut l = Ledger::new(10_000, 1);
         admit(&mut l, 1, 1_000, 0);
         admit(&mut l, 9, 7_000, 0);
@@ -1064,17 +1067,21 @@ mod tests {
         };
         let r = reconcile(&mut l, &report, 40, 5_000, None, 0);
         assert_eq!(
-            (r.held_back, r.lendable),
-            (6_000, 3_000),
+            (r.held_back, r.lendable, r.lendable_to_line),
+            (6_000, 3_000, 0),
             "X is not back yet"
         );
         assert!(
             !try_in_line(&mut l, 3, 2_500, 33, 50),
-            "1,000 of growth is not enough"
+            "the growth is not lent to the line"
         );
+        assert_eq!(l.held_for(33), 0);
         let r = reconcile(&mut l, &report, 60, 5_000, None, 0);
-        // 1,500 of the resume room is lent on top: 2,500 lendable now, all X's.
-        assert_eq!((r.held_back, r.lendable), (6_000, 4_500));
+        // 2,500 of the resume room is lent on top of the growth, all X's.
+        assert_eq!(
+            (r.held_back, r.lendable, r.lendable_to_line),
+            (6_000, 5_500, 2_500)
+        );
         let held: Vec<u64> = l.claims().iter().map(|c| c.held).collect();
         assert_eq!(held, vec![2_500]);
         assert!(try_in_line(&mut l, 3, 2_500, 33, 70), "X is admitted");
