@@ -291,26 +291,30 @@ def test_elastic_classes_stay_at_the_worst_case_in_front_of_a_backend_that_does_
     drained(gw, b)
 
 
-def test_a_request_in_line_is_admitted_into_what_a_long_sequence_borrowed(stack):
+def test_a_request_in_line_waits_for_a_borrower_and_a_class_that_preempts_takes_its_blocks_back(stack):
     # 16 blocks = 256 tokens. A counting stream reserves its prompt + 16 output tokens (the
     # prior) and grows far past that on borrowed blocks. A request too big for what is free
-    # beside that growth waits in the gateway's queue, and is admitted into the borrowed blocks
-    # (the backend takes them back) while the long one is still running, not after it ends. The
-    # long one pauses and still ends at its cap with exactly the text it produces alone.
+    # beside that growth waits in the gateway's queue until the long one ends: what a borrower
+    # holds is not lent to the line (taking it back preempts the borrower, and under load the
+    # line kept borrowers recomputing). The same request from a class with `preempts` is
+    # admitted into the borrowed blocks (the backend takes them back) while the long one is
+    # still running. The long one pauses and still ends at its cap with exactly the text it
+    # produces alone.
+    vip = "kvgate-test-vip"
     policy = elastic_policy(min_samples=512)
     policy["policy"]["classes"]["default"].update(
         {"action": "queue", "max_wait_ms": 60_000, "max_depth": 8})
+    policy["policy"]["api_keys"] = {api_key_entry(vip): "vip"}
+    policy["policy"]["classes"]["vip"] = {"action": "queue", "max_wait_ms": 60_000,
+                                          "max_depth": 8, "priority": 9, "preempts": ["default"]}
     gw, b = stack(16, policy, "--admission", "reserve")
     active(gw)
     alone = {}
     stream(gw, 200, alone)
     assert alone["status"] == 200 and alone["finish"] == "length", alone
     drained(gw, b)
-    # What that run held back is given back with its lease (rounding at the next poll).
-    gw.wait_for(lambda s: s["held_back_bytes"] == 0, 10, "the growth cleared")
-    long, ended = {"chunks": 0}, {}
 
-    def run_long():
+    def run_long(long, ended):
         r = requests.post(gw.url + "/v1/completions", stream=True, timeout=180, json={
             "model": MODEL, "prompt": COUNTING, "max_tokens": 200, "temperature": 0,
             "stream": True})
@@ -323,29 +327,42 @@ def test_a_request_in_line_is_admitted_into_what_a_long_sequence_borrowed(stack)
                 long["chunks"] += 1
         long["text"] = "".join(text)
         ended["long"] = time.monotonic()
-    t = threading.Thread(target=run_long)
-    t.start()
-    s = gw.wait_for(lambda s: s["leases"] == 1 and s["lendable_bytes"] >= 8 * BLOCK_BYTES, 60,
-                    "the long one borrowing")
-    # Priced (prompt + 4 output tokens + one block of margin) at what is free beside the growth
-    # plus all but one block of what the long one borrowed: it fits neither the gateway's free
-    # bytes nor the backend's free blocks (the gateway keeps 10 % and a block per request
-    # aside) without taking borrowed ones back.
-    bpt = s["model"]["kv_bytes_per_token"]
-    n = (s["free_bytes"] + s["lendable_bytes"] - 2 * BLOCK_BYTES) // bpt - 4
-    assert n > 0, s
-    refused = s["counters"]["rejected"]
-    r = requests.post(gw.url + "/v1/completions", timeout=120, json={
-        "model": MODEL, "prompt": [1] * n, "max_tokens": 4, "temperature": 0})
-    ended["waiter"], streamed = time.monotonic(), long["chunks"]
-    assert r.status_code == 200, r.text
-    # Done while the long one had tens of tokens to go (it pauses for it), not once it ended.
-    assert "long" not in ended and streamed <= 180, streamed
-    t.join(timeout=180)
-    assert gw.status()["counters"]["rejected"] > refused, "it waited in line first"
-    assert long["status"] == 200 and long["finish"] == "length", long
-    assert long["text"] == alone["text"], "paused without a token lost or repeated"
-    m = b.metrics()
-    assert m["kvgate_backend_recompute_preemptions_total"] >= 1
-    assert m["kvgate_backend_kv_oom_total"] == 0
+
+    for headers in [{}, {"authorization": f"Bearer {vip}"}]:
+        # What the last run held back is given back with its lease (rounding at the next poll).
+        gw.wait_for(lambda s: s["held_back_bytes"] == 0, 10, "the growth cleared")
+        preempted = b.metrics()["kvgate_backend_recompute_preemptions_total"]
+        long, ended = {"chunks": 0}, {}
+        t = threading.Thread(target=run_long, args=(long, ended))
+        t.start()
+        s = gw.wait_for(lambda s: s["leases"] == 1 and s["lendable_bytes"] >= 8 * BLOCK_BYTES,
+                        60, "the long one borrowing")
+        # Priced (prompt + 4 output tokens + one block of margin) at what is free beside the
+        # growth plus all but one block of what the long one borrowed: it fits neither the
+        # gateway's free bytes nor the backend's free blocks (the gateway keeps 10 % and a block
+        # per request aside) without taking borrowed ones back.
+        bpt = s["model"]["kv_bytes_per_token"]
+        n = (s["free_bytes"] + s["lendable_bytes"] - 2 * BLOCK_BYTES) // bpt - 4
+        assert n > 0, s
+        refused = s["counters"]["rejected"]
+        r = requests.post(gw.url + "/v1/completions", headers=headers, timeout=120, json={
+            "model": MODEL, "prompt": [1] * n, "max_tokens": 4, "temperature": 0})
+        streamed, done = long["chunks"], time.monotonic()
+        assert r.status_code == 200, r.text
+        t.join(timeout=180)
+        assert long["status"] == 200 and long["finish"] == "length", long
+        assert long["text"] == alone["text"], "paused without a token lost or repeated"
+        took_back = b.metrics()["kvgate_backend_recompute_preemptions_total"] - preempted
+        if headers:
+            # Admitted into the borrowed blocks at once, and done while the long one had tens
+            # of tokens to go (it paused for it).
+            assert streamed <= 180, streamed
+            assert took_back >= 1
+        else:
+            # It waited in line, and was done only once the long one had ended (its client
+            # reads the last chunks a moment later), which nobody preempted.
+            assert gw.status()["counters"]["rejected"] > refused, "it waited in line first"
+            assert ended["long"] <= done + 0.5, (ended["long"] - done, streamed)
+            assert took_back == 0
+    assert b.metrics()["kvgate_backend_kv_oom_total"] == 0
     drained(gw, b)

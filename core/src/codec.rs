@@ -19,8 +19,8 @@
 //! Versions 1 (no `held_back`, no lease owner), 2 (no claims), 3 (no lease eta), 4 (no
 //! `lendable`: nothing lent until the next poll sets it), 5 (no lease `held`: none until
 //! the next poll sets it) and 6 (no claim `waits` flag: every client away; no
-//! `lendable_to_line`: nothing lent to the line until the next poll) are still read, so a filter upgraded in place under
-//! the same `vm_id` migrates the ledger it finds instead of forgetting its leases: migrated
+//! `lendable_to_line`: nothing lent to the line until the next poll) are still read, so a
+//! filter upgraded in place under the same `vm_id` migrates the ledger it finds instead of forgetting its leases: migrated
 //! leases have no owner and end at their deadline. An unknown version is an error, never an
 //! empty ledger.
 

@@ -713,7 +713,7 @@ mod tests {
             Decision::Rejected(_)
         ));
         assert!(l.committed() + 500 * token <= l.capacity());
-        // A class that may not preempt is not lent borrowed bytes outside the line.
+        // A class that may not preempt is not lent borrowed bytes (nor in line: see ledger).
         let mut m = Ledger::new(c.pricing.capacity_bytes, 1);
         m.set_held_back(9_000 * token);
         m.set_lendable(9_000 * token);

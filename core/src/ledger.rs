@@ -2009,8 +2009,8 @@ mod tests {
                         if let AdmitOutcome::Admitted { .. } = l.try_admit(&r, &retry(), now) {
                             prop_assert_eq!(l.committed(), before + b);
                             prop_assert!(l.claims().iter().all(|c| c.key != key));
-                            // A request in line may be lent borrowed bytes, never the part of
-                            // held back that nobody can give back.
+                            // A request in line may be lent what is lent to the line, never
+                            // the part of held back that nobody can give back.
                             let firm = l.held_back() - l.lendable();
                             prop_assert!(l.committed() + firm <= l.capacity());
                         }

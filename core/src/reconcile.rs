@@ -1088,7 +1088,7 @@ mod tests {
     }
 
     #[test]
-    fn only_what_elastic_sequences_borrowed_and_run_on_is_lent_to_requests_in_line() {
+    fn only_what_elastic_sequences_borrowed_and_run_on_is_lendable_and_not_to_the_line() {
         let mut l = Ledger::new(10_000, 1);
         admit(&mut l, 1, 1_000, 0); // elastic, running 600 past its reservation
         admit(&mut l, 2, 2_000, 0); // worst case, 100 of block rounding past it
@@ -1106,8 +1106,10 @@ mod tests {
         let r = reconcile(&mut l, &report, 100, 5_000, None, 0);
         assert_eq!(r.held_back, 600 + 100 + 900);
         // The rounding is no one's to give back, and the preempted one's need is its room to
-        // resume: only the running borrower's 600 is lent.
+        // resume: only the running borrower's 600 is lendable, to a class that preempts, and
+        // none of it to the line.
         assert_eq!((r.lendable, l.lendable()), (600, 600));
+        assert_eq!((r.lendable_to_line, l.lendable_to_line()), (0, 0));
         // With another gateway on the backend, its share of the room is held back too, and
         // none of it is lendable.
         let mut shared = Ledger::new(10_000, 1);

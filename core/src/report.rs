@@ -31,6 +31,7 @@ pub fn status_json(ledger: &Ledger, cfg: &Config, tokenizer: &str) -> Value {
         "free_bytes": ledger.free(),
         "held_back_bytes": ledger.held_back(),
         "lendable_bytes": ledger.lendable(),
+        "lendable_to_line_bytes": ledger.lendable_to_line(),
         "claims": ledger.claims().len(),
         // Claim keys are hashes of callers' keys and bodies: internal, never shown to clients.
         "claim_list": ledger.claims().iter().map(|c| json!({

@@ -119,6 +119,7 @@ impl Filter {
                     "committed_bytes": ledger.committed(), "capacity_bytes": ledger.capacity(),
                     "free_bytes": ledger.free(), "held_back_bytes": ledger.held_back(),
                     "lendable_bytes": ledger.lendable(),
+                    "lendable_to_line_bytes": ledger.lendable_to_line(),
                     "foreign_bytes": h.foreign_bytes, "foreign_leases": h.foreign_leases,
                     "drift_bytes": i64::try_from(h.drift_bytes).unwrap_or(i64::MAX),
                     "unseen_bytes": h.unseen_bytes, "unseen_leases": h.unseen_leases,
