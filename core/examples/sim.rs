@@ -6,16 +6,11 @@
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
 //! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries]
-//! [--allowance-by-prompt true|false] [--poll-ms M] [--lend-to-claims true|false]
-//! [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
+//! [--allowance-by-prompt true|false] [--poll-ms M] [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
 //! defaults), and on stderr, per gateway arm, where the pool went: the ledger's committed, held
 //! back and claimed bytes, the backend's blocks in use and promised, averaged over the polls.
 //! `--poll-ms` is how often the gateway polls each backend (500, the shipped configs'
 //! `backend.poll_ms`). `--safety-fraction` overrides the filter config's (0.9 shipped).
-//! `--lend-to-claims false` makes every poll set the ledgers' lendable bytes to 0: requests in
-//! line (and classes that preempt) then wait for elastic sequences to end instead of taking
-//! back what those borrowed past their reservations (an experiment: the filter has no such
-//! setting).
 //!
 //! `--allowance-by-prompt` is every elastic class's `elastic_by_prompt` (default `false`, as the
 //! filter's; the filter can do it since it tells the backend the allowance in its body field):
@@ -580,14 +575,7 @@ fn filter_config(
                     c.remove("min_output_tokens");
                     c.insert("action".into(), "queue".into());
                     c.insert("max_wait_ms".into(), ms.into());
-                    c.insert(
-                        "max_depth".into(),
-                        std::env::var("SIM_DEPTH")
-                            .ok()
-                            .and_then(|v| v.parse::<u64>().ok())
-                            .unwrap_or(64)
-                            .into(),
-                    );
+                    c.insert("max_depth".into(), 64.into());
                 }
             }
         }
@@ -1570,10 +1558,6 @@ struct Opts {
     poll_ms: u64,
     /// `--lazy-blocks`: the backend's `--lazy-blocks` (see the header).
     lazy_blocks: bool,
-    /// `--lend-to-claims false`: after every poll the gateway's ledgers lend nothing of what is
-    /// held back (`Ledger::set_lendable(0)`), so requests in line (and classes that preempt)
-    /// wait for elastic sequences to finish instead of taking back what they borrowed.
-    lend_to_claims: bool,
 }
 
 struct Sim<'a> {
@@ -2144,9 +2128,6 @@ impl<'a> Sim<'a> {
                     .map_or(0.0, |p| p.tokens_per_s);
                 reconcile::reconcile(ledger, &report, now_ms, 30_000, progress.as_ref(), GATEWAY);
                 let cap = ledger.capacity() as f64;
-                if !o.lend_to_claims {
-                    ledger.set_lendable(0);
-                }
                 // Where the pool goes, for the line printed at the end (stderr).
                 let pool = be.total.max(1) as f64;
                 for (sum, x) in self.pools.iter_mut().zip([
@@ -2322,7 +2303,6 @@ fn main() -> Res<()> {
     let mut dump: Option<String> = None;
     let mut context = None;
     let mut poll_ms = 500u64;
-    let mut lend_to_claims = true;
     let mut safety: Option<f64> = None;
     let mut filter_path =
         concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/kvgate-filter.yaml").to_string();
@@ -2355,7 +2335,6 @@ fn main() -> Res<()> {
             "--dump" => dump = Some(parse(&a, args.next())?),
             "--context" => context = Some(parse(&a, args.next())?),
             "--poll-ms" => poll_ms = parse(&a, args.next())?,
-            "--lend-to-claims" => lend_to_claims = either(&a, args.next(), "true", "false")?,
             "--safety-fraction" => safety = Some(parse(&a, args.next())?),
             "-h" | "--help" => {
                 println!("see the header of core/examples/sim.rs");
@@ -2430,7 +2409,6 @@ fn main() -> Res<()> {
         seed,
         poll_ms,
         lazy_blocks,
-        lend_to_claims,
     };
     let n: usize = workload.iter().map(Vec::len).sum();
     let load = match (clients, rate) {

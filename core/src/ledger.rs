@@ -646,9 +646,11 @@ impl Ledger {
     /// room for it then beside them (as EASY backfilling's "extra" nodes). `false` when there
     /// is no claim ahead: a backfill goes ahead of someone.
     ///
-    /// When a claim could start, a lower bound: not before what is not committed now (all of
-    /// it, as if what is held back cleared at once), plus what the live leases free as they
-    /// are expected to end (the Retry-After estimate's order), covers its need and that of the
+    /// When a claim could start, a lower bound: not before what is not committed now (as if
+    /// what is held back cleared at once, but for what leases hold past their reservations:
+    /// an elastic sequence's growth, which the line does not take back, frees when its lease
+    /// ends), plus what the live leases free as they are expected to end (their reservations
+    /// and that growth, in the Retry-After estimate's order), covers its need and that of the
     /// active claims before it (served first; past what the live leases hold, not before they
     /// have all ended), and not before its client is back: a claim whose client has not come
     /// back yet was told to retry no earlier than its expiry less the patience.
@@ -660,9 +662,18 @@ impl Ledger {
         now_ms: u64,
         retry: &RetryAfterConfig,
     ) -> bool {
-        let uncommitted = self.capacity.saturating_sub(self.committed);
-        // Reservations only: what is held back already counts as free in `uncommitted`.
-        let ends = crate::retry::expected_ends(self, now_ms, retry, |l| l.bytes);
+        let grown = self
+            .leases
+            .iter()
+            .map(|l| l.held)
+            .fold(0, u64::saturating_add)
+            .min(self.held_back);
+        let uncommitted = self
+            .capacity
+            .saturating_sub(self.committed)
+            .saturating_sub(grown);
+        let ends =
+            crate::retry::expected_ends(self, now_ms, retry, |l| l.bytes.saturating_add(l.held));
         let freed_by = |at: u64| {
             ends.iter()
                 .take_while(|(wait, _)| *wait <= at)
@@ -824,9 +835,12 @@ impl Ledger {
         // borrower (preempted, holding nothing past its reservation), so held back was already
         // that much above what the backend holds, and less what it frees stays as accurate as
         // the report. Not lendable any more either (borrowed growth never is firm, so this
-        // errs towards lending less when the lease's part was firm: block rounding).
+        // errs towards lending less when the lease's part was firm: block rounding). What is
+        // lent to the line (resume room, in no lease's `held`) stays, within what is left.
+        let to_line = self.lendable_to_line;
         self.set_lendable(self.lendable.saturating_sub(lease.held));
         self.set_held_back(self.held_back.saturating_sub(lease.held));
+        self.set_lendable_to_line(to_line);
         self.counters.released = self.counters.released.saturating_add(1);
         self.observe_lifetime(now_ms.saturating_sub(lease.created_ms));
         ReleaseOutcome::Released(lease)
@@ -870,8 +884,8 @@ impl Ledger {
     /// the backend in borrowed blocks, which the backend takes back (recomputing it later) when
     /// a reservation needs them. So its bytes become borrowed growth until the next report
     /// says what it really holds (or its release gives them back): held back and lendable —
-    /// room for the request that demoted it and for requests in line (`admit_into_lent`), not
-    /// for a newcomer. Returns the lease as it was; `None` (nothing changed) for an unknown id
+    /// room for the request that demoted it (`admit_into_lent`), not for requests in line or a
+    /// newcomer. Returns the lease as it was; `None` (nothing changed) for an unknown id
     /// or a lease already reserving nothing.
     pub fn demote(&mut self, id: u64) -> Option<Lease> {
         let lease = self.leases.iter_mut().find(|l| l.id == id && l.bytes > 0)?;
@@ -1398,6 +1412,39 @@ mod tests {
             AdmitOutcome::Admitted { .. }
         ));
         m.check().unwrap();
+    }
+
+    #[test]
+    fn a_backfill_does_not_count_on_growth_the_line_cannot_take_back() {
+        let cfg = exact_retry();
+        let mut l = Ledger::new(100, 1);
+        // A borrower reserves 10 and has grown 40 past it (lendable to a class that preempts,
+        // not to the line); it ends at 10 s. A lease of 25 ends at 1 s.
+        let borrower = lease_ending_at(&mut l, 10, 10_000);
+        lease_ending_at(&mut l, 25, 1_000);
+        l.set_held(|id| if id == borrower { 40 } else { 0 });
+        l.set_held_back(40);
+        l.set_lendable(40);
+        // C, waiting in a gateway's queue, needs 45 and holds the 25 spare: it starts at 1 s.
+        for now in [0, 1] {
+            assert!(matches!(
+                l.try_admit(&queued(45, 1, 0, now), &cfg, 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+        assert_eq!(l.held_for(1), 25);
+        // A 5 s run of 20 would leave C 30 at 1 s, not 45: refused. Counting the growth as
+        // room (it would have been, were it lent to the line) let it in.
+        assert!(matches!(
+            l.try_admit(&keyed(20, 2, 5_000, 2), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        // Done before 1 s: admitted.
+        assert!(matches!(
+            l.try_admit(&keyed(20, 3, 900, 2), &cfg, 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        l.check().unwrap();
     }
 
     #[test]

@@ -766,11 +766,10 @@ pub fn reconcile(
     // The room held for a preempted sequence to resume is not its reservation: it is growth
     // it was made to give back (or, demoted, all it needs). Requests that were already in line
     // when the first of those waiting to resume was admitted (live claims older than its
-    // lease) are lent as much of it as they need beyond what is spare and what the borrowers'
-    // growth lends them: they are served ahead of it, as they would have been had it not
-    // grown. Claims are served oldest first, so that lends later requests no more than the
-    // growth alone did; they wait for the resume, and a preempted sequence waits for a line of
-    // bounded length. Without this, a short request in line waits behind sequences admitted
+    // lease) are lent as much of it as they need beyond what is spare: they are served ahead
+    // of it, as they would have been had it not grown. Claims are served oldest first, so that
+    // lends later requests nothing: they wait for the resume, and a preempted sequence waits
+    // for a line of bounded length. Without this, a short request in line waits behind sequences admitted
     // after it for as long as they take turns outgrowing the pool.
     let older_need = ledger
         .claims()

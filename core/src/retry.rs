@@ -92,12 +92,13 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
 /// A lease's end frees its reservation and what the backend held for it beyond that (held
 /// back, so not free now; `Ledger::release` gives it back) — but only held bytes nobody else
 /// has been given since: what was lent from held back to a reservation (`committed + held_back` past
-/// the capacity: the backend takes those blocks back from their borrower) or to a claim (what
-/// claims hold beyond the room not held back) is not freed again when the borrower ends. What
-/// is lent comes out of the leases' `held` (lendable is their growth), never out of the rest of
-/// held back (foreign use, other gateways' share, rounding), so at most the leases' `held`
-/// (within held back) less both lent parts is counted, taken in the order the leases are
-/// expected to end.
+/// the capacity: the backend takes those blocks back from their borrower, for a class that
+/// preempts) is not freed again when the borrower ends. That comes out of the leases' `held`
+/// (their growth), never out of the rest of held back (foreign use, other gateways' share,
+/// rounding), so at most the leases' `held` (within held back) less what was lent is counted,
+/// taken in the order the leases are expected to end. What claims hold past the room not held
+/// back is room held for a resume (`Ledger::lendable_to_line`), in no lease's `held`: it takes
+/// nothing from what the leases free.
 fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig) -> Option<u64> {
     let held: u64 = ledger
         .leases()
@@ -108,10 +109,7 @@ fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig
         .committed()
         .saturating_add(ledger.held_back())
         .saturating_sub(ledger.capacity());
-    let mut held_room = held
-        .min(ledger.held_back())
-        .saturating_sub(lent)
-        .saturating_sub(ledger.claimed().saturating_sub(ledger.unclaimed()));
+    let mut held_room = held.min(ledger.held_back()).saturating_sub(lent);
     let ends = expected_ends(ledger, now_ms, cfg, |l| (l.bytes, l.held))
         .into_iter()
         .map(|(wait, (reserved, held))| {
@@ -309,6 +307,35 @@ mod tests {
         assert_eq!(waits(&l, &[25, 30]), [6_000, 19_000]);
         l.release(grown, 7_000);
         assert_eq!(l.free(), 25);
+    }
+
+    #[test]
+    fn room_lent_to_the_line_takes_nothing_from_what_a_grown_lease_frees() {
+        // A lease of 10, expected to end at 7 s, has grown 40 past it; 30 more are held back as
+        // room for a preempted sequence to resume, lent to the line. A request in line for 60
+        // holds the 20 spare and those 30.
+        let (mut l, grown) = one_lease(10, 7_000);
+        l.set_held(|id| if id == grown { 40 } else { 0 });
+        l.set_held_back(70);
+        l.set_lendable(70);
+        l.set_lendable_to_line(30);
+        let in_line = AdmitRequest {
+            claim: Some(crate::ledger::ClaimTicket {
+                key: 9,
+                patience_ms: 60_000,
+                run_ms: 0,
+                max_line_permille: 0,
+                waits: true,
+            }),
+            ..request(60, 1_000, 1_000_000)
+        };
+        for _ in 0..2 {
+            let r = l.try_admit(&in_line, &no_jitter(), 1);
+            assert!(matches!(r, AdmitOutcome::Rejected { .. }));
+        }
+        assert_eq!((l.claimed(), l.free()), (50, 0));
+        // The grown one's end frees its 10 and all 40 of its growth: 50 by 7 s.
+        assert_eq!(waits(&l, &[50]), [6_000]);
     }
 
     #[test]

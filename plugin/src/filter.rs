@@ -246,6 +246,7 @@ impl Filter {
             shadow_note: RefCell::new(None),
             claim_active: Cell::new(false),
             waiting_since: Cell::new(None),
+            sent_away: Cell::new(false),
         });
         self.ticket = Some(Rc::clone(&ticket));
         match ticket.attempt(&self.worker, &rt) {

@@ -318,7 +318,9 @@ impl Root {
             self.worker.metrics.queued.add_signed(-1);
             // One last try: it may fit now, and a refusal refreshes its place in the fair-retry
             // line and says how long the line ahead of it and its own need will likely take
-            // (not the shortest wait, which would bring it back to find the same queue).
+            // (not the shortest wait, which would bring it back to find the same queue). Its
+            // client is away from then on.
+            e.item.sent_away.set(true);
             let Retried::Waiting(refused) = self.retry_queued(&e.item, rt) else {
                 continue;
             };

@@ -60,6 +60,9 @@ pub struct Ticket {
     /// When its place in the fair-retry line was taken (its first refusal, on an earlier try of
     /// the same request too): the arrival its place in the worker's queue is aged from.
     pub waiting_since: Cell<Option<u64>>,
+    /// Its wait in the queue ran out: its last try's refusal sends the client away with a
+    /// Retry-After, so its place in line no longer `waits` here.
+    pub sent_away: Cell<bool>,
 }
 
 pub enum Attempt {
@@ -142,7 +145,11 @@ impl Ticket {
         let holder = gate::Holder {
             lease_id: Some(self.lease_id),
             owner: crate::worker::owner_id(),
-            claim: self.claim.map(|c| kvgate_core::ClaimTicket { run_ms, ..c }),
+            claim: self.claim.map(|c| kvgate_core::ClaimTicket {
+                run_ms,
+                waits: c.waits && !self.sent_away.get(),
+                ..c
+            }),
         };
         // The plain pass: no degrade, no preemption; a request that does not fit changes nothing.
         let plain_class = ClassPolicy {

@@ -332,11 +332,24 @@ fn a_retry_after_a_queue_timeout_keeps_its_age_in_the_queue() {
     let older = completion(500, Some(1_000));
     let (first, action) = vm.post("/v1/completions", &[], &older);
     assert_eq!(action, Action::Pause, "queued");
+    let waits = || {
+        ledger()
+            .claims()
+            .iter()
+            .map(|c| c.waits)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(waits(), [true], "its client waits in the queue");
     vm.advance_ms(5_001);
     vm.tick();
     let replies = Vm::replies(first);
     assert_eq!(replies.len(), 1);
     assert_eq!(replies[0].json()["error"]["code"], "kv_queue_timeout");
+    assert_eq!(
+        waits(),
+        [false],
+        "its client is sent away with a Retry-After"
+    );
     vm.finish(first);
 
     vm.advance_ms(400);
