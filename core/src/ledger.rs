@@ -416,10 +416,11 @@ impl Ledger {
     ///
     /// Not what elastic sequences have borrowed past their reservations: the backend would
     /// give it back by preempting the borrowers, and under sustained load they outgrow the pool
-    /// again at once, so the line would keep them recomputing (in the simulator, 2.2–3.6× the
-    /// recomputed tokens and 0.80× the goodput: BENCHMARKS.md, "What the line costs where KV
-    /// binds"). A request in line waits for the borrowers to end instead: a finite set, since
-    /// nobody is admitted past the line but a backfill, each within its cap's decode time.
+    /// again at once, so the line would keep them recomputing (in the simulator at GPU scale,
+    /// 5.3–6.9× the recomputed tokens and 0.80–0.93× the goodput: BENCHMARKS.md, "What the line
+    /// costs where KV binds"). A request in line waits for the borrowers to end instead: once
+    /// its client is back, nobody is admitted past it but backfills and classes that preempt,
+    /// so they are a finite set, each done within its cap's decode time.
     /// Spare bytes are poured before lent ones, so `free()` (what is unclaimed less what claims
     /// hold) counts none of the lent bytes as taken from the spare.
     pub(crate) fn settle_claims(&mut self, now_ms: u64) {
