@@ -1275,10 +1275,11 @@ impl Gateway {
     /// `Ticket::run_ms`: how long request `r` is expected to decode (0: unknown).
     fn run_ms_of(&self, r: &ReqState) -> u64 {
         match self.priced(r) {
-            Ok((_, p)) if self.backfill => reconcile::run_ms(
-                self.tokens_per_s.iter().copied(),
-                p.elastic.map_or(p.price.cap.cap, |e| e.output_tokens),
-            ),
+            // To its cap, as the filter's: the line does not take back what a backfill grows
+            // past an elastic allowance.
+            Ok((_, p)) if self.backfill => {
+                reconcile::run_ms(self.tokens_per_s.iter().copied(), p.price.cap.cap)
+            }
             _ => 0,
         }
     }

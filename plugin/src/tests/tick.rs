@@ -584,7 +584,9 @@ fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learn
     vm.tick();
     assert!(admitted(late).is_none());
     // A poll brings five outputs of the class that answered prompts of its length in 150
-    // tokens: priced now at 100 + 150 tokens (1.5 s), it is done long before the front starts.
+    // tokens: priced now at 100 + 150 tokens, it leaves the front room beside it when the front
+    // starts. Its run is weighed at its cap (about 50 s at 100 tokens/s), not at 150 tokens:
+    // the line does not take back what it grows past them.
     vm.advance_ms(300);
     vm.tick();
     let call = Vm::calls()
@@ -615,6 +617,8 @@ fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learn
     vm.tick();
     let lease = admitted(late).expect("backfilled at what its class learned");
     assert_eq!(lease.bytes, 250 * PER_TOKEN);
+    let run_ms = lease.eta_ms - Vm::now_ms();
+    assert!((50_000..60_000).contains(&run_ms), "run to its cap: {run_ms} ms");
     assert!(Vm::resumed(late));
     assert!(admitted(front).is_none(), "the front still waits");
     let forwarded: Value = serde_json::from_slice(&Vm::body(late)).unwrap();
