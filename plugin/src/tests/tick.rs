@@ -618,7 +618,10 @@ fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learn
     let lease = admitted(late).expect("backfilled at what its class learned");
     assert_eq!(lease.bytes, 250 * PER_TOKEN);
     let run_ms = lease.eta_ms - Vm::now_ms();
-    assert!((50_000..60_000).contains(&run_ms), "run to its cap: {run_ms} ms");
+    assert!(
+        (50_000..60_000).contains(&run_ms),
+        "run to its cap: {run_ms} ms"
+    );
     assert!(Vm::resumed(late));
     assert!(admitted(front).is_none(), "the front still waits");
     let forwarded: Value = serde_json::from_slice(&Vm::body(late)).unwrap();
