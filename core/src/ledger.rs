@@ -417,7 +417,7 @@ impl Ledger {
     /// Not what elastic sequences have borrowed past their reservations: the backend would
     /// give it back by preempting the borrowers, and under sustained load they outgrow the pool
     /// again at once, so the line would keep them recomputing (in the simulator at GPU scale,
-    /// 5.1–6.9× the recomputed tokens and 0.72–0.93× the goodput: BENCHMARKS.md, "What the line
+    /// 4.8–5.6× the recomputed tokens and 0.77–0.91× the goodput: BENCHMARKS.md, "What the line
     /// costs where KV binds"). A request in line waits for the borrowers to end instead: once
     /// its client is back, nobody is admitted past it but backfills and classes that preempt,
     /// so they are a finite set, each done within its cap's decode time.
