@@ -443,6 +443,15 @@ impl Ledger {
     pub fn held_back(&self) -> u64 {
         self.held_back
     }
+    /// What the live leases hold past their reservations (growth, all a demoted lease holds,
+    /// rounding) as of the last report, within what is held back: freed only as they end.
+    pub(crate) fn held_by_leases(&self) -> u64 {
+        self.leases
+            .iter()
+            .map(|l| l.held)
+            .fold(0, u64::saturating_add)
+            .min(self.held_back)
+    }
     /// Hold back `bytes` from admission (the backend uses that much more than the ledger knows).
     pub fn set_held_back(&mut self, bytes: u64) {
         self.held_back = bytes;
@@ -663,16 +672,10 @@ impl Ledger {
         now_ms: u64,
         retry: &RetryAfterConfig,
     ) -> bool {
-        let grown = self
-            .leases
-            .iter()
-            .map(|l| l.held)
-            .fold(0, u64::saturating_add)
-            .min(self.held_back);
         let uncommitted = self
             .capacity
             .saturating_sub(self.committed)
-            .saturating_sub(grown);
+            .saturating_sub(self.held_by_leases());
         let ends =
             crate::retry::expected_ends(self, now_ms, retry, |l| l.bytes.saturating_add(l.held));
         let freed_by = |at: u64| {

@@ -100,16 +100,11 @@ fn expected_wait_ms(ledger: &Ledger, need: u64, now_ms: u64, cfg: &RetryAfterCon
 /// back is room held for a resume (`Ledger::lendable_to_line`), in no lease's `held`: it takes
 /// nothing from what the leases free.
 fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig) -> Option<u64> {
-    let held: u64 = ledger
-        .leases()
-        .iter()
-        .map(|l| l.held)
-        .fold(0, u64::saturating_add);
     let lent = ledger
         .committed()
         .saturating_add(ledger.held_back())
         .saturating_sub(ledger.capacity());
-    let mut held_room = held.min(ledger.held_back()).saturating_sub(lent);
+    let mut held_room = ledger.held_by_leases().saturating_sub(lent);
     let ends = expected_ends(ledger, now_ms, cfg, |l| (l.bytes, l.held))
         .into_iter()
         .map(|(wait, (reserved, held))| {
