@@ -55,8 +55,8 @@ Arms (a fresh backend, and gateway where there is one, per arm and round; same p
            front of such a server runs, so that the gateway's own CPU is in both sides of the
            comparison (this machine's two cores run clients, proxy and backend together)
 
-Per arm: failures by reason (mid-decode KV OOM = a stream ending with finish_reason "error" or
-cut off; preempted by policy; 413/too large; gave up), goodput (output tokens of completed
+Per arm: failures by reason (mid-decode KV OOM = a stream ending with an error event or cut
+off; preempted by policy; 413/too large; gave up), goodput (output tokens of completed
 requests / makespan), p50/p99 latency and time to first token (both from the first try, so they
 include waiting for admission), 429s received, the longest admission wait (first try to the
 response headers of the try that was admitted), mean KV written / capacity and, behind kvgate, mean
@@ -284,7 +284,7 @@ def send(url, r, a, run, cap_override=None):
         res["finish"] = finish
         if finish in ("stop", "length") and err is None:
             res["outcome"] = "ok"
-        elif finish == "preempted" or (err and "preempt" in json.dumps(err)):
+        elif err and "preempt" in json.dumps(err):
             res["outcome"] = "preempted"
         else:
             res["outcome"] = "kv oom"

@@ -90,6 +90,11 @@ def test_two_gateways_two_backends_bursts_never_overfill_a_pool(fleet):
     gws, bs = fleet(2, 2, 64, None, "--admission", "reserve", "--step-delay-ms", "40")
     for gw in gws:
         wait_all_up(gw, bs)
+    # Before either holds a lease, each backend tells each gateway of the other (both poll it),
+    # so each takes half the room free at its last poll.
+    for gw in gws:
+        gw.wait_for(lambda s: all(e["other_gateways"] == 1 for e in s["endpoints"]), 10,
+                    "every endpoint reports the other gateway")
     capacity = {b.port: b.metrics()["kvgate_backend_kv_capacity_bytes"] for b in bs}
     outcomes, lease_ids, lock = Counter(), {}, threading.Lock()
     stop, peak = threading.Event(), {}

@@ -7,7 +7,7 @@
 
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -24,6 +24,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::engine::Admission;
 use crate::handle::{Demoted, EngineHandle, Event, GenParams, Submit};
+use crate::pollers::{Poll, Pollers};
 use crate::published::Published;
 use crate::tokenizer::Tokenizer;
 use kvgate_core::tokenize::ChatTemplate;
@@ -44,6 +45,8 @@ pub struct AppState {
     pub decode_scratch_bytes: u64,
     /// The largest request body accepted (`--max-body-bytes`).
     pub max_body_bytes: usize,
+    /// The gateways that poll the lease report, so each can be told of the others.
+    pub pollers: Mutex<Pollers>,
 }
 
 impl AppState {
@@ -145,6 +148,28 @@ struct LeasesQuery {
     since: u64,
     #[serde(default)]
     include: Option<String>,
+    /// The polling gateway: its Envoy (16 hex digits), its number and its poll period. A poll
+    /// without them (an older gateway) is answered all the same.
+    #[serde(default)]
+    instance: Option<String>,
+    #[serde(default)]
+    gateway: Option<u64>,
+    #[serde(default)]
+    poll_ms: Option<u64>,
+}
+
+impl LeasesQuery {
+    fn poll(&self) -> Option<Poll> {
+        let instance = self.instance.as_deref()?;
+        if instance.is_empty() || instance.len() > 16 {
+            return None;
+        }
+        Some(Poll {
+            instance: u64::from_str_radix(instance, 16).ok()?,
+            gateway: self.gateway?,
+            poll_ms: self.poll_ms.unwrap_or(1_000),
+        })
+    }
 }
 
 async fn leases(
@@ -153,6 +178,11 @@ async fn leases(
     Query(q): Query<LeasesQuery>,
 ) -> Result<Json<LeaseReport>, HttpError> {
     st.check_secret(&headers)?;
+    let other_gateways = st
+        .pollers
+        .lock()
+        .map(|mut p| p.polled(q.poll(), Instant::now()))
+        .unwrap_or_default();
     let (pool, leases, finished, cursor) = st.engine.lease_report(q.since);
     let tokenizer = TokenizerReport {
         kind: "tiktoken_bpe".into(),
@@ -193,6 +223,7 @@ async fn leases(
         leases,
         finished,
         cursor,
+        other_gateways,
     }))
 }
 
@@ -659,12 +690,16 @@ fn sse_stream(
                     error,
                 }) => {
                     if let Some(e) = error {
+                        // Cut short (preempted, out of KV): the error event ends the stream, as
+                        // vLLM ends one. No chunk carries `error` or `preempted` as a
+                        // `finish_reason`: OpenAI's clients know only their own values.
                         let body: Value = serde_json::from_str(&e.body()).unwrap_or(Value::Null);
                         out.push(data(&body));
-                    }
-                    out.push(data(&shape.chunk(None, first, Some(reason))));
-                    if include_usage {
-                        out.push(data(&shape.usage_chunk(prompt_tokens, completion_tokens)));
+                    } else {
+                        out.push(data(&shape.chunk(None, first, Some(reason))));
+                        if include_usage {
+                            out.push(data(&shape.usage_chunk(prompt_tokens, completion_tokens)));
+                        }
                     }
                     out.push(Ok(SseEvent::default().data("[DONE]")));
                     finished = true;

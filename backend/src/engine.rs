@@ -100,7 +100,7 @@ impl Admission {
 /// What a running sequence that needs a KV block does when none is free.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum OnKvExhaustion {
-    /// End it with an error (finish_reason `error`, the mid-decode KV OOM).
+    /// End it with an error (`kv_cache_exhausted`, the mid-decode KV OOM).
     #[default]
     Error,
     /// Preempt the youngest other running sequence and recompute it later (vLLM's way).

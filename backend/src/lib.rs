@@ -9,6 +9,7 @@ pub mod forward;
 pub mod handle;
 pub mod metrics;
 pub mod model;
+pub mod pollers;
 pub mod pool;
 pub mod published;
 pub mod sampling;

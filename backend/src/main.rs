@@ -69,7 +69,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = Admission::Reserve)]
     admission: Admission,
     /// What a running sequence that needs a KV block does when none is free (only happens with
-    /// `--admission none`). `error`: it ends with finish_reason `error` (a mid-decode KV OOM).
+    /// `--admission none`). `error`: it ends with an error event (a mid-decode KV OOM).
     /// `recompute` (vLLM's way): the youngest other running sequence gives back its blocks and
     /// is recomputed later from its prompt + the tokens it generated; its client sees a pause,
     /// not an error.
@@ -285,6 +285,7 @@ async fn main() -> Result<()> {
         prefill_scratch_bytes: prefill_scratch,
         decode_scratch_bytes: decode_scratch,
         max_body_bytes: args.max_body_bytes.max(1),
+        pollers: Default::default(),
     });
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()

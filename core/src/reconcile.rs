@@ -45,6 +45,9 @@ pub struct BackendReport {
     pub gateway_note: bool,
     /// The margin its block rounding needs on every reservation (`None` from an older backend).
     pub scratch_margin_bytes: Option<u64>,
+    /// The numbers of the other gateways that poll it (one per Envoy; empty from an older
+    /// backend, or one that no other gateway polls).
+    pub other_gateways: Vec<u64>,
 }
 
 /// One request the backend holds now.
@@ -577,6 +580,7 @@ impl From<&LeaseReport> for BackendReport {
             finished_outputs: r.finished.iter().filter_map(Self::learned_output).collect(),
             admission: r.admission.clone(),
             gateway_note: r.gateway_note,
+            other_gateways: r.other_gateways.clone(),
             class_outputs: r
                 .finished
                 .iter()
@@ -615,8 +619,9 @@ pub struct Reconciled {
     /// backend (a request that bypassed the gateways, or one of this gateway's own released
     /// leases the backend still holds, is).
     pub peer_bytes: u64,
-    /// Gateways other than this one with live leases at the backend (from the gateway number
-    /// in their lease ids): the room free now is shared with them until the next poll.
+    /// Gateways other than this one at the backend: those that poll it (as it reports them),
+    /// and those with live leases there that do not (from the gateway number in their lease
+    /// ids: an older gateway). The room free now is shared with them until the next poll.
     pub other_gateways: u64,
     /// What this ledger's own leases hold at the backend beyond what they reserved here:
     /// elastic sequences grown past their reservation (and block rounding). Expected, so not
@@ -703,9 +708,12 @@ pub fn reconcile(
                 out.foreign_bytes = out.foreign_bytes.saturating_add(e.bytes);
                 // Not this gateway's own (a lease it has released that the backend still
                 // finishes) and not a request that bypassed the gateways.
-                if let Some(g) =
-                    e.id.map(|id| id >> GATEWAY_SHIFT)
-                        .filter(|g| *g != own_gateway)
+                // A peer that drew this gateway's own number (it polls under it) makes such
+                // leases its own as likely as this gateway's.
+                if let Some(g) = e
+                    .id
+                    .map(|id| id >> GATEWAY_SHIFT)
+                    .filter(|g| *g != own_gateway || report.other_gateways.contains(&own_gateway))
                 {
                     gateways.insert(g);
                     out.peer_bytes = out.peer_bytes.saturating_add(e.bytes);
@@ -756,7 +764,11 @@ pub fn reconcile(
     // poll: until then it takes only its share of the room free now, 1/(others + 1), so that
     // gateways racing for the same room rarely over-admit it (the backend refuses what they
     // do). Its own releases free room for it at once; the next poll splits the room again.
-    let others = gateways.len() as u64;
+    // Those that poll (one per Envoy, so two that drew the same number both count), and those
+    // seen only by their leases.
+    let polling: BTreeSet<u64> = report.other_gateways.iter().copied().collect();
+    let unpolled = gateways.iter().filter(|g| !polling.contains(*g)).count();
+    let others = (report.other_gateways.len() + unpolled) as u64;
     let spare = ledger
         .capacity()
         .saturating_sub(ledger.committed())
@@ -1598,6 +1610,54 @@ mod tests {
         };
         let rec = reconcile(&mut l, &r, 35, 5_000, None, OURS);
         assert_eq!((rec.other_gateways, rec.held_back), (0, 500));
+    }
+
+    #[test]
+    fn gateways_that_poll_share_the_room_before_any_holds_a_lease() {
+        const OURS: u64 = 3;
+        let mut l = Ledger::new(10_000, 1);
+        let polled = |others: Vec<u64>, entries: Vec<LiveEntry>| BackendReport {
+            used_bytes: entries.iter().map(|e| e.bytes).sum(),
+            entries,
+            other_gateways: others,
+            ..Default::default()
+        };
+        // Another gateway polls, with no lease yet: half the room is its until the next poll.
+        let rec = reconcile(&mut l, &polled(vec![5], vec![]), 10, 5_000, None, OURS);
+        assert_eq!((rec.other_gateways, rec.held_back), (1, 5_000));
+        assert_eq!(l.free(), 5_000);
+        // Two Envoys that drew the same number are two gateways.
+        let rec = reconcile(&mut l, &polled(vec![5, 5], vec![]), 20, 5_000, None, OURS);
+        assert_eq!(rec.other_gateways, 2);
+        assert_eq!(l.free(), 10_000 - 10_000 / 3 * 2);
+        // A polling gateway's leases do not count it twice; an older one, seen only by its
+        // leases, counts too.
+        let two = vec![entry(5 << 43, 1_000), entry((7 << 43) | 1, 1_000)];
+        let rec = reconcile(&mut l, &polled(vec![5], two), 30, 5_000, None, OURS);
+        assert_eq!(rec.other_gateways, 2);
+        assert_eq!(
+            (rec.peer_bytes, rec.held_back),
+            (2_000, 2_000 + 8_000 / 3 * 2)
+        );
+        // A peer polling under this gateway's own number: leases in that number are as likely
+        // its as this gateway's (released here, still running there), and it shares the room.
+        let same = vec![entry((OURS << 43) | 9, 500)];
+        let rec = reconcile(
+            &mut l,
+            &polled(vec![OURS], same.clone()),
+            40,
+            5_000,
+            None,
+            OURS,
+        );
+        assert_eq!((rec.other_gateways, rec.peer_bytes), (1, 500));
+        // Without such a peer they are this gateway's own, and no room is shared.
+        let rec = reconcile(&mut l, &polled(vec![], same), 50, 5_000, None, OURS);
+        assert_eq!(
+            (rec.other_gateways, rec.peer_bytes, rec.held_back),
+            (0, 0, 500)
+        );
+        assert_eq!(l.free(), 9_500, "alone: all the room is this gateway's");
     }
 
     #[test]

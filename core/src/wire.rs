@@ -40,6 +40,12 @@ pub struct LeaseReport {
     /// The newest finished entry's cursor: the next poll's `since`.
     #[serde(default)]
     pub cursor: u64,
+    /// The other gateways polling this backend: the number (`gateway_id`) of every Envoy,
+    /// other than the one asking, whose poll named its instance within the last three of its
+    /// poll periods. One entry per Envoy, so two that drew the same number both count. A
+    /// gateway learns of its peers here before any of them holds a lease.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub other_gateways: Vec<u64>,
 }
 
 /// The backend's KV block pool.
@@ -201,7 +207,8 @@ pub struct LeaseEntry {
     pub resuming: bool,
 }
 
-/// Why a sequence ended; also the OpenAI `finish_reason` of the ones that end normally.
+/// Why a sequence ended, as the lease report says; also the OpenAI `finish_reason` of the ones
+/// that end normally (`stop`, `length`). A stream cut short ends with an error event instead.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
@@ -334,6 +341,7 @@ mod tests {
                 gateway_prompt_tokens: 3,
             }],
             cursor: 1,
+            other_gateways: vec![4, 4],
         }
     }
 
@@ -352,6 +360,7 @@ mod tests {
         assert_eq!(v["leases"][0]["state"], "running");
         assert_eq!(v["finished"][0]["reason"], "preempted");
         assert_eq!(v["finished"][0]["gateway_prompt_tokens"], 3);
+        assert_eq!(v["other_gateways"], serde_json::json!([4, 4]));
         let back = LeaseReport::parse(v.to_string().as_bytes()).unwrap();
         assert_eq!(back, r);
     }
@@ -361,6 +370,7 @@ mod tests {
         // The least a report can be.
         let r = LeaseReport::parse(br#"{"pool":{"capacity_bytes":1,"used_bytes":0}}"#).unwrap();
         assert!(r.leases.is_empty() && r.model.is_none() && r.cursor == 0);
+        assert!(r.other_gateways.is_empty());
         // Fields and values this build does not know.
         let r = LeaseReport::parse(
             br#"{"pool":{"capacity_bytes":1,"used_bytes":0,"tier":"hbm"},"new":1,

@@ -121,6 +121,7 @@ impl Filter {
                     "lendable_bytes": ledger.lendable(),
                     "lendable_to_line_bytes": ledger.lendable_to_line(),
                     "foreign_bytes": h.foreign_bytes, "foreign_leases": h.foreign_leases,
+                    "other_gateways": h.other_gateways,
                     "drift_bytes": i64::try_from(h.drift_bytes).unwrap_or(i64::MAX),
                     "unseen_bytes": h.unseen_bytes, "unseen_leases": h.unseen_leases,
                     "live_leases": ledger.leases().len(),
@@ -156,6 +157,7 @@ impl Filter {
                             "used_bytes": b.used_bytes, "capacity_bytes": b.capacity_bytes,
                             "drift_bytes": i64::try_from(b.drift_bytes).unwrap_or(i64::MAX),
                             "unseen_bytes": b.unseen_bytes, "foreign_bytes": b.foreign_bytes,
+                            "other_gateways": b.other_gateways,
                             "last_ok_ms": b.last_ok_ms,
                         }),
                     );

@@ -432,7 +432,15 @@ impl Root {
             p.next_ms = now + b.poll_ms;
             let ask = self.want_descriptor && !asking;
             let include = if ask { "&include=tokenizer" } else { "" };
-            let path = format!("{}?since={}{include}", b.leases_path, p.cursor);
+            // Naming this Envoy, so the backend tells it of the other gateways that poll.
+            let path = format!(
+                "{}?since={}&gateway={}&instance={:016x}&poll_ms={}{include}",
+                b.leases_path,
+                p.cursor,
+                self.worker.gateway(),
+                self.worker.instance(),
+                b.poll_ms
+            );
             match host::call_backend(b, p.address.as_deref(), "GET", &path) {
                 Ok(token) => {
                     p.in_flight = Some(token);
@@ -629,6 +637,7 @@ impl Root {
             unseen_leases: rec.unseen.len() as u64,
             foreign_bytes: rec.foreign_bytes,
             foreign_leases: rec.foreign_leases as u64,
+            other_gateways: rec.other_gateways,
         });
         self.observe_backends(&rt);
     }

@@ -55,11 +55,14 @@ pub struct BackendHealth {
     /// Bytes the backend holds for leases this gateway does not own.
     pub foreign_bytes: u64,
     pub foreign_leases: u64,
+    /// Other gateways admitting onto it, as its last poll found them: the room free then is
+    /// shared with them until the next poll.
+    pub other_gateways: u64,
 }
 
 impl BackendHealth {
     fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(80);
+        let mut v = Vec::with_capacity(88);
         v.push(u8::from(self.polled));
         v.push(u8::from(self.up));
         v.extend_from_slice(&self.failures.to_le_bytes());
@@ -73,6 +76,7 @@ impl BackendHealth {
         v.push(u8::from(self.full));
         v.push(u8::from(self.mismatch));
         v.extend_from_slice(&self.unseen_leases.to_le_bytes());
+        v.extend_from_slice(&self.other_gateways.to_le_bytes());
         v
     }
 
@@ -93,6 +97,7 @@ impl BackendHealth {
             mismatch: *b.get(71)? != 0,
             // Absent from what an older filter wrote.
             unseen_leases: u64_at(72).unwrap_or(0),
+            other_gateways: u64_at(80).unwrap_or(0),
         })
     }
 
@@ -243,6 +248,20 @@ impl Endpoint {
 const HEALTH_KEY: &str = "kvgate.backend.v3";
 /// A gateway number drawn for this Envoy when none is configured.
 const GATEWAY_KEY: &str = "kvgate.gateway.v1";
+/// This Envoy's instance, drawn once: its polls name it, so that a backend tells every gateway
+/// of the others (even two that drew the same number).
+const INSTANCE_KEY: &str = "kvgate.instance.v1";
+
+/// The value under `key` in shared data, or `drawn` put there first when there is none. A race
+/// between two first workers is settled by reading back what the store kept.
+fn drawn_once(key: &str, drawn: &[u8]) -> Vec<u8> {
+    let read = || proxy_wasm::hostcalls::get_shared_data(key).ok()?.0;
+    if let Some(v) = read() {
+        return v;
+    }
+    let _ = proxy_wasm::hostcalls::set_shared_data(key, Some(drawn), None);
+    read().unwrap_or_else(|| drawn.to_vec())
+}
 
 /// This worker's identity as a lease owner: one per wasm VM (an Envoy worker thread), shared by
 /// every root context the VM runs, so a reconfiguration that keeps the VM keeps the owner of the
@@ -304,6 +323,8 @@ pub struct Worker {
     lease_seed: u64,
     /// This gateway's number (configured, or drawn once per Envoy in shared data).
     gateway: Cell<u16>,
+    /// This Envoy's instance (drawn once per Envoy in shared data).
+    instance: Cell<u64>,
     lease_counter: Cell<u64>,
     /// Output lengths each class's requests produced, from the backends' reports (elastic
     /// classes reserve a quantile of them).
@@ -367,6 +388,7 @@ impl Worker {
             endpoints: RefCell::new(Vec::new()),
             retired: RefCell::new(Vec::new()),
             gateway: Cell::new(0),
+            instance: Cell::new(0),
             outputs: RefCell::new(BTreeMap::new()),
         }
     }
@@ -453,30 +475,37 @@ impl Worker {
         u64::from(self.gateway.get())
     }
 
+    /// This Envoy's instance, as its polls name it.
+    pub fn instance(&self) -> u64 {
+        self.instance.get()
+    }
+
     /// The configured `gateway_id`, or one drawn once per Envoy (every worker reads the same
-    /// shared-data key; a race between two first workers only makes another gateway's view of
-    /// this one more careful).
+    /// shared-data key).
     fn pick_gateway(&self, cfg: &Config) -> u16 {
         if let Some(g) = cfg.gateway_id {
             return g;
         }
-        let read = || -> Option<u16> {
-            let (bytes, _) = proxy_wasm::hostcalls::get_shared_data(GATEWAY_KEY).ok()?;
-            Some(u16::from_le_bytes(bytes?.get(..2)?.try_into().ok()?))
-        };
-        if let Some(g) = read() {
-            return g;
-        }
         let drawn = (splitmix64(self.lease_seed) % (u64::from(MAX_GATEWAY_ID) + 1)) as u16;
-        let _ =
-            proxy_wasm::hostcalls::set_shared_data(GATEWAY_KEY, Some(&drawn.to_le_bytes()), None);
-        read().unwrap_or(drawn)
+        drawn_once(GATEWAY_KEY, &drawn.to_le_bytes())
+            .get(..2)
+            .and_then(|b| b.try_into().ok())
+            .map_or(drawn, u16::from_le_bytes)
+    }
+
+    fn pick_instance(&self) -> u64 {
+        let drawn = splitmix64(self.lease_seed ^ 0x6b76_6761_7465_0001);
+        drawn_once(INSTANCE_KEY, &drawn.to_le_bytes())
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map_or(drawn, u64::from_le_bytes)
     }
 
     /// Take a new configuration's endpoint list and gateway id. Endpoints that stay keep their
     /// state; every endpoint's ledger is seeded (an existing one is kept with its leases).
     pub fn configure_endpoints(&self, cfg: &Config) {
         self.gateway.set(self.pick_gateway(cfg));
+        self.instance.set(self.pick_instance());
         let wanted: Vec<Option<String>> = match cfg.backend.as_ref() {
             Some(b) if !b.endpoints.is_empty() => b.endpoints.iter().cloned().map(Some).collect(),
             _ => vec![None],

@@ -260,6 +260,54 @@ fn another_gateways_leases_are_held_back_at_their_endpoint() {
 }
 
 #[test]
+fn a_poll_names_this_envoy_and_a_peer_that_polls_takes_half_the_room_before_it_holds_a_lease() {
+    let mut vm = start(10_000, fleet(&[A, B], json!({})));
+    let before = Vm::calls().len();
+    // B says another gateway (number 9) polls it; it holds no lease there yet.
+    poll_round(&vm, |e| {
+        let mut r: Value = serde_json::from_slice(&report(0, json!([]))).unwrap();
+        if e == B {
+            r["other_gateways"] = json!([9]);
+        }
+        (200, r.to_string().into_bytes())
+    });
+    // Every poll names this gateway's number, its Envoy and its poll period, the same Envoy
+    // for both endpoints.
+    let polls: Vec<String> = Vm::calls()
+        .into_iter()
+        .skip(before)
+        .filter_map(|c| c.header(":path").map(str::to_string))
+        .filter(|p| p.starts_with("/v1/admission/leases"))
+        .collect();
+    assert_eq!(polls.len(), 2);
+    let instance = |p: &str| {
+        let i = p.split("&instance=").nth(1).unwrap();
+        i.split('&').next().unwrap().to_string()
+    };
+    for p in &polls {
+        assert!(p.contains("&gateway=") && p.contains("&poll_ms=200"), "{p}");
+        assert_eq!(instance(p).len(), 16, "{p}");
+    }
+    assert_eq!(instance(&polls[0]), instance(&polls[1]));
+    // Half of B's room is the other gateway's until B's next poll; A is this gateway's alone.
+    assert_eq!(ledger_at(B).held_back(), 5_000 * PER_TOKEN);
+    assert_eq!(ledger_at(A).held_back(), 0);
+    let st = vm.open("GET", "/kvgate/status", &[], b"");
+    vm.request_headers(st, true);
+    let doc = Vm::replies(st)[0].json();
+    assert_eq!(doc["endpoints"][0]["other_gateways"], 0);
+    assert_eq!(doc["endpoints"][1]["other_gateways"], 1);
+    // A 6,000-token request fits only on A.
+    let (s, a) = vm.post("/v1/completions", &[], &completion(1_000, Some(5_000)));
+    assert_eq!(a, Action::Continue);
+    assert_eq!(routed_to(s).as_deref(), Some(A));
+    vm.finish(s);
+    // The peer stopped polling: B's room is all this gateway's again.
+    poll_round(&vm, |_| (200, report(0, json!([]))));
+    assert_eq!(ledger_at(B).held_back(), 0);
+}
+
+#[test]
 fn a_backend_refusal_ends_the_reservation_and_marks_the_endpoint_full_until_its_next_poll() {
     let mut vm = start(10_000, fleet(&[A, B], json!({})));
     poll_round(&vm, |_| (200, report(0, json!([]))));
