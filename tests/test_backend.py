@@ -121,7 +121,9 @@ def test_reserve_answers_429_when_full_and_cancel_preempts(backend):
 
     c = requests.post(b.url + "/v1/admission/leases/lease-a/cancel", timeout=10, headers=b.gateway_headers())
     assert c.status_code == 200 and c.json()["cancelled"] is True
-    rest = [json.loads(e) for e in events if e != "[DONE]"]
+    tail = list(events)
+    assert tail[-1] == "[DONE]" and "error" in json.loads(tail[-2]), tail[-3:]
+    rest = [json.loads(e) for e in tail if e != "[DONE]"]
     # The error event ends the stream: no chunk carries a finish_reason OpenAI does not have.
     assert rest[-1]["error"]["code"] == "kv_preempted"
     assert all(c["choices"][0]["finish_reason"] is None for c in rest[:-1]), rest[-3:]
@@ -162,7 +164,9 @@ def test_admission_none_fails_mid_decode_when_kv_runs_out(backend):
         r = requests.post(b.url + "/v1/completions", stream=True, timeout=120, json={
             "model": MODEL, "prompt": f"{i}, 1, 2, 3,", "max_tokens": 100, "temperature": 0,
             "stream": True})
-        results.append([json.loads(e) for e in sse_events(r) if e != "[DONE]"])
+        raw = list(sse_events(r))
+        assert raw[-1] == "[DONE]", raw[-3:]
+        results.append([json.loads(e) for e in raw[:-1]])
     threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()

@@ -113,7 +113,7 @@ def test_two_gateways_two_backends_bursts_never_overfill_a_pool(fleet):
                 outcomes[r.text[:200]] += 1
 
     # Bursts through both gateways at once: 2 × 10 requests of ~230 tokens each, where each
-    # gateway's view holds 4 per endpoint and each pool holds 4 (the gateways race for them).
+    # pool holds 4 and each gateway takes half of what is free at its last poll (1 of them).
     for _ in range(4):
         burst = [threading.Thread(target=client, args=(j, gw)) for j, gw in enumerate(gws) for _ in range(10)]
         for t in burst:
@@ -141,7 +141,10 @@ def test_two_gateways_two_backends_bursts_never_overfill_a_pool(fleet):
     every = [i for ids in lease_ids.values() for i in ids]
     assert len(every) == len(set(every))
     # Each backend refusal reached one gateway, which released its reservation and passed the 429.
+    # Sharing the room, the gateways seldom race for the same blocks (4–8 refusals a run when each
+    # took all the room until it saw the other's leases, 0 after: BENCHMARKS.md, "Fleet").
     refused = sum(b.metrics()["kvgate_backend_rejected_kv_total"] for b in bs)
+    assert refused <= 2, refused
     stats = [gw.stats() for gw in gws]
     assert sum(st["kvgate.backend_refused"] for st in stats) == refused
     assert all(st["kvgate.upstream_mismatch"] == 0 for st in stats), "a request landed elsewhere than chosen"

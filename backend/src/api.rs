@@ -712,3 +712,45 @@ fn sse_stream(
     )
     .flatten()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn query(instance: Option<&str>, gateway: Option<u64>) -> LeasesQuery {
+        LeasesQuery {
+            since: 0,
+            include: None,
+            instance: instance.map(str::to_string),
+            gateway,
+            poll_ms: Some(500),
+        }
+    }
+
+    #[test]
+    fn a_poll_names_its_envoy_with_up_to_16_hex_digits_and_its_number() {
+        let p = query(Some("00000000000000ff"), Some(3)).poll();
+        assert_eq!(
+            p,
+            Some(Poll {
+                instance: 255,
+                gateway: 3,
+                poll_ms: 500
+            })
+        );
+        // Anything else is a poll that names no Envoy: answered, not recorded.
+        for (instance, gateway) in [
+            (Some("10000000000000000"), Some(3)),
+            (Some("xyz"), Some(3)),
+            (Some(""), Some(3)),
+            (None, Some(3)),
+            (Some("ff"), None),
+        ] {
+            assert_eq!(
+                query(instance, gateway).poll(),
+                None,
+                "{instance:?} {gateway:?}"
+            );
+        }
+    }
+}

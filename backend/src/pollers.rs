@@ -7,8 +7,10 @@
 //! over-admitted. Each poll now names its Envoy (`instance`, drawn once per Envoy), its
 //! `gateway` number and its `poll_ms`; the report tells the asker the numbers of the others.
 //!
-//! Only a caller that holds the admission secret reaches the lease report, so clients cannot add
-//! entries. The table is bounded all the same.
+//! With an admission secret configured, only the gateways (which hold it) reach the lease report,
+//! so clients cannot add entries. Without one the whole admission API is open to whoever reaches
+//! the port (the backend warns at start), and so is this table: fake entries would make real
+//! gateways hold back room for gateways that do not exist. The table is bounded either way.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -102,6 +104,31 @@ mod tests {
         assert_eq!(p.polled(poll(1, 10), later), [10, 20]);
         let gone = t0 + Duration::from_millis(1_600);
         assert!(p.polled(poll(1, 10), gone).is_empty());
+    }
+
+    #[test]
+    fn a_poller_counts_for_three_of_its_periods_within_one_second_and_three_minutes() {
+        let t0 = Instant::now();
+        let lasts = |poll_ms: u64| {
+            let mut p = Pollers::default();
+            let poll = |instance| {
+                Some(Poll {
+                    instance,
+                    gateway: 1,
+                    poll_ms,
+                })
+            };
+            p.polled(poll(1), t0);
+            // The first whole second at which it no longer counts.
+            (1..=200u64).map(|s| s * 1_000).find(|ms| {
+                p.polled(poll(2), t0 + Duration::from_millis(*ms))
+                    .is_empty()
+            })
+        };
+        assert_eq!(lasts(100), Some(1_000), "3 × 100 ms, raised to 1 s");
+        assert_eq!(lasts(1_000), Some(3_000));
+        assert_eq!(lasts(60_000), Some(180_000), "3 × 60 s");
+        assert_eq!(lasts(600_000), Some(180_000), "at most 3 minutes");
     }
 
     #[test]

@@ -1317,6 +1317,7 @@ impl Gateway {
             run_ms,
             max_line_permille: cfg.max_line_permille(&class),
             waits: from_queue || self.queue.would_wait(&class),
+            grows_to: priced.price.bytes,
         });
         let holder = Holder {
             lease_id: Some(lease_id),

@@ -432,6 +432,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(1, 300)
         };

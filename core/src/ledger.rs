@@ -157,6 +157,10 @@ pub struct ClaimTicket {
     pub max_line_permille: u32,
     /// The request waits at the gateway when refused (its class queues): see [`Claim::waits`].
     pub waits: bool,
+    /// The most it may come to hold: an elastic reservation grows past its bytes from free
+    /// blocks, up to its cap, and the line does not take that growth back. A backfill that
+    /// leaves the line room beside it must leave it at this size. 0: its reservation.
+    pub grows_to: u64,
 }
 
 /// Whether a refusal may take a new place in line: what the line ahead of it still lacks
@@ -714,8 +718,10 @@ impl Ledger {
             };
             let start_ms = fits_ms.max(back_ms);
             let done_by_then = t.run_ms <= start_ms;
-            let room_beside =
-                need.saturating_add(bytes) <= uncommitted.saturating_add(freed_by(start_ms));
+            // Beside the claim at the most it may grow to: what an elastic backfill grows past
+            // its reservation, the line does not take back.
+            let room_beside = need.saturating_add(bytes.max(t.grows_to))
+                <= uncommitted.saturating_add(freed_by(start_ms));
             if !(done_by_then || room_beside) {
                 return false;
             }
@@ -1013,6 +1019,7 @@ mod tests {
                 run_ms,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ttl_ms: 600_000,
             ..req(bytes, now_ms)
@@ -1203,6 +1210,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(90, now)
         };
@@ -1528,6 +1536,44 @@ mod tests {
     }
 
     #[test]
+    fn an_elastic_backfill_leaves_room_beside_the_front_at_what_it_may_grow_to() {
+        let cfg = exact_retry();
+        // As above: the front needs 80 of 100 and starts at 10 s; 20 for a minute fit beside.
+        let with_front = || {
+            let mut l = Ledger::new(100, 1);
+            lease_ending_at(&mut l, 70, 10_000);
+            for now in [0, 1] {
+                assert!(matches!(
+                    l.try_admit(&keyed(80, 1, 0, now), &cfg, 1),
+                    AdmitOutcome::Rejected { .. }
+                ));
+            }
+            l
+        };
+        let growing = |grows_to| {
+            let r = keyed(20, 3, 60_000, 2);
+            AdmitRequest {
+                claim: r.claim.map(|t| ClaimTicket { grows_to, ..t }),
+                ..r
+            }
+        };
+        // Reserving 20 and able to grow to 25 past them (an elastic class, its cap), it would
+        // leave the front 75 at 10 s: the line does not take that growth back.
+        let mut l = with_front();
+        assert!(matches!(
+            l.try_admit(&growing(25), &cfg, 1),
+            AdmitOutcome::Rejected { .. }
+        ));
+        // Able to grow to 20 only (its cap is its reservation), it goes ahead.
+        let mut l = with_front();
+        assert!(matches!(
+            l.try_admit(&growing(20), &cfg, 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        l.check().unwrap();
+    }
+
+    #[test]
     fn a_bounded_line_gives_no_new_place_past_its_bound_and_keeps_the_places_it_gave() {
         // Bound: half the capacity (50 of 100). 90 committed, 10 free.
         let bounded = |bytes, key, now| AdmitRequest {
@@ -1537,6 +1583,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 500,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(bytes, now)
         };
@@ -1603,6 +1650,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(bytes, now)
         };
@@ -1646,6 +1694,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(30, now)
         };
@@ -1692,6 +1741,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(20, now)
         };
@@ -1758,6 +1808,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(90, now)
         };
@@ -1805,6 +1856,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(bytes, now)
         };
@@ -1849,6 +1901,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(bytes, now)
         };
@@ -1905,6 +1958,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..req(90, 1)
         };
@@ -2054,7 +2108,7 @@ mod tests {
                         let before = l.committed();
                         let r = AdmitRequest {
                             ttl_ms: 30,
-                            claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 , max_line_permille: 0,waits: false,}),
+                            claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 , max_line_permille: 0,waits: false, grows_to: 0,}),
                             ..req(b, now)
                         };
                         if let AdmitOutcome::Admitted { .. } = l.try_admit(&r, &retry(), now) {

@@ -686,6 +686,7 @@ pub fn reconcile(
     // Per own lease, what it holds beyond its reservation (held back; it frees with the lease).
     // Not a preempted one's need to resume: only the largest of those is held back.
     let mut held: HashMap<u64, u64> = HashMap::new();
+    let peer_has_own_number = report.other_gateways.contains(&own_gateway);
     for e in &report.entries {
         match e.id.and_then(|id| reserved.get(&id).map(|b| (id, b))) {
             Some((id, &(bytes, created_ms))) => {
@@ -710,10 +711,9 @@ pub fn reconcile(
                 // finishes) and not a request that bypassed the gateways.
                 // A peer that drew this gateway's own number (it polls under it) makes such
                 // leases its own as likely as this gateway's.
-                if let Some(g) = e
-                    .id
-                    .map(|id| id >> GATEWAY_SHIFT)
-                    .filter(|g| *g != own_gateway || report.other_gateways.contains(&own_gateway))
+                if let Some(g) =
+                    e.id.map(|id| id >> GATEWAY_SHIFT)
+                        .filter(|g| *g != own_gateway || peer_has_own_number)
                 {
                     gateways.insert(g);
                     out.peer_bytes = out.peer_bytes.saturating_add(e.bytes);
@@ -978,6 +978,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: false,
+                grows_to: 0,
             }),
             ..request(id, bytes, now)
         };
@@ -1639,6 +1640,10 @@ mod tests {
             (rec.peer_bytes, rec.held_back),
             (2_000, 2_000 + 8_000 / 3 * 2)
         );
+        // One that polls and two older ones seen only by their leases: three.
+        let three = vec![entry((7 << 43) | 1, 1_000), entry((8 << 43) | 1, 1_000)];
+        let rec = reconcile(&mut l, &polled(vec![5], three), 35, 5_000, None, OURS);
+        assert_eq!(rec.other_gateways, 3);
         // A peer polling under this gateway's own number: leases in that number are as likely
         // its as this gateway's (released here, still running there), and it shares the room.
         let same = vec![entry((OURS << 43) | 9, 500)];

@@ -321,6 +321,7 @@ mod tests {
                 run_ms: 0,
                 max_line_permille: 0,
                 waits: true,
+                grows_to: 0,
             }),
             ..request(60, 1_000, 1_000_000)
         };

@@ -231,6 +231,7 @@ impl Filter {
             // Each try sets it from the decode rate of the moment (`Ticket::run_ms`).
             run_ms: 0,
             waits: self.worker.queue.borrow().would_wait(&class),
+            grows_to: 0,
         });
         let ticket = Rc::new(Ticket {
             context_id: self.context_id,

@@ -149,6 +149,8 @@ impl Ticket {
             claim: self.claim.map(|c| kvgate_core::ClaimTicket {
                 run_ms,
                 waits: c.waits && !self.sent_away.get(),
+                // An elastic reservation may grow to its cap.
+                grows_to: priced.price.bytes,
                 ..c
             }),
         };

@@ -252,15 +252,23 @@ const GATEWAY_KEY: &str = "kvgate.gateway.v1";
 /// of the others (even two that drew the same number).
 const INSTANCE_KEY: &str = "kvgate.instance.v1";
 
-/// The value under `key` in shared data, or `drawn` put there first when there is none. A race
-/// between two first workers is settled by reading back what the store kept.
+/// The value under `key` in shared data, or `drawn` put there first when there is none. Two
+/// first workers may both write (the store has no compare-and-swap on a missing key): the last
+/// write stays, so a reader that must agree with the others reads the key again when it uses it.
 fn drawn_once(key: &str, drawn: &[u8]) -> Vec<u8> {
-    let read = || proxy_wasm::hostcalls::get_shared_data(key).ok()?.0;
-    if let Some(v) = read() {
+    if let Some(v) = stored(key) {
         return v;
     }
     let _ = proxy_wasm::hostcalls::set_shared_data(key, Some(drawn), None);
-    read().unwrap_or_else(|| drawn.to_vec())
+    stored(key).unwrap_or_else(|| drawn.to_vec())
+}
+
+fn stored(key: &str) -> Option<Vec<u8>> {
+    proxy_wasm::hostcalls::get_shared_data(key).ok()?.0
+}
+
+fn stored_u64(key: &str) -> Option<u64> {
+    Some(u64::from_le_bytes(stored(key)?.get(..8)?.try_into().ok()?))
 }
 
 /// This worker's identity as a lease owner: one per wasm VM (an Envoy worker thread), shared by
@@ -475,9 +483,10 @@ impl Worker {
         u64::from(self.gateway.get())
     }
 
-    /// This Envoy's instance, as its polls name it.
+    /// This Envoy's instance, as its polls name it: read again each time, so that every worker
+    /// names the one the store kept, even after two first workers both drew one.
     pub fn instance(&self) -> u64 {
-        self.instance.get()
+        stored_u64(INSTANCE_KEY).unwrap_or(self.instance.get())
     }
 
     /// The configured `gateway_id`, or one drawn once per Envoy (every worker reads the same
@@ -495,10 +504,8 @@ impl Worker {
 
     fn pick_instance(&self) -> u64 {
         let drawn = splitmix64(self.lease_seed ^ 0x6b76_6761_7465_0001);
-        drawn_once(INSTANCE_KEY, &drawn.to_le_bytes())
-            .get(..8)
-            .and_then(|b| b.try_into().ok())
-            .map_or(drawn, u64::from_le_bytes)
+        let _ = drawn_once(INSTANCE_KEY, &drawn.to_le_bytes());
+        stored_u64(INSTANCE_KEY).unwrap_or(drawn)
     }
 
     /// Take a new configuration's endpoint list and gateway id. Endpoints that stay keep their

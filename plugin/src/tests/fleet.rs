@@ -289,6 +289,15 @@ fn a_poll_names_this_envoy_and_a_peer_that_polls_takes_half_the_room_before_it_h
         assert_eq!(instance(p).len(), 16, "{p}");
     }
     assert_eq!(instance(&polls[0]), instance(&polls[1]));
+    // It is the one this Envoy keeps in shared data, which every worker reads when it polls:
+    // after two first workers both drew one, the one the store kept.
+    let kept = |key| {
+        let (v, _) = proxy_wasm::hostcalls::get_shared_data(key).unwrap();
+        u64::from_le_bytes(v.unwrap()[..8].try_into().unwrap())
+    };
+    let drawn = kept("kvgate.instance.v1");
+    assert_ne!(drawn, 0);
+    assert_eq!(instance(&polls[0]), format!("{drawn:016x}"));
     // Half of B's room is the other gateway's until B's next poll; A is this gateway's alone.
     assert_eq!(ledger_at(B).held_back(), 5_000 * PER_TOKEN);
     assert_eq!(ledger_at(A).held_back(), 0);
@@ -305,6 +314,27 @@ fn a_poll_names_this_envoy_and_a_peer_that_polls_takes_half_the_room_before_it_h
     // The peer stopped polling: B's room is all this gateway's again.
     poll_round(&vm, |_| (200, report(0, json!([]))));
     assert_eq!(ledger_at(B).held_back(), 0);
+    // Another worker's write won the race to draw the instance: this one names that one too,
+    // and so does a new configuration's root context.
+    let other = drawn ^ 1;
+    proxy_wasm::hostcalls::set_shared_data("kvgate.instance.v1", Some(&other.to_le_bytes()), None)
+        .unwrap();
+    let (_, ok) = vm.new_root(&config(10_000, fleet(&[A, B], json!({}))));
+    assert!(ok);
+    let before = Vm::calls().len();
+    poll_round(&vm, |_| (200, report(0, json!([]))));
+    let names: Vec<String> = Vm::calls()
+        .into_iter()
+        .skip(before)
+        .filter_map(|c| c.header(":path").map(str::to_string))
+        .filter(|p| p.starts_with("/v1/admission/leases"))
+        .map(|p| instance(&p))
+        .collect();
+    assert!(!names.is_empty());
+    assert!(
+        names.iter().all(|n| *n == format!("{other:016x}")),
+        "{names:?}"
+    );
 }
 
 #[test]

@@ -428,6 +428,12 @@ fn a_retry_with_an_active_claim_behind_the_front_is_admitted_with_what_it_holds(
 /// 19.6 s (of a 10,000-token pool), a 300-token batch request queued before the polls gave a
 /// decode rate; then two polls give one (100 tokens/s). `extra`: more filter configuration.
 fn a_queue_front_blocked_for_20_s(extra: Value) -> (Vm, Stream, Stream) {
+    a_queue_front_of_blocked_for_20_s(8_500, extra)
+}
+
+/// [`a_queue_front_blocked_for_20_s`], with a front of 500 + `front_cap` tokens (more than the
+/// 4,000 free).
+fn a_queue_front_of_blocked_for_20_s(front_cap: u64, extra: Value) -> (Vm, Stream, Stream) {
     let mut config = json!({ "policy": vip_and_batch_queued("vip", 60_000) });
     config["backend"] = json!({"cluster": "kvgate_backend", "poll_ms": 200,
                                "lost_grace_ms": 600_000});
@@ -438,7 +444,7 @@ fn a_queue_front_blocked_for_20_s(extra: Value) -> (Vm, Stream, Stream) {
     put_lease(21, 6_000, "vip", 9, owner_id());
     // The front: 9,000 tokens, refused twice (arrival, then a tick): its claim is active and
     // holds the 4,000 free.
-    let (front, action) = vm.post("/v1/completions", &[], &completion(500, Some(8_500)));
+    let (front, action) = vm.post("/v1/completions", &[], &completion(500, Some(front_cap)));
     assert_eq!(action, Action::Pause, "queued");
     vm.advance_ms(100);
     vm.tick();
@@ -557,17 +563,18 @@ fn a_request_done_before_the_queue_front_could_start_goes_ahead_of_it() {
     assert_eq!(Vm::metric("kvgate.queued"), 0);
 }
 
-/// A queued elastic request is priced as of each tick when it is weighed as a backfill, not as
-/// of its last try: its class may have learned since that it answers in far less than its cap.
-#[test]
-fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learned_since() {
+/// A queued elastic batch request (100 + a cap of 5,000 tokens) behind a front of 500 +
+/// `front_cap` tokens, weighed as a backfill on the tick after a poll taught its class that it
+/// answers in 150 tokens. Returns the VM, the front, the early backfill and the request.
+fn an_elastic_request_queued_behind_a_front_of(front_cap: u64) -> (Vm, Stream, Stream, Stream) {
     let queued = |priority: u8| json!({"action": "queue", "max_wait_ms": 60_000, "max_depth": 8, "priority": priority});
     let mut batch = queued(0);
     batch["reservation"] = "elastic".into();
     batch["elastic_min_samples"] = 5.into();
     let policy = json!({"default_class": "vip", "class_header": "x-class", "class_header_trusted": true,
                         "classes": {"vip": queued(9), "batch": batch}});
-    let (mut vm, front, early) = a_queue_front_blocked_for_20_s(json!({ "policy": policy }));
+    let (mut vm, front, early) =
+        a_queue_front_of_blocked_for_20_s(front_cap, json!({ "policy": policy }));
     let admitted = |s: Stream| ledger().lease(lease_of(s)).cloned();
     vm.advance_ms(100);
     vm.tick();
@@ -584,9 +591,7 @@ fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learn
     vm.tick();
     assert!(admitted(late).is_none());
     // A poll brings five outputs of the class that answered prompts of its length in 150
-    // tokens: priced now at 100 + 150 tokens, it leaves the front room beside it when the front
-    // starts. Its run is weighed at its cap (about 50 s at 100 tokens/s), not at 150 tokens:
-    // the line does not take back what it grows past them.
+    // tokens: priced now at 100 + 150 tokens, it fits in what the line holds.
     vm.advance_ms(300);
     vm.tick();
     let call = Vm::calls()
@@ -615,6 +620,18 @@ fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learn
     vm.answer_call(call.token, 200, body.to_string().as_bytes());
     vm.advance_ms(100);
     vm.tick();
+    (vm, front, early, late)
+}
+
+/// A queued elastic request is priced as of each tick when it is weighed as a backfill, not as
+/// of its last try: its class may have learned since that it answers in far less than its cap.
+#[test]
+fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learned_since() {
+    // A front of 4,500 tokens: when it starts, 5,500 are left beside it, room for the request
+    // even grown to its cap (5,100). Its run is weighed at its cap (about 50 s at 100
+    // tokens/s), not at 150 tokens: the line does not take back what it grows past them.
+    let (vm, front, early, late) = an_elastic_request_queued_behind_a_front_of(4_000);
+    let admitted = |s: Stream| ledger().lease(lease_of(s)).cloned();
     let lease = admitted(late).expect("backfilled at what its class learned");
     assert_eq!(lease.bytes, 250 * PER_TOKEN);
     let run_ms = lease.eta_ms - Vm::now_ms();
@@ -627,6 +644,18 @@ fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learn
     let forwarded: Value = serde_json::from_slice(&Vm::body(late)).unwrap();
     assert_eq!(forwarded["kvgate"]["reserve_output"], 150);
     assert_eq!(forwarded["max_tokens"], 5_000, "the cap is kept");
+    for s in [early, late, front] {
+        vm.finish(s);
+    }
+}
+
+/// Beside a front of 9,000 tokens, 1,000 are left when it starts: room for the request's 250
+/// tokens, not for the 5,100 it may grow to, which the line would not take back. It waits.
+#[test]
+fn a_queued_elastic_request_is_no_backfill_where_it_could_outgrow_the_room_beside_the_front() {
+    let (vm, front, early, late) = an_elastic_request_queued_behind_a_front_of(8_500);
+    assert!(ledger().lease(lease_of(late)).is_none());
+    assert!(!Vm::resumed(late));
     for s in [early, late, front] {
         vm.finish(s);
     }
