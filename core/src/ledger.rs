@@ -1500,18 +1500,24 @@ mod tests {
         l.check().unwrap();
     }
 
-    #[test]
-    fn a_long_backfill_goes_ahead_when_the_front_has_room_beside_it_at_its_start() {
-        let cfg = exact_retry();
+    /// 70 of 100 held until 10 s, and a front that needs 80, refused twice: it holds the 30
+    /// spare and starts at 10 s, when 100 are free.
+    fn a_front_of_80_that_starts_at_10_s(cfg: &RetryAfterConfig) -> Ledger {
         let mut l = Ledger::new(100, 1);
         lease_ending_at(&mut l, 70, 10_000);
-        // The front needs 80 and holds the 30 spare: it starts at 10 s, when 100 are free.
         for now in [0, 1] {
             assert!(matches!(
-                l.try_admit(&keyed(80, 1, 0, now), &cfg, 1),
+                l.try_admit(&keyed(80, 1, 0, now), cfg, 1),
                 AdmitOutcome::Rejected { .. }
             ));
         }
+        l
+    }
+
+    #[test]
+    fn a_long_backfill_goes_ahead_when_the_front_has_room_beside_it_at_its_start() {
+        let cfg = exact_retry();
+        let mut l = a_front_of_80_that_starts_at_10_s(&cfg);
         // For a minute, 25 would leave it 75 at 10 s; 20 leave it its 80.
         assert!(matches!(
             l.try_admit(&keyed(25, 2, 60_000, 2), &cfg, 1),
@@ -1538,18 +1544,8 @@ mod tests {
     #[test]
     fn an_elastic_backfill_leaves_room_beside_the_front_at_what_it_may_grow_to() {
         let cfg = exact_retry();
-        // As above: the front needs 80 of 100 and starts at 10 s; 20 for a minute fit beside.
-        let with_front = || {
-            let mut l = Ledger::new(100, 1);
-            lease_ending_at(&mut l, 70, 10_000);
-            for now in [0, 1] {
-                assert!(matches!(
-                    l.try_admit(&keyed(80, 1, 0, now), &cfg, 1),
-                    AdmitOutcome::Rejected { .. }
-                ));
-            }
-            l
-        };
+        // As above: 20 for a minute fit beside the front when it starts.
+        let with_front = || a_front_of_80_that_starts_at_10_s(&cfg);
         let growing = |grows_to| {
             let r = keyed(20, 3, 60_000, 2);
             AdmitRequest {
