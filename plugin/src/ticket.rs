@@ -458,7 +458,8 @@ impl Ticket {
         };
         let now = host::now_ms();
         // A backfill that ran past its expected end kept the line's front waiting longer than
-        // the decision counted on (an elastic allowance is a quantile, not a limit).
+        // the decision counted on (its run is weighed at its cap at the measured decode rate,
+        // which can drop, and a prefill or a pause adds to it).
         if let Some(end) = g.went_ahead_until.filter(|end| now > *end) {
             worker.metrics.backfill_overran.inc();
             worker.metrics.backfill_overrun_ms.add(now - end);

@@ -424,16 +424,17 @@ fn a_retry_with_an_active_claim_behind_the_front_is_admitted_with_what_it_holds(
     assert_eq!(ledger().committed(), 0);
 }
 
-/// Behind a 9,000-token front that waits for a 6,000-token lease expected to end in about
+/// Behind a 9,000-token front (500 + `front_cap` tokens in
+/// [`a_queue_front_blocked_for_20_s_with_cap`]) that waits for a 6,000-token lease expected to end in about
 /// 19.6 s (of a 10,000-token pool), a 300-token batch request queued before the polls gave a
 /// decode rate; then two polls give one (100 tokens/s). `extra`: more filter configuration.
 fn a_queue_front_blocked_for_20_s(extra: Value) -> (Vm, Stream, Stream) {
-    a_queue_front_of_blocked_for_20_s(8_500, extra)
+    a_queue_front_blocked_for_20_s_with_cap(8_500, extra)
 }
 
 /// [`a_queue_front_blocked_for_20_s`], with a front of 500 + `front_cap` tokens (more than the
 /// 4,000 free).
-fn a_queue_front_of_blocked_for_20_s(front_cap: u64, extra: Value) -> (Vm, Stream, Stream) {
+fn a_queue_front_blocked_for_20_s_with_cap(front_cap: u64, extra: Value) -> (Vm, Stream, Stream) {
     let mut config = json!({ "policy": vip_and_batch_queued("vip", 60_000) });
     config["backend"] = json!({"cluster": "kvgate_backend", "poll_ms": 200,
                                "lost_grace_ms": 600_000});
@@ -442,8 +443,8 @@ fn a_queue_front_of_blocked_for_20_s(front_cap: u64, extra: Value) -> (Vm, Strea
     }
     let mut vm = start(10_000, config);
     put_lease(21, 6_000, "vip", 9, owner_id());
-    // The front: 9,000 tokens, refused twice (arrival, then a tick): its claim is active and
-    // holds the 4,000 free.
+    // The front (9,000 tokens by default), refused twice (arrival, then a tick): its claim is
+    // active and holds the 4,000 free.
     let (front, action) = vm.post("/v1/completions", &[], &completion(500, Some(front_cap)));
     assert_eq!(action, Action::Pause, "queued");
     vm.advance_ms(100);
@@ -574,7 +575,7 @@ fn an_elastic_request_queued_behind_a_front_of(front_cap: u64) -> (Vm, Stream, S
     let policy = json!({"default_class": "vip", "class_header": "x-class", "class_header_trusted": true,
                         "classes": {"vip": queued(9), "batch": batch}});
     let (mut vm, front, early) =
-        a_queue_front_of_blocked_for_20_s(front_cap, json!({ "policy": policy }));
+        a_queue_front_blocked_for_20_s_with_cap(front_cap, json!({ "policy": policy }));
     let admitted = |s: Stream| ledger().lease(lease_of(s)).cloned();
     vm.advance_ms(100);
     vm.tick();
@@ -662,7 +663,7 @@ fn a_queued_elastic_request_is_no_backfill_where_it_could_outgrow_the_room_besid
 }
 
 /// A backfill that runs past its expected end is counted, with by how much: what the estimate
-/// cost the line's front (an elastic allowance is a quantile, not a limit).
+/// cost the line's front (the decode rate the estimate used can drop).
 #[test]
 fn a_backfill_that_runs_past_its_expected_end_is_counted() {
     let (vm, front, early) = a_queue_front_blocked_for_20_s(json!({}));
