@@ -2,25 +2,24 @@
 //!
 //! Layout (little endian):
 //! ```text
-//! "KVGL" | version u8 = 8 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//! "KVGL" | version u8 = 7 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
 //!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64
 //!        | lease count u32
 //!        | per lease: id u64 | bytes u64 | priority u8 | fingerprint u64 | created_ms u64
-//!                     | deadline_ms u64 | owner u64 | eta_ms u64 | held u64 | grows_to u64
-//!                     | class length u8 | class bytes (UTF-8)
+//!                     | deadline_ms u64 | owner u64 | eta_ms u64 | held u64 | class length u8
+//!                     | class bytes (UTF-8)
 //!        | claim count u32
 //!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64
 //!                     | flags u8 (bit 0: active, bit 1: waits)
 //!        | lendable u64 | lendable_to_line u64
 //! ```
-//! 74 bytes per lease plus its class name, 41 per claim, 16 after them. The decoder checks every
+//! 66 bytes per lease plus its class name, 41 per claim, 16 after them. The decoder checks every
 //! length and the ledger invariant; garbage returns an error, never a panic.
 //!
 //! Versions 1 (no `held_back`, no lease owner), 2 (no claims), 3 (no lease eta), 4 (no
 //! `lendable`: nothing lent until the next poll sets it), 5 (no lease `held`: none until
-//! the next poll sets it), 6 (no claim `waits` flag: every client away; no
-//! `lendable_to_line`: nothing lent to the line until the next poll) and 7 (no lease
-//! `grows_to`: none grows past its reservation) are still read, so a
+//! the next poll sets it) and 6 (no claim `waits` flag: every client away; no
+//! `lendable_to_line`: nothing lent to the line until the next poll) are still read, so a
 //! filter upgraded in place under the same `vm_id` migrates the ledger it finds instead of forgetting its leases: migrated
 //! leases have no owner and end at their deadline. An unknown version is an error, never an
 //! empty ledger.
@@ -28,15 +27,14 @@
 use crate::ledger::{Claim, Counters, Lease, Ledger, MAX_CLAIMS};
 
 const MAGIC: &[u8; 4] = b"KVGL";
-const VERSION: u8 = 8;
+const VERSION: u8 = 7;
 const CLAIM_LEN: usize = 5 * 8 + 1;
 const HEADER_LEN: usize = 4 + 1 + 9 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
 const LEASE_MIN_LEN_V1: usize = 8 + 8 + 1 + 8 + 8 + 8 + 1;
 const LEASE_MIN_LEN_V2: usize = LEASE_MIN_LEN_V1 + 8;
 const LEASE_MIN_LEN_V4: usize = LEASE_MIN_LEN_V2 + 8;
-const LEASE_MIN_LEN_V6: usize = LEASE_MIN_LEN_V4 + 8;
-const LEASE_MIN_LEN: usize = LEASE_MIN_LEN_V6 + 8;
+const LEASE_MIN_LEN: usize = LEASE_MIN_LEN_V4 + 8;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecodeError {
@@ -98,7 +96,6 @@ impl Ledger {
             out.extend_from_slice(&l.owner.to_le_bytes());
             out.extend_from_slice(&l.eta_ms.to_le_bytes());
             out.extend_from_slice(&l.held.to_le_bytes());
-            out.extend_from_slice(&l.grows_to.to_le_bytes());
             let class = truncate_utf8(&l.class, MAX_CLASS_LEN);
             out.push(class.len() as u8);
             out.extend_from_slice(class.as_bytes());
@@ -139,10 +136,9 @@ impl Ledger {
         let held_back = if v2 { r.u64()? } else { 0 };
         let n = r.u32()? as usize;
         // Refuse lease counts the input cannot hold before allocating.
-        let (v4, v6, v8) = (version >= 4, version >= 6, version >= 8);
+        let (v4, v6) = (version >= 4, version >= 6);
         let min_len = match (v2, v4, v6) {
-            _ if v8 => LEASE_MIN_LEN,
-            (_, _, true) => LEASE_MIN_LEN_V6,
+            (_, _, true) => LEASE_MIN_LEN,
             (_, true, false) => LEASE_MIN_LEN_V4,
             (true, false, _) => LEASE_MIN_LEN_V2,
             (false, _, _) => LEASE_MIN_LEN_V1,
@@ -161,7 +157,6 @@ impl Ledger {
             let owner = if v2 { r.u64()? } else { 0 };
             let eta_ms = if v4 { r.u64()? } else { 0 };
             let held = if v6 { r.u64()? } else { 0 };
-            let grows_to = if v8 { r.u64()? } else { 0 };
             let len = r.u8()? as usize;
             let class = std::str::from_utf8(r.take(len)?)
                 .map_err(|_| DecodeError::BadClassName)?
@@ -177,7 +172,6 @@ impl Ledger {
                 owner,
                 eta_ms,
                 held,
-                grows_to,
             });
         }
         let mut claims = Vec::new();
@@ -267,7 +261,7 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ledger::{AdmitOutcome, AdmitRequest, ClaimTicket};
+    use crate::ledger::{AdmitOutcome, AdmitRequest};
     use crate::retry::RetryAfterConfig;
     use proptest::prelude::*;
 
@@ -349,10 +343,9 @@ mod tests {
         assert_eq!(old.encode()[4], VERSION);
     }
 
-    /// `l` in an older layout, `version` 3 to 7: without the per-lease fields it did not have
-    /// (v3: eta, held and grows_to; v4, v5: held and grows_to; v6, v7: grows_to), before v5 the
-    /// trailing `lendable`, and before v7 the trailing `lendable_to_line` (its claims' flags are
-    /// the caller's to keep to bit 0).
+    /// `l` in an older layout, `version` 3 to 6: without the per-lease fields it did not have
+    /// (v3: eta and held; v4, v5: held), before v5 the trailing `lendable`, and before v7 the
+    /// trailing `lendable_to_line` (its claims' flags are the caller's to keep to bit 0).
     fn encode_as(l: &Ledger, version: u8) -> Vec<u8> {
         let mut out = l.encode();
         out[4] = version;
@@ -362,61 +355,19 @@ mod tests {
         if version < 5 {
             out.truncate(out.len() - 8);
         }
-        // Of eta, held and grows_to, what the version kept.
-        let kept = match version {
-            ..=3 => 0,
-            4 | 5 => 8,
-            6 | 7 => 16,
-            _ => return out,
-        };
+        if version >= 6 {
+            return out;
+        }
+        let dropped = if version < 4 { 16 } else { 8 };
         let mut at = HEADER_LEN;
         for x in l.leases() {
             // id, bytes, priority, fingerprint, created_ms, deadline_ms, owner
             let eta_at = at + 8 + 8 + 1 + 8 + 8 + 8 + 8;
-            out.drain(eta_at + kept..eta_at + 24);
-            at = eta_at + kept + 1 + x.class.len();
+            let from = eta_at + 16 - dropped;
+            out.drain(from..eta_at + 16);
+            at = from + 1 + x.class.len();
         }
         out
-    }
-
-    #[test]
-    fn a_version_7_ledger_is_read_with_nothing_growing_and_grows_to_round_trips() {
-        let mut l = sample();
-        let old = Ledger::decode(&encode_as(&l, 7)).unwrap();
-        assert_eq!(old, l, "the sample's leases do not grow");
-        // An elastic lease that may grow to three times its reservation.
-        let r = AdmitRequest {
-            id: None,
-            bytes: 1 << 33,
-            class: "elastic",
-            priority: 0,
-            fingerprint: 1,
-            now_ms: 4_000,
-            ttl_ms: 5_000,
-            owner: 7,
-            claim: Some(ClaimTicket {
-                key: 5,
-                patience_ms: 1_000,
-                run_ms: 0,
-                max_line_permille: 0,
-                waits: false,
-                grows_to: 3 << 33,
-            }),
-        };
-        let AdmitOutcome::Admitted { lease } = l.try_admit(&r, &RetryAfterConfig::default(), 0)
-        else {
-            panic!("room for it");
-        };
-        assert_eq!(lease.grows_to, 3 << 33);
-        let back = Ledger::decode(&l.encode()).unwrap();
-        assert_eq!(back, l);
-        let old = Ledger::decode(&encode_as(&l, 7)).unwrap();
-        assert_eq!(
-            old.lease(lease.id).map(|x| x.grows_to),
-            Some(0),
-            "v7 had none"
-        );
-        assert_eq!(old.leases().len(), l.leases().len());
     }
 
     #[test]
@@ -492,6 +443,7 @@ mod tests {
 
     #[test]
     fn claims_round_trip() {
+        use crate::ledger::ClaimTicket;
         let mut l = sample();
         let r = AdmitRequest {
             id: None,

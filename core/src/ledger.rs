@@ -47,10 +47,6 @@ pub struct Lease {
     /// since (`admit_into_lent`, claims): Retry-After counts it as freed only up to what was
     /// not.
     pub held: u64,
-    /// The most it may come to hold: an elastic reservation grows past `bytes` from free
-    /// blocks up to its cap, and the line does not take that growth back (0, or not above
-    /// `bytes`: it does not grow past its reservation).
-    pub grows_to: u64,
 }
 
 impl Lease {
@@ -67,7 +63,6 @@ impl Lease {
             owner: req.owner,
             eta_ms: 0,
             held: 0,
-            grows_to: req.claim.map_or(0, |t| t.grows_to),
         }
     }
 }
@@ -685,23 +680,12 @@ impl Ledger {
             .capacity
             .saturating_sub(self.committed)
             .saturating_sub(self.held_by_leases());
-        // What each live lease frees when it ends, and what it may still grow by until then.
-        let ends = crate::retry::expected_ends(self, now_ms, retry, |l| {
-            let holds = l.bytes.saturating_add(l.held);
-            (holds, l.grows_to.saturating_sub(holds))
-        });
-        let frees: Vec<(u64, u64)> = ends.iter().map(|(w, (b, _))| (*w, *b)).collect();
+        let ends =
+            crate::retry::expected_ends(self, now_ms, retry, |l| l.bytes.saturating_add(l.held));
         let freed_by = |at: u64| {
-            frees
-                .iter()
+            ends.iter()
                 .take_while(|(wait, _)| *wait <= at)
                 .map(|(_, b)| *b)
-                .fold(0, u64::saturating_add)
-        };
-        let growing_past = |at: u64| {
-            ends.iter()
-                .filter(|(wait, _)| *wait > at)
-                .map(|(_, (_, g))| *g)
                 .fold(0, u64::saturating_add)
         };
         let mut served_first: u64 = 0;
@@ -720,8 +704,8 @@ impl Ledger {
             any = true;
             let fits_ms = match need.checked_sub(uncommitted).filter(|s| *s > 0) {
                 None => 0,
-                Some(short) => crate::retry::wait_for(frees.iter().copied(), short)
-                    .unwrap_or_else(|| frees.last().map_or(0, |(wait, _)| *wait)),
+                Some(short) => crate::retry::wait_for(ends.iter().copied(), short)
+                    .unwrap_or_else(|| ends.last().map_or(0, |(wait, _)| *wait)),
             };
             // A client sent away is back no earlier than it was told, whether or not it has
             // come back before (each refusal tells it again); one waiting here is back now.
@@ -734,12 +718,9 @@ impl Ledger {
             };
             let start_ms = fits_ms.max(back_ms);
             let done_by_then = t.run_ms <= start_ms;
-            // Beside the claim at the most it may grow to, and beside what the leases still
-            // running then may grow to (earlier backfills): what an elastic sequence grows past
+            // Beside the claim at the most it may grow to: what an elastic backfill grows past
             // its reservation, the line does not take back.
-            let room_beside = need
-                .saturating_add(bytes.max(t.grows_to))
-                .saturating_add(growing_past(start_ms))
+            let room_beside = need.saturating_add(bytes.max(t.grows_to))
                 <= uncommitted.saturating_add(freed_by(start_ms));
             if !(done_by_then || room_beside) {
                 return false;
@@ -1583,27 +1564,6 @@ mod tests {
         let mut l = with_front();
         assert!(matches!(
             l.try_admit(&growing(20), &cfg, 1),
-            AdmitOutcome::Admitted { .. }
-        ));
-        l.check().unwrap();
-        // One reserving 15 that may grow to 20 goes ahead; then 5 more for a minute would
-        // leave the front 75, once the first has grown: they wait.
-        let mut l = with_front();
-        let first = AdmitRequest {
-            bytes: 15,
-            ..growing(20)
-        };
-        let AdmitOutcome::Admitted { lease } = l.try_admit(&first, &cfg, 1) else {
-            panic!("room beside the front, grown");
-        };
-        assert_eq!(lease.grows_to, 20);
-        assert!(matches!(
-            l.try_admit(&keyed(5, 4, 60_000, 3), &cfg, 1),
-            AdmitOutcome::Rejected { .. }
-        ));
-        // For a second, they are gone by then.
-        assert!(matches!(
-            l.try_admit(&keyed(5, 5, 1_000, 3), &cfg, 1),
             AdmitOutcome::Admitted { .. }
         ));
         l.check().unwrap();
