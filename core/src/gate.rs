@@ -189,14 +189,8 @@ pub fn decide(
             ) {
                 // The first attempt counted a rejection; this one replaces it.
                 ledger.uncount_rejection();
-                // At its worst case at the smaller cap: it cannot grow past that.
-                let mut smaller_request = request(p.bytes, smaller);
-                smaller_request.claim = smaller_request.claim.map(|t| crate::ledger::ClaimTicket {
-                    grows_to: p.bytes,
-                    ..t
-                });
                 if let AdmitOutcome::Admitted { lease } =
-                    ledger.try_admit(&smaller_request, &cfg.retry_after, jitter_seed)
+                    ledger.try_admit(&request(p.bytes, smaller), &cfg.retry_after, jitter_seed)
                 {
                     return Decision::Admitted {
                         lease,
