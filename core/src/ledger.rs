@@ -1026,6 +1026,21 @@ mod tests {
         }
     }
 
+    /// Refuse `at(now)` at 0 and 1 ms: the second refusal makes its place in line active, so
+    /// it holds what is spare.
+    fn refused_twice(
+        l: &mut Ledger,
+        cfg: &RetryAfterConfig,
+        at: impl Fn(u64) -> AdmitRequest<'static>,
+    ) {
+        for now in [0, 1] {
+            assert!(matches!(
+                l.try_admit(&at(now), cfg, 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+        }
+    }
+
     /// [`keyed`], for a request that waits in a gateway's queue when refused.
     fn queued(bytes: u64, key: u64, run_ms: u64, now_ms: u64) -> AdmitRequest<'static> {
         let mut r = keyed(bytes, key, run_ms, now_ms);
@@ -1274,12 +1289,7 @@ mod tests {
         let long = lease_ending_at(&mut l, 60, 10_000);
         // The front needs 80: refused twice, its claim is active and holds the 40 spare. It
         // can start at 10 s, when the 60-byte lease is expected to end.
-        for now in [0, 1] {
-            assert!(matches!(
-                l.try_admit(&keyed(80, 1, 0, now), &cfg, 1),
-                AdmitOutcome::Rejected { .. }
-            ));
-        }
+        refused_twice(&mut l, &cfg, |now| keyed(80, 1, 0, now));
         assert_eq!((l.held_for(1), l.free()), (40, 0));
         // Without a run estimate, or expected to run past 10 s, a newcomer waits its turn.
         for (key, run_ms) in [(2, 0), (3, 9_500)] {
@@ -1408,12 +1418,7 @@ mod tests {
         let mut m = Ledger::new(100, 1);
         lease_ending_at(&mut m, 60, 10_000);
         m.set_held_back(15);
-        for now in [0, 1] {
-            assert!(matches!(
-                m.try_admit(&queued(90, 1, 0, now), &cfg, 1),
-                AdmitOutcome::Rejected { .. }
-            ));
-        }
+        refused_twice(&mut m, &cfg, |now| queued(90, 1, 0, now));
         assert_eq!(m.held_for(1), 25);
         assert!(matches!(
             m.try_admit(&keyed(20, 2, 10_500, 2), &cfg, 1),
@@ -1438,12 +1443,7 @@ mod tests {
         l.set_held_back(40);
         l.set_lendable(40);
         // C, waiting in a gateway's queue, needs 45 and holds the 25 spare: it starts at 1 s.
-        for now in [0, 1] {
-            assert!(matches!(
-                l.try_admit(&queued(45, 1, 0, now), &cfg, 1),
-                AdmitOutcome::Rejected { .. }
-            ));
-        }
+        refused_twice(&mut l, &cfg, |now| queued(45, 1, 0, now));
         assert_eq!(l.held_for(1), 25);
         // A 5 s run of 20 would leave C 30 at 1 s, not 45: refused. Counting the growth as
         // room (it would have been, were it lent to the line) let it in.
@@ -1505,12 +1505,7 @@ mod tests {
     fn a_front_of_80_that_starts_at_10_s(cfg: &RetryAfterConfig) -> Ledger {
         let mut l = Ledger::new(100, 1);
         lease_ending_at(&mut l, 70, 10_000);
-        for now in [0, 1] {
-            assert!(matches!(
-                l.try_admit(&keyed(80, 1, 0, now), cfg, 1),
-                AdmitOutcome::Rejected { .. }
-            ));
-        }
+        refused_twice(&mut l, cfg, |now| keyed(80, 1, 0, now));
         l
     }
 

@@ -287,15 +287,22 @@ mod tests {
         assert_eq!(waits(&l, &[20, 30]), [6_000, 19_000]);
     }
 
+    /// A lease of 10, expected to end at 7 s, grown 40 past it, with `held_back` held back and
+    /// `lendable` of that lendable.
+    fn grown_40_past_10(held_back: u64, lendable: u64) -> (Ledger, u64) {
+        let (mut l, grown) = one_lease(10, 7_000);
+        l.set_held(|id| if id == grown { 40 } else { 0 });
+        l.set_held_back(held_back);
+        l.set_lendable(lendable);
+        (l, grown)
+    }
+
     #[test]
     fn what_was_lent_comes_out_of_the_leases_held_not_out_of_other_held_back_bytes() {
         // A lease of 10, expected to end at 7 s, has grown 40 past it (lendable); 30 more are
         // held back that no lease holds (another gateway's use). A request of 45 is admitted
         // into 20 spare and 25 of the growth: the backend takes those back from the grown one.
-        let (mut l, grown) = one_lease(10, 7_000);
-        l.set_held(|id| if id == grown { 40 } else { 0 });
-        l.set_held_back(70);
-        l.set_lendable(40);
+        let (mut l, grown) = grown_40_past_10(70, 40);
         lent_until(&mut l, 45, 20_000);
         // The grown one's end frees its 10 and the 15 of its growth not lent: 25, what the
         // ledger then has free (100 − 45 − 30), not 50.
@@ -309,10 +316,7 @@ mod tests {
         // A lease of 10, expected to end at 7 s, has grown 40 past it; 30 more are held back as
         // room for a preempted sequence to resume, lent to the line. A request in line for 60
         // holds the 20 spare and those 30.
-        let (mut l, grown) = one_lease(10, 7_000);
-        l.set_held(|id| if id == grown { 40 } else { 0 });
-        l.set_held_back(70);
-        l.set_lendable(70);
+        let (mut l, _) = grown_40_past_10(70, 70);
         l.set_lendable_to_line(30);
         let in_line = AdmitRequest {
             claim: Some(crate::ledger::ClaimTicket {
