@@ -348,8 +348,8 @@ impl<M: Forward> Engine<M> {
             // Only when that makes room: a borrower preempted for a reservation refused anyway
             // would be recomputed for nothing (and again at every retry of the same request).
             let free = self.pool.stats().blocks_free;
-            if free < blocks && free.saturating_add(self.borrowed_blocks(None)) >= blocks {
-                self.reclaim_borrowed(blocks, None);
+            if free < blocks && free.saturating_add(self.borrowed_blocks()) >= blocks {
+                self.reclaim_borrowed(blocks);
             }
             self.pool.allocate(blocks)
         };
@@ -443,19 +443,18 @@ impl<M: Forward> Engine<M> {
         self.pool.stats().blocks_total.saturating_sub(promised)
     }
 
-    /// Take back borrowed blocks (youngest overgrown sequence first, running or waiting; with
-    /// `younger_than`, only from sequences younger than that order) until `blocks` are free or
-    /// none is borrowed.
-    fn reclaim_borrowed(&mut self, blocks: u32, younger_than: Option<u64>) {
+    /// Take back borrowed blocks (youngest overgrown sequence first, running or waiting) until
+    /// `blocks` are free or none is borrowed.
+    fn reclaim_borrowed(&mut self, blocks: u32) {
         while self.pool.stats().blocks_free < blocks {
             let free_before = self.pool.stats().blocks_free;
             let running = self
-                .youngest_overgrown(younger_than)
+                .youngest_overgrown()
                 .and_then(|i| Some((i, self.running.get(i)?.order)));
             let waiting = self
                 .waiting
                 .iter_mut()
-                .filter(|s| s.overgrown() && younger_than.is_none_or(|o| s.order > o))
+                .filter(|s| s.overgrown())
                 .max_by_key(|s| s.order);
             match (running, waiting) {
                 (Some((_, ro)), Some(w)) if w.order > ro => {
@@ -475,13 +474,13 @@ impl<M: Forward> Engine<M> {
         }
     }
 
-    /// Blocks elastic sequences (running or waiting; with `younger_than`, younger than that
-    /// order) hold past their reservations: what `reclaim_borrowed` can free at most.
-    fn borrowed_blocks(&self, younger_than: Option<u64>) -> u32 {
+    /// Blocks elastic sequences (running or waiting) hold past their reservations: what
+    /// `reclaim_borrowed` can free at most.
+    fn borrowed_blocks(&self) -> u32 {
         self.running
             .iter()
             .chain(self.waiting.iter())
-            .filter(|s| s.overgrown() && younger_than.is_none_or(|o| s.order > o))
+            .filter(|s| s.overgrown())
             .map(|s| s.alloc.blocks().saturating_sub(s.promised_blocks))
             .fold(0, u32::saturating_add)
     }
@@ -489,12 +488,12 @@ impl<M: Forward> Engine<M> {
     /// The running sequence to give borrowed blocks back first: the youngest grown past its
     /// reservation that is decoding, else the youngest part-way through its prefill (a chunked
     /// recompute given back loses every chunk it was fed; one preempted while decoding loses
-    /// no more than it already holds). With `younger_than`, only one younger than that order.
-    fn youngest_overgrown(&self, younger_than: Option<u64>) -> Option<usize> {
+    /// no more than it already holds).
+    fn youngest_overgrown(&self) -> Option<usize> {
         self.running
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.overgrown() && younger_than.is_none_or(|o| s.order > o))
+            .filter(|(_, s)| s.overgrown())
             .max_by_key(|(_, s)| (!s.prefilling, s.order))
             .map(|(i, _)| i)
     }
@@ -636,7 +635,7 @@ impl<M: Forward> Engine<M> {
                 // "Idle caches on the prefill path"). A borrower preempted here keeps its
                 // reservation's cache; an idle cache dropped is recomputed whole.
                 let (order, missing) = (front.order, blocks.saturating_sub(front.alloc.blocks()));
-                self.reclaim_borrowed(missing, None);
+                self.reclaim_borrowed(missing);
                 // A running borrower preempted goes first in line: find this one again.
                 passed = self
                     .waiting
@@ -647,33 +646,6 @@ impl<M: Forward> Engine<M> {
                     .waiting
                     .get_mut(passed)
                     .is_some_and(|f| f.alloc.ensure_tokens(len as u64));
-            }
-            let Some(front) = self.waiting.get(passed) else {
-                break;
-            };
-            if !room && front.elastic {
-                // Borrowed room goes to the oldest borrower first: a sequence waiting to grow
-                // past its reservation takes back what running sequences younger than it
-                // borrowed (the youngest first), when that covers what it lacks. Otherwise a
-                // preempted sequence waits while younger ones grow into every block that frees
-                // up, and the oldest request is the slowest (BENCHMARKS.md, "The oldest
-                // borrower first").
-                let (order, missing) = (front.order, blocks.saturating_sub(front.alloc.blocks()));
-                let free = self.pool.stats().blocks_free;
-                let younger = self.borrowed_blocks(Some(order));
-                if younger > 0 && free.saturating_add(younger) >= missing {
-                    self.reclaim_borrowed(missing, Some(order));
-                    // The ones preempted go first in line: find this one again.
-                    passed = self
-                        .waiting
-                        .iter()
-                        .position(|s| s.order == order)
-                        .unwrap_or(passed);
-                    room = self
-                        .waiting
-                        .get_mut(passed)
-                        .is_some_and(|f| f.alloc.ensure_tokens(len as u64));
-                }
             }
             let others_can_free = !self.running.is_empty() || self.waiting.len() > passed + 1;
             let Some(front) = self.waiting.get_mut(passed) else {
@@ -830,13 +802,13 @@ impl<M: Forward> Engine<M> {
                 Room::NoBlock if self.drop_an_idle_cache() => {
                     // Blocks a waiting sequence held idle came back: try again.
                 }
-                Room::NoBlock if self.youngest_overgrown(None).is_some() => {
+                Room::NoBlock if self.youngest_overgrown().is_some() => {
                     // Borrowed blocks go back first: the youngest sequence grown past its
                     // reservation (perhaps this one) is recomputed later. With lazy blocks a
                     // sequence within its reservation always finds some here: the promises fit
                     // the pool, so what it lacks is borrowed, and only running sequences
                     // borrow (a waiting one gave back what it borrowed when it was preempted).
-                    let victim = self.youngest_overgrown(None).unwrap_or(i);
+                    let victim = self.youngest_overgrown().unwrap_or(i);
                     let seq = self.running.remove(victim);
                     if victim < i {
                         i -= 1;

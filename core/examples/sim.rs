@@ -6,8 +6,7 @@
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
 //! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries]
-//! [--allowance-by-prompt true|false] [--oldest-borrower-first true|false] [--poll-ms M]
-//! [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
+//! [--allowance-by-prompt true|false] [--poll-ms M] [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
 //! defaults), and on stderr, per gateway arm, where the pool went: the ledger's committed, held
 //! back and claimed bytes, the backend's blocks in use and promised, averaged over the polls.
 //! `--poll-ms` is how often the gateway polls each backend (500, the shipped configs'
@@ -29,11 +28,6 @@
 //! which the promises fitting the pool guarantees is there). So an admission never preempts a
 //! borrower, and a borrower is preempted only when a reservation really needs its blocks. The
 //! backend's report counts what each sequence holds or was promised, which may exceed the pool.
-//!
-//! `--oldest-borrower-first true` (the default, as the backend's): a waiting elastic sequence
-//! that needs to grow past its reservation to resume takes back what running sequences younger
-//! than it borrowed (youngest first), when that covers what it lacks; `false` is the rule before
-//! it (it waits, passed over, while younger ones grow into each block that frees up).
 //!
 //! **The gateway arms decide with kvgate-core's own code, not a re-implementation:** the filter
 //! configuration is parsed by `Config::from_json` from envoy/kvgate-filter.yaml (the shipped
@@ -702,9 +696,6 @@ struct Backend {
     free: u64,
     /// `--lazy-blocks`: a reservation is a promise of blocks, taken as the sequence grows.
     lazy: bool,
-    /// engine.rs: a waiting borrower takes back what younger running ones borrowed
-    /// (`--oldest-borrower-first`, on as in the engine; off for comparison).
-    oldest_borrower_first: bool,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     inbox: Vec<Cmd>,
@@ -731,12 +722,11 @@ struct StepOut {
 }
 
 impl Backend {
-    fn new(blocks: u64, lazy: bool, oldest_borrower_first: bool) -> Self {
+    fn new(blocks: u64, lazy: bool) -> Self {
         Backend {
             total: blocks,
             free: blocks,
             lazy,
-            oldest_borrower_first,
             ..Backend::default()
         }
     }
@@ -828,8 +818,8 @@ impl Backend {
                         blocks = 0;
                     }
                     // engine.rs: borrowed blocks come back only when that makes room.
-                    if self.free < blocks && self.free + self.borrowed_blocks(None) >= blocks {
-                        self.reclaim_borrowed(blocks, None);
+                    if self.free < blocks && self.free + self.borrowed_blocks() >= blocks {
+                        self.reclaim_borrowed(blocks);
                     }
                     if self.free < blocks {
                         out.now.push((req, Note::Refused));
@@ -873,30 +863,29 @@ impl Backend {
     }
 
     /// `Engine::borrowed_blocks`: what `reclaim_borrowed` can free at most.
-    fn borrowed_blocks(&self, younger_than: Option<u64>) -> u64 {
+    fn borrowed_blocks(&self) -> u64 {
         self.running
             .iter()
             .chain(self.waiting.iter())
-            .filter(|s| s.overgrown() && younger_than.is_none_or(|o| s.order > o))
+            .filter(|s| s.overgrown())
             .map(|s| s.blocks.saturating_sub(blocks_for(s.promised)))
             .sum()
     }
 
-    fn reclaim_borrowed(&mut self, blocks: u64, younger_than: Option<u64>) {
-        let younger = |s: &Seq| younger_than.is_none_or(|o| s.order > o);
+    fn reclaim_borrowed(&mut self, blocks: u64) {
         while self.free < blocks {
             let running = self
                 .running
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| s.overgrown() && younger(s))
+                .filter(|(_, s)| s.overgrown())
                 .max_by_key(|(_, s)| s.order)
                 .map(|(i, s)| (i, s.order));
             let waiting = self
                 .waiting
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| s.overgrown() && younger(s))
+                .filter(|(_, s)| s.overgrown())
                 .max_by_key(|(_, s)| s.order)
                 .map(|(i, s)| (i, s.order));
             let shrink_waiting = match (running, waiting) {
@@ -965,6 +954,7 @@ impl Backend {
         let mut prefilled = 0;
         let mut passed = 0;
         while self.running.len() < arm.max_batch(p) {
+            let others_can_free = !self.running.is_empty() || self.waiting.len() > passed + 1;
             let Some(front) = self.waiting.get_mut(passed) else {
                 break;
             };
@@ -980,7 +970,7 @@ impl Backend {
                 // `--lazy-blocks`: within its reservation it takes borrowed blocks back now (the
                 // promises fit the pool, so what it lacks is borrowed).
                 let (need, order) = (blocks_for(len) - front.blocks, front.order);
-                self.reclaim_borrowed(need, None);
+                self.reclaim_borrowed(need);
                 // A preempted sequence goes to the front of the queue: find this one again.
                 passed = self
                     .waiting
@@ -992,27 +982,6 @@ impl Backend {
                     None => false,
                 };
             }
-            // engine.rs: borrowed room goes to the oldest borrower first.
-            let Some(front) = self.waiting.get(passed) else {
-                break;
-            };
-            if !room && front.elastic && self.oldest_borrower_first {
-                let (need, order) = (blocks_for(len).saturating_sub(front.blocks), front.order);
-                let younger = self.borrowed_blocks(Some(order));
-                if younger > 0 && self.free + younger >= need {
-                    self.reclaim_borrowed(need, Some(order));
-                    passed = self
-                        .waiting
-                        .iter()
-                        .position(|s| s.order == order)
-                        .unwrap_or(passed);
-                    room = match self.waiting.get_mut(passed) {
-                        Some(f) => ensure(f, len, &mut self.free),
-                        None => false,
-                    };
-                }
-            }
-            let others_can_free = !self.running.is_empty() || self.waiting.len() > passed + 1;
             let Some(front) = self.waiting.get_mut(passed) else {
                 break;
             };
@@ -1591,8 +1560,6 @@ struct Opts {
     poll_ms: u64,
     /// `--lazy-blocks`: the backend's `--lazy-blocks` (see the header).
     lazy_blocks: bool,
-    /// `--oldest-borrower-first` (see the header).
-    oldest_borrower_first: bool,
 }
 
 struct Sim<'a> {
@@ -1690,7 +1657,7 @@ impl<'a> Sim<'a> {
             next_job: 0,
             resolved: 0,
             backends: (0..o.backends)
-                .map(|_| Backend::new(o.preset.blocks, o.lazy_blocks, o.oldest_borrower_first))
+                .map(|_| Backend::new(o.preset.blocks, o.lazy_blocks))
                 .collect(),
             gw,
             rr: 0,
@@ -2328,7 +2295,6 @@ fn main() -> Res<()> {
     let mut quantile: f64 = 0.9;
     let mut backfill = true;
     let mut lazy_blocks = true;
-    let mut oldest_borrower_first = true;
     let mut by_prompt = false;
     let mut cap = None;
     let mut blocks = None;
@@ -2364,9 +2330,6 @@ fn main() -> Res<()> {
             "--backfill" => backfill = either(&a, args.next(), "on", "off")?,
             "--filter-config" => filter_path = parse(&a, args.next())?,
             "--lazy-blocks" => lazy_blocks = either(&a, args.next(), "true", "false")?,
-            "--oldest-borrower-first" => {
-                oldest_borrower_first = either(&a, args.next(), "true", "false")?
-            }
             "--allowance-by-prompt" => by_prompt = either(&a, args.next(), "true", "false")?,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
@@ -2448,7 +2411,6 @@ fn main() -> Res<()> {
         seed,
         poll_ms,
         lazy_blocks,
-        oldest_borrower_first,
     };
     let n: usize = workload.iter().map(Vec::len).sum();
     let load = match (clients, rate) {
