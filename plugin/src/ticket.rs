@@ -63,6 +63,9 @@ pub struct Ticket {
     /// Its wait in the queue ran out: its last try's refusal sends the client away with a
     /// Retry-After, so its place in line no longer `waits` here.
     pub sent_away: Cell<bool>,
+    /// When its body was read (ms, the host's clock): with `waiting_since`, how long it waited
+    /// here before it was forwarded (the note's `waited_ms`).
+    pub arrived_ms: u64,
 }
 
 pub enum Attempt {
@@ -103,6 +106,16 @@ impl Ticket {
         // of a 0.5 quantile's backfills ran past that (live: 11 of 15 in a round) and a request
         // in line waited out its client's 60 s behind them.
         worker.run_ms(self.priced.borrow().price.cap.cap)
+    }
+
+    /// How long this request has waited here by `now`: from its body's arrival, or from its
+    /// place in line taken on an earlier try of the same request, whichever came first.
+    pub fn waited_ms(&self, now: u64) -> u64 {
+        let since = self
+            .waiting_since
+            .get()
+            .map_or(self.arrived_ms, |w| w.min(self.arrived_ms));
+        now.saturating_sub(since)
     }
 
     /// The prompt's length as this gateway counted it (the longest, with several prompts): the
@@ -323,6 +336,7 @@ impl Ticket {
                         GatewayNote {
                             reserve_output: priced.elastic.map(|e| e.output_tokens),
                             prompt_tokens: self.prompt_tokens(),
+                            waited_ms: endpoint.reads_waited.get().then(|| self.waited_ms(now)),
                         }
                         .write(&mut body);
                     }

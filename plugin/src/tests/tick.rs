@@ -611,7 +611,7 @@ fn an_elastic_request_queued_behind_a_front_of(front_cap: u64) -> (Vm, Stream, S
         .collect();
     let body = json!({
         "pool": {"capacity_bytes": 10_000 * PER_TOKEN, "used_bytes": 6_300 * PER_TOKEN},
-        "admission": "reserve", "gateway_note": true,
+        "admission": "reserve", "gateway_note": true, "note_waited": true,
         "leases": [{"id": "21", "state": "running", "prompt_tokens": 100,
                     "max_tokens": 5_900, "reserved_tokens": 6_000,
                     "reserved_bytes": 6_000 * PER_TOKEN, "used_tokens": 170,
@@ -645,6 +645,8 @@ fn a_queued_elastic_request_is_weighed_as_a_backfill_at_what_its_class_has_learn
     let forwarded: Value = serde_json::from_slice(&Vm::body(late)).unwrap();
     assert_eq!(forwarded["kvgate"]["reserve_output"], 150);
     assert_eq!(forwarded["max_tokens"], 5_000, "the cap is kept");
+    // The backend reads how long it was held here (it said so in its report): queued 500 ms.
+    assert_eq!(forwarded["kvgate"]["waited_ms"], 500);
     for s in [early, late, front] {
         vm.finish(s);
     }
