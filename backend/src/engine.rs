@@ -187,6 +187,8 @@ impl<K: KvState> Seq<K> {
 /// request the gateway held in line for 18 s is older than one that arrived at the gateway
 /// later and was forwarded at once, as it would be at a server that queues every request
 /// itself: vLLM preempts by arrival at the server, and behind kvgate the server is the fleet.
+/// It orders who is preempted (the youngest first) and who grows first (the oldest), and the
+/// prefills part-way through; sequences not started yet start in their order of arrival here.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
 struct Age {
     asked_us: u64,
@@ -272,10 +274,7 @@ impl<M: Forward> Engine<M> {
             running: Vec::new(),
             next_internal_id: 0,
             arrivals: 0,
-            // Back by the longest wait counted, so that every wait told fits on it.
-            epoch: Instant::now()
-                .checked_sub(WAIT_TOLD_MAX)
-                .unwrap_or_else(Instant::now),
+            epoch: Instant::now(),
             demoted_early: VecDeque::new(),
         }
     }
@@ -434,8 +433,13 @@ impl<M: Forward> Engine<M> {
             events: s.events,
             arrived: Instant::now(),
             order: Age {
-                asked_us: u64::try_from(self.epoch.elapsed().saturating_sub(waited).as_micros())
-                    .unwrap_or(u64::MAX),
+                // Counted from the longest wait told before the epoch, so that every wait fits.
+                asked_us: u64::try_from(
+                    (self.epoch.elapsed() + WAIT_TOLD_MAX)
+                        .saturating_sub(waited)
+                        .as_micros(),
+                )
+                .unwrap_or(u64::MAX),
                 arrival: self.arrivals,
             },
             last_token: None,
