@@ -148,7 +148,6 @@ fn stall_arm(o: &Opts, chunk: usize) {
             class: None,
             reserve_output: None,
             gateway_prompt_tokens: 0,
-            waited_ms: 0,
             prompt: p,
             params: GenParams {
                 max_tokens,

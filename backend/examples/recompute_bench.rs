@@ -119,7 +119,6 @@ fn run_arm(
                 class: None,
                 reserve_output: None,
                 gateway_prompt_tokens: 0,
-                waited_ms: 0,
                 prompt: p.clone(),
                 params: GenParams {
                     max_tokens: o.max_tokens,

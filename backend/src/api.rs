@@ -204,7 +204,6 @@ async fn leases(
         pool,
         admission: st.admission.as_str().into(),
         gateway_note: true,
-        note_waited: true,
         model: Some(ModelReport {
             name: Some(st.model_name.clone()),
             spec: Some(st.spec),
@@ -528,7 +527,6 @@ async fn generate(
         class,
         reserve_output,
         gateway_prompt_tokens: v.note.map_or(0, |n| n.prompt_tokens),
-        waited_ms: v.note.and_then(|n| n.waited_ms).unwrap_or(0),
         prompt: v.prompt,
         params: v.params,
         events: tx,

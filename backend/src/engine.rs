@@ -140,9 +140,8 @@ struct Seq<K> {
     sampler: Sampler,
     events: UnboundedSender<Event>,
     arrived: Instant,
-    /// Its age: the youngest running sequence is preempted first, and the oldest take blocks
-    /// first.
-    order: Age,
+    /// Arrival order at the engine: the youngest running sequence is preempted first.
+    order: u64,
     /// When its last token was sampled (inter-token latency).
     last_token: Option<Instant>,
     /// Running but part-way through its prefill: its cache holds the first chunks of
@@ -181,22 +180,6 @@ impl<K: KvState> Seq<K> {
         self.elastic && self.alloc.blocks() > self.promised_blocks
     }
 }
-
-/// A sequence's age, younger greater: when its client asked (this engine's clock less the
-/// wait the gateway told in its note, `waited_ms`), then arrival order here (unique). A
-/// request the gateway held in line for 18 s is older than one that arrived at the gateway
-/// later and was forwarded at once, as it would be at a server that queues every request
-/// itself: vLLM preempts by arrival at the server, and behind kvgate the server is the fleet.
-/// It orders who is preempted (the youngest first) and who grows first (the oldest), and the
-/// prefills part-way through; sequences not started yet start in their order of arrival here.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
-struct Age {
-    asked_us: u64,
-    arrival: u64,
-}
-
-/// The longest gateway wait an engine counts (a longer one is counted as this).
-const WAIT_TOLD_MAX: Duration = Duration::from_secs(3600);
 
 /// Whether a running sequence has a KV slot for the token it feeds next.
 enum Room {
@@ -244,8 +227,6 @@ struct Engine<M: Forward> {
     running: Vec<Seq<M::Kv>>,
     next_internal_id: u64,
     arrivals: u64,
-    /// The clock sequences' ages are read on (`Age::asked_us`).
-    epoch: Instant,
     /// Leases demoted before they arrived (newest last, at most `DEMOTED_KEPT`).
     demoted_early: VecDeque<String>,
 }
@@ -274,7 +255,6 @@ impl<M: Forward> Engine<M> {
             running: Vec::new(),
             next_internal_id: 0,
             arrivals: 0,
-            epoch: Instant::now(),
             demoted_early: VecDeque::new(),
         }
     }
@@ -414,7 +394,6 @@ impl<M: Forward> Engine<M> {
         };
         self.metrics.requests.inc();
         self.arrivals += 1;
-        let waited = Duration::from_millis(s.waited_ms).min(WAIT_TOLD_MAX);
         let admitted = Event::Admitted { id: id.clone() };
         self.waiting.push_back(Seq {
             id,
@@ -432,16 +411,7 @@ impl<M: Forward> Engine<M> {
             alloc,
             events: s.events,
             arrived: Instant::now(),
-            order: Age {
-                // Counted from the longest wait told before the epoch, so that every wait fits.
-                asked_us: u64::try_from(
-                    (self.epoch.elapsed() + WAIT_TOLD_MAX)
-                        .saturating_sub(waited)
-                        .as_micros(),
-                )
-                .unwrap_or(u64::MAX),
-                arrival: self.arrivals,
-            },
+            order: self.arrivals,
             last_token: None,
             prefilling: false,
             prompt_fed: 0,
@@ -697,7 +667,7 @@ impl<M: Forward> Engine<M> {
                     .filter_map(|i| self.waiting.get(i).map(|s| (s.order, i)))
                     .min()
                     .map_or(passed, |(_, i)| i);
-                let order = self.waiting.get(oldest).map_or(Age::default(), |s| s.order);
+                let order = self.waiting.get(oldest).map_or(0, |s| s.order);
                 for s in self
                     .waiting
                     .iter_mut()

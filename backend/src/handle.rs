@@ -51,9 +51,6 @@ pub struct Submit {
     /// The prompt's length as the gateway counted it (its `kvgate.prompt_tokens`; 0: not
     /// told), echoed in the lease report when the sequence ends.
     pub gateway_prompt_tokens: u64,
-    /// How long the gateway held the request before it forwarded it (its note's `waited_ms`;
-    /// 0: not told): the sequence is aged from when its client asked.
-    pub waited_ms: u64,
     pub prompt: Vec<u32>,
     pub params: GenParams,
     pub events: UnboundedSender<Event>,

@@ -6,8 +6,7 @@
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
 //! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries]
-//! [--allowance-by-prompt true|false] [--age-from-client true|false] [--poll-ms M]
-//! [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
+//! [--allowance-by-prompt true|false] [--poll-ms M] [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
 //! defaults), and on stderr, per gateway arm, where the pool went: the ledger's committed, held
 //! back and claimed bytes, the backend's blocks in use and promised, averaged over the polls.
 //! `--poll-ms` is how often the gateway polls each backend (500, the shipped configs'
@@ -29,12 +28,6 @@
 //! which the promises fitting the pool guarantees is there). So an admission never preempts a
 //! borrower, and a borrower is preempted only when a reservation really needs its blocks. The
 //! backend's report counts what each sequence holds or was promised, which may exceed the pool.
-//!
-//! `--age-from-client true` (the default, as the filter and backend since the note's
-//! `waited_ms`): behind a gateway, the backend ages a sequence from its request's first try, so
-//! one held in line is older than one that came later and went straight through (who is
-//! preempted first, who takes blocks first); `false`: from when it reached the backend, as
-//! before.
 //!
 //! **The gateway arms decide with kvgate-core's own code, not a re-implementation:** the filter
 //! configuration is parsed by `Config::from_json` from envoy/kvgate-filter.yaml (the shipped
@@ -610,8 +603,7 @@ struct Seq {
     /// Tokens in its KV cache (None: not prefilled, or preempted).
     kv: Option<u64>,
     blocks: u64,
-    /// engine.rs's `Age`: when its client asked (µs), then arrival order at the backend.
-    order: (u64, u64),
+    order: u64,
 }
 
 impl Seq {
@@ -688,9 +680,6 @@ enum Cmd {
         reserve_output: Option<u64>,
         prompt: u64,
         true_len: u64,
-        /// When its client first asked (µs; `None`: as it reaches the backend). The filter
-        /// tells the backend how long it held the request (`waited_ms`), the sim its first try.
-        asked_us: Option<u64>,
     },
     Cancel {
         req: usize,
@@ -802,7 +791,6 @@ impl Backend {
                     reserve_output,
                     prompt,
                     true_len,
-                    asked_us,
                 } => {
                     let output = match reserve_output {
                         Some(r) if arm.reserve() => r.min(max_tokens),
@@ -851,7 +839,7 @@ impl Backend {
                         to_cap: true_len >= max_tokens,
                         kv: None,
                         blocks,
-                        order: (asked_us.unwrap_or(0), self.arrivals),
+                        order: self.arrivals,
                     });
                 }
             }
@@ -1437,7 +1425,6 @@ impl Gateway {
                         reserve_output: priced.elastic.map(|e| e.output_tokens),
                         prompt: r.req.prompt,
                         true_len: r.req.true_len,
-                        asked_us: r.first_try,
                     },
                 ));
                 Attempt::Forward { cmds }
@@ -1573,8 +1560,6 @@ struct Opts {
     poll_ms: u64,
     /// `--lazy-blocks`: the backend's `--lazy-blocks` (see the header).
     lazy_blocks: bool,
-    /// `--age-from-client` (see the header).
-    age_from_client: bool,
 }
 
 struct Sim<'a> {
@@ -1859,15 +1844,8 @@ impl<'a> Sim<'a> {
         }
     }
 
-    fn submit(&mut self, b: usize, mut cmd: Cmd) {
+    fn submit(&mut self, b: usize, cmd: Cmd) {
         let now = self.now;
-        if let Cmd::Submit { asked_us, .. } = &mut cmd {
-            // engine.rs ages a sequence from when its client asked only when the gateway says
-            // how long it held it (`--age-from-client`, on as the filter and backend do).
-            if !self.o.age_from_client || asked_us.is_none() {
-                *asked_us = Some(now);
-            }
-        }
         if let Cmd::Submit { req, .. } = cmd {
             if let Some(s) = self.reqs.get_mut(req) {
                 s.backend = Some(b);
@@ -1921,7 +1899,6 @@ impl<'a> Sim<'a> {
                     reserve_output: None,
                     prompt,
                     true_len,
-                    asked_us: None,
                 },
             );
             return;
@@ -2318,7 +2295,6 @@ fn main() -> Res<()> {
     let mut quantile: f64 = 0.9;
     let mut backfill = true;
     let mut lazy_blocks = true;
-    let mut age_from_client = true;
     let mut by_prompt = false;
     let mut cap = None;
     let mut blocks = None;
@@ -2354,7 +2330,6 @@ fn main() -> Res<()> {
             "--backfill" => backfill = either(&a, args.next(), "on", "off")?,
             "--filter-config" => filter_path = parse(&a, args.next())?,
             "--lazy-blocks" => lazy_blocks = either(&a, args.next(), "true", "false")?,
-            "--age-from-client" => age_from_client = either(&a, args.next(), "true", "false")?,
             "--allowance-by-prompt" => by_prompt = either(&a, args.next(), "true", "false")?,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
@@ -2436,7 +2411,6 @@ fn main() -> Res<()> {
         seed,
         poll_ms,
         lazy_blocks,
-        age_from_client,
     };
     let n: usize = workload.iter().map(Vec::len).sum();
     let load = match (clients, rate) {

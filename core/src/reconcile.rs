@@ -43,8 +43,6 @@ pub struct BackendReport {
     pub admission: String,
     /// It reads the gateway's body note (false from an older backend).
     pub gateway_note: bool,
-    /// It reads `waited_ms` in that note (false from an older backend).
-    pub note_waited: bool,
     /// The margin its block rounding needs on every reservation (`None` from an older backend).
     pub scratch_margin_bytes: Option<u64>,
     /// The numbers of the other gateways that poll it (one per Envoy; empty from an older
@@ -582,7 +580,6 @@ impl From<&LeaseReport> for BackendReport {
             finished_outputs: r.finished.iter().filter_map(Self::learned_output).collect(),
             admission: r.admission.clone(),
             gateway_note: r.gateway_note,
-            note_waited: r.note_waited,
             other_gateways: r.other_gateways.clone(),
             class_outputs: r
                 .finished

@@ -167,11 +167,6 @@ pub struct GatewayNote {
     /// The prompt's length as the gateway counted it, echoed in the backend's finished
     /// entries: the gateway learns output lengths by its own count of the prompts.
     pub prompt_tokens: u64,
-    /// How long the request waited at the gateway before it was forwarded (in its queue, and
-    /// on earlier tries refused with the same place in line), for a backend that says it reads
-    /// it (`LeaseReport::note_waited`): the backend ages the sequence from when its client
-    /// asked, not from when it arrived there. `None`: not written.
-    pub waited_ms: Option<u64>,
 }
 
 impl GatewayNote {
@@ -182,9 +177,6 @@ impl GatewayNote {
             note.insert("reserve_output".into(), Value::from(r));
         }
         note.insert("prompt_tokens".into(), Value::from(self.prompt_tokens));
-        if let Some(w) = self.waited_ms {
-            note.insert("waited_ms".into(), Value::from(w));
-        }
         obj.insert(GATEWAY_FIELD.into(), Value::Object(note));
     }
 
@@ -198,7 +190,7 @@ impl GatewayNote {
             ApiError::invalid(
                 GATEWAY_FIELD,
                 "'kvgate' is the gateway's own field: an object of non-negative integers \
-                 reserve_output, prompt_tokens and waited_ms.",
+                 reserve_output and prompt_tokens.",
             )
         };
         let Value::Object(note) = v else {
@@ -210,7 +202,6 @@ impl GatewayNote {
             match k.as_str() {
                 "reserve_output" => out.reserve_output = Some(n),
                 "prompt_tokens" => out.prompt_tokens = n,
-                "waited_ms" => out.waited_ms = Some(n),
                 _ => return Err(bad()),
             }
         }
@@ -578,7 +569,6 @@ mod tests {
         let note = GatewayNote {
             reserve_output: Some(12),
             prompt_tokens: 7,
-            waited_ms: Some(18_100),
         };
         note.write(&mut obj);
         let body = write_cap(&mut obj, Some(100));
@@ -586,11 +576,10 @@ mod tests {
         assert_eq!(GatewayNote::take(&mut back).unwrap(), Some(note));
         assert!(back.get(GATEWAY_FIELD).is_none(), "taken out of the body");
         assert_eq!(GatewayNote::take(&mut back).unwrap(), None);
-        // The whole cap: no reserve_output; and no wait told.
+        // The whole cap: no reserve_output.
         let whole = GatewayNote {
             reserve_output: None,
             prompt_tokens: 7,
-            waited_ms: None,
         };
         whole.write(&mut back);
         assert_eq!(GatewayNote::take(&mut back).unwrap(), Some(whole));
@@ -599,7 +588,6 @@ mod tests {
             r#"{"kvgate":{"reserve_output":-1}}"#,
             r#"{"kvgate":{"reserve_output":"5"}}"#,
             r#"{"kvgate":{"lease":"7"}}"#,
-            r#"{"kvgate":{"waited_ms":1.5}}"#,
         ] {
             let mut obj: Map<String, Value> = serde_json::from_str(bad).unwrap();
             let e = GatewayNote::take(&mut obj).unwrap_err();

@@ -29,10 +29,6 @@ pub struct LeaseReport {
     /// it an elastic reservation only that way, so elastic pricing needs it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub gateway_note: bool,
-    /// It reads `waited_ms` in that note (an older backend refuses a note field it does not
-    /// know, so the gateway writes it only where this says so).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub note_waited: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model: Option<ModelReport>,
     /// Leases the backend holds now: arrived at its HTTP layer, waiting or running.
@@ -295,7 +291,6 @@ mod tests {
             },
             admission: "reserve".into(),
             gateway_note: true,
-            note_waited: true,
             model: Some(ModelReport {
                 name: Some("m".into()),
                 spec: Some(ModelSpec {

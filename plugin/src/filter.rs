@@ -250,7 +250,6 @@ impl Filter {
             claim_active: Cell::new(false),
             waiting_since: Cell::new(None),
             sent_away: Cell::new(false),
-            arrived_ms: host::now_ms(),
         });
         self.ticket = Some(Rc::clone(&ticket));
         match ticket.attempt(&self.worker, &rt) {

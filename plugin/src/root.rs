@@ -607,7 +607,6 @@ impl Root {
         // gateway no longer sends: worst case in front of it.
         e.lends
             .set(report.admission == "reserve" && report.gateway_note);
-        e.reads_waited.set(report.note_waited);
         self.worker.learn_outputs(&rt.cfg, &report.class_outputs);
         let before = e.health();
         let was_over = before.drift_bytes.unsigned_abs() > u128::from(b.drift_warn_bytes);

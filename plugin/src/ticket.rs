@@ -63,9 +63,6 @@ pub struct Ticket {
     /// Its wait in the queue ran out: its last try's refusal sends the client away with a
     /// Retry-After, so its place in line no longer `waits` here.
     pub sent_away: Cell<bool>,
-    /// When its body was read (ms, the host's clock): with `waiting_since`, how long it waited
-    /// here before it was forwarded (the note's `waited_ms`).
-    pub arrived_ms: u64,
 }
 
 pub enum Attempt {
@@ -106,17 +103,6 @@ impl Ticket {
         // of a 0.5 quantile's backfills ran past that (live: 11 of 15 in a round) and a request
         // in line waited out its client's 60 s behind them.
         worker.run_ms(self.priced.borrow().price.cap.cap)
-    }
-
-    /// How long this request has waited here by `now`: from its body's arrival, or from its
-    /// place in line taken on an earlier try of the same request (`claim_since`: as its claim
-    /// said when the try that admits it read the ledger), whichever came first.
-    pub fn waited_ms(&self, now: u64, claim_since: Option<u64>) -> u64 {
-        let since = [self.waiting_since.get(), claim_since]
-            .into_iter()
-            .flatten()
-            .fold(self.arrived_ms, u64::min);
-        now.saturating_sub(since)
     }
 
     /// The prompt's length as this gateway counted it (the longest, with several prompts): the
@@ -180,14 +166,6 @@ impl Ticket {
         let decide = if shadow { gate::shadow } else { gate::decide };
         // A backfill try: only what the ledger admits ahead of the line; a refusal changes
         // nothing, so a queued request never takes a place in line that way.
-        // When this request's place in line was taken (an earlier try's refusal), read before
-        // a decision that admits it spends the claim: the note tells the backend that wait.
-        let claim_since = Cell::new(None::<u64>);
-        let note_claim = |l: &kvgate_core::Ledger| {
-            if let Some(s) = claim_key.and_then(|k| l.waiting_since(k)) {
-                claim_since.set(Some(claim_since.get().map_or(s, |c: u64| c.min(s))));
-            }
-        };
         let probe = |l: &mut kvgate_core::Ledger| -> Decision {
             gate::backfill(l, &rt.cfg, &self.class, &priced, holder, now)
                 .unwrap_or_else(|| Decision::Rejected(not_ahead()))
@@ -205,7 +183,6 @@ impl Ticket {
             claim_key,
             CAS_ATTEMPTS,
             |l| {
-                note_claim(l);
                 if backfill {
                     return match probe(l) {
                         d @ Decision::Admitted { .. } => Some(d),
@@ -226,7 +203,6 @@ impl Ticket {
                 }
             },
             |l| {
-                note_claim(l);
                 if backfill {
                     return probe(l);
                 }
@@ -347,10 +323,6 @@ impl Ticket {
                         GatewayNote {
                             reserve_output: priced.elastic.map(|e| e.output_tokens),
                             prompt_tokens: self.prompt_tokens(),
-                            waited_ms: endpoint
-                                .reads_waited
-                                .get()
-                                .then(|| self.waited_ms(now, claim_since.get())),
                         }
                         .write(&mut body);
                     }

@@ -125,9 +125,6 @@ pub struct Endpoint {
     /// carries the reservation). Elastic classes apply only while every endpoint does; the
     /// note is written only into requests for such an endpoint.
     pub lends: Cell<bool>,
-    /// Its last report said it reads `waited_ms` in the note (it ages sequences from when
-    /// their clients asked); the field is written only into requests for such an endpoint.
-    pub reads_waited: Cell<bool>,
     /// Output tokens a second of one decoding sequence there, from this worker's polls (0:
     /// not known yet, or Retry-After is not estimated from progress).
     pub tokens_per_s: Cell<f64>,
@@ -152,7 +149,6 @@ impl Endpoint {
             view: Cell::new(View::default()),
             grown: Cell::new(0),
             lends: Cell::new(false),
-            reads_waited: Cell::new(false),
             tokens_per_s: Cell::new(0.0),
             metrics,
         };

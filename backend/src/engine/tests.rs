@@ -170,7 +170,6 @@ fn submit_prompt(
         class: None,
         reserve_output: None,
         gateway_prompt_tokens: 0,
-        waited_ms: 0,
         prompt,
         params,
         events: tx,
@@ -725,25 +724,12 @@ fn submit_elastic(
     max_tokens: u64,
     reserve_output: u64,
 ) -> UnboundedReceiver<Event> {
-    submit_elastic_after(e, id, prompt, max_tokens, reserve_output, 0)
-}
-
-/// As `submit_elastic`, for a request the gateway held `waited_ms` before forwarding it.
-fn submit_elastic_after(
-    e: &mut Engine<Fake>,
-    id: &str,
-    prompt: usize,
-    max_tokens: u64,
-    reserve_output: u64,
-    waited_ms: u64,
-) -> UnboundedReceiver<Event> {
     let (tx, rx) = unbounded_channel();
     e.admit(Submit {
         lease: Some(id.into()),
         class: Some("batch".into()),
         reserve_output: Some(reserve_output),
         gateway_prompt_tokens: 0,
-        waited_ms,
         prompt: vec![1; prompt],
         params: greedy(max_tokens),
         events: tx,
@@ -1534,38 +1520,4 @@ fn the_lease_report_counts_a_block_taken_after_the_leases_were_published_only_on
     assert_eq!(h.lease_report(0).0.used_bytes, before.used_bytes);
     e.publish();
     assert_eq!(h.lease_report(0).0.used_bytes, before.used_bytes);
-}
-
-#[test]
-fn a_sequence_is_aged_from_when_its_client_asked_not_from_when_it_arrived() {
-    // Two elastic sequences that cannot both fit (each reserves one block and runs to 110
-    // tokens: 7 of the 8 blocks). B arrives second but the gateway held it 10 s first: it is
-    // the older, so A makes way each time the pool runs dry and B finishes first. Told no
-    // wait, the first to arrive finishes first.
-    for (waited_ms, first) in [(10_000, "b"), (0, "a")] {
-        let mut e = engine(8, Admission::Reserve, usize::MAX, 8);
-        let mut a = submit_elastic(&mut e, "a", 10, 100, 6);
-        let mut b = submit_elastic_after(&mut e, "b", 10, 100, 6, waited_ms);
-        let (mut ea, mut eb) = (Vec::new(), Vec::new());
-        let mut order = Vec::new();
-        for _ in 0..2000 {
-            if order.len() == 2 {
-                break;
-            }
-            e.step();
-            ea.extend(events(&mut a));
-            eb.extend(events(&mut b));
-            for (id, x) in [("a", &ea), ("b", &eb)] {
-                if finished(x).is_some() && !order.contains(&id) {
-                    order.push(id);
-                }
-            }
-        }
-        assert_eq!(order.first(), Some(&first), "waited {waited_ms} ms");
-        assert_eq!(text(&ea), solo(10, greedy(100)).0);
-        assert_eq!(text(&eb), solo(10, greedy(100)).0);
-        assert_eq!(e.metrics.kv_oom.get(), 0);
-        assert_eq!(e.pool.stats().blocks_free, 8);
-        e.pool.check().unwrap();
-    }
 }
