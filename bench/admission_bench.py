@@ -63,9 +63,11 @@ response headers of the try that was admitted), mean KV written / capacity and, 
 reserved − used (the ledger's committed bytes minus the KV the backend's sequences have really
 written, prompt + output so far, `kvgate_backend_kv_written_bytes`, sampled every 0.5 s: what
 worst-case pricing over-reserves; negative when elastic sequences have grown past their
-reservations), and recomputed tokens (backend /metrics). With --plots (and whenever it writes
-BENCHMARKS.md), three PNGs: goodput and failures per arm; KV written and reserved over time;
-latency and TTFT CDFs.
+reservations), and recomputed tokens (backend /metrics). Then every arm with its rounds pooled:
+goodput over the summed makespans, latency p50/p95/p99 over every completed request, and each
+beside vLLM's behaviour's when that arm ran (one round's p99 on a few dozen requests is its
+slowest request). With --plots (and whenever it writes BENCHMARKS.md), three PNGs: goodput and
+failures per arm; KV written and reserved over time; latency and TTFT CDFs.
 
 Usage: .venv/bin/python bench/admission_bench.py [--full] [--rounds N] [--jobs N] [--arms a,b]
        [--no-write]
@@ -643,6 +645,39 @@ def table(rows, arms):
     return "\n".join(lines)
 
 
+def pooled(rows, arms):
+    """Every arm over all its rounds: goodput (output tokens over the summed makespans) and the
+    latency percentiles of every completed request pooled, beside vLLM's behaviour's when that
+    arm ran. On a few dozen requests a round, one round's p99 is its slowest request; pooled
+    over the rounds it is less a matter of which request was unlucky."""
+    f = lambda v, d=1: "–" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
+    agg = {}
+    for arm in arms:
+        rs = [r for r in rows if r["arm"] == arm]
+        if not rs:
+            continue
+        lat = [x for r in rs for x in r["latencies"]]
+        span = sum(r["makespan_s"] for r in rs)
+        agg[arm] = {"rounds": len(rs), "completed": sum(r["completed"] for r in rs),
+                    "requests": sum(r["requests"] for r in rs),
+                    "goodput": sum(r["tokens"] for r in rs) / span if span else float("nan"),
+                    "p50": pct(lat, 50), "p95": pct(lat, 95), "p99": pct(lat, 99),
+                    "ttft_p50": pct([x for r in rs for x in r["ttfts"]], 50),
+                    "recomputed": sum(r["recomputed_tokens"] for r in rs)}
+    base = agg.get("vllm")
+    ratio = lambda a, b: "–" if not base or not b or b != b or a != a else f"{a / b:.2f}×"  # noqa: E731
+    head = ("| arm | rounds | completed / sent | goodput tok/s | vs vLLM | latency p50 / p95 / p99 s | p99 vs vLLM | "
+            "TTFT p50 s | recomputed tokens | vs vLLM |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for arm, g in agg.items():
+        lines.append(
+            f"| {arm} | {g['rounds']} | {g['completed']} / {g['requests']} | {f(g['goodput'])} | "
+            f"{ratio(g['goodput'], base and base['goodput'])} | {f(g['p50'])} / {f(g['p95'])} / {f(g['p99'])} | "
+            f"{ratio(g['p99'], base and base['p99'])} | {f(g['ttft_p50'], 2)} | {g['recomputed']} | "
+            f"{ratio(g['recomputed'], base and base['recomputed'])} |")
+    return "\n".join(lines)
+
+
 COLOURS = {"none": "#999999", "prompt": "#d62728", "cap": "#ff7f0e", "reserve": "#8c564b", "kvgate": "#1f77b4",
            "elastic": "#2ca02c", "queued": "#17becf", "queued-strict": "#bcbd22", "queued-nobf": "#8c564b", "queued-lean": "#7f7f7f", "oracle": "#000000", "vllm": "#9467bd",
            "vllm-envoy": "#e377c2"}
@@ -842,7 +877,7 @@ def main():
     wall = (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds()
     cmd = "make bench-admission" + (" ARGS=--full" if a.full else "")
     argv = " ".join(["bench/admission_bench.py", *sys.argv[1:]])
-    out = table(rows, arms)
+    out = table(rows, arms) + "\n\nRounds pooled:\n\n" + pooled(rows, arms)
     print("\n" + out)
     print(f"\nwall {wall:.0f} s")
     stem = f"admission-{started:%Y%m%d-%H%M}"
