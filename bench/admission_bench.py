@@ -619,8 +619,13 @@ def summarise(arm, rnd, run, makespan, samples, m, oracle_caps, gstats):
 
 # ----- the table --------------------------------------------------------------------------------
 
+def fmt(v, d=1):
+    """A table cell: `v` to `d` decimals, or "–" when there is none (None or NaN)."""
+    return "–" if v is None or v != v else f"{v:.{d}f}"
+
+
 def table(rows, arms):
-    f = lambda v, d=1: "–" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
+    f = fmt
     head = ("| arm | round | completed / sent | mid-decode KV OOM | stopped by preemption (demoted) | 413 | gave up | other | "
             "output tokens | makespan s | goodput tok/s | vs oracle | latency p50 / p99 s | TTFT p50 / p99 s | "
             "429s | degraded | longest admission wait s | mean KV written / capacity | mean reserved − written MiB | "
@@ -650,7 +655,7 @@ def pooled(rows, arms):
     latency percentiles of every completed request pooled, beside vLLM's behaviour's when that
     arm ran. On a few dozen requests a round, one round's p99 is its slowest request; pooled
     over the rounds it is less a matter of which request was unlucky."""
-    f = lambda v, d=1: "–" if v is None or v != v else f"{v:.{d}f}"  # noqa: E731
+    f = fmt
     agg = {}
     for arm in arms:
         rs = [r for r in rows if r["arm"] == arm]
@@ -664,17 +669,20 @@ def pooled(rows, arms):
                     "p50": pct(lat, 50), "p95": pct(lat, 95), "p99": pct(lat, 99),
                     "ttft_p50": pct([x for r in rs for x in r["ttfts"]], 50),
                     "recomputed": sum(r["recomputed_tokens"] for r in rs)}
-    base = agg.get("vllm")
-    ratio = lambda a, b: "–" if not base or not b or b != b or a != a else f"{a / b:.2f}×"  # noqa: E731
+    base = agg.get("vllm", {})
+
+    def ratio(g, key):
+        b = base.get(key)
+        return "–" if not b or b != b or g[key] != g[key] else f"{g[key] / b:.2f}×"
+
     head = ("| arm | rounds | completed / sent | goodput tok/s | vs vLLM | latency p50 / p95 / p99 s | p99 vs vLLM | "
             "TTFT p50 s | recomputed tokens | vs vLLM |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for arm, g in agg.items():
         lines.append(
             f"| {arm} | {g['rounds']} | {g['completed']} / {g['requests']} | {f(g['goodput'])} | "
-            f"{ratio(g['goodput'], base and base['goodput'])} | {f(g['p50'])} / {f(g['p95'])} / {f(g['p99'])} | "
-            f"{ratio(g['p99'], base and base['p99'])} | {f(g['ttft_p50'], 2)} | {g['recomputed']} | "
-            f"{ratio(g['recomputed'], base and base['recomputed'])} |")
+            f"{ratio(g, 'goodput')} | {f(g['p50'])} / {f(g['p95'])} / {f(g['p99'])} | "
+            f"{ratio(g, 'p99')} | {f(g['ttft_p50'], 2)} | {g['recomputed']} | {ratio(g, 'recomputed')} |")
     return "\n".join(lines)
 
 
