@@ -4,6 +4,8 @@
 //! Requests are validated into `Submit` values with the same parser the filter uses
 //! (kvgate-core), so both sides agree on what a request is; every error is an OpenAI-style JSON
 //! body with the right status, and nothing is allocated for a request that fails validation.
+//! Validation (parsing, counting, template rendering) runs on tokio's blocking pool, a bounded
+//! number at a time, never on the executor that serves the streams and the lease polls.
 
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
@@ -21,6 +23,7 @@ use kvgate_core::{
 };
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+use tokio::sync::Semaphore;
 
 use crate::engine::Admission;
 use crate::handle::{Demoted, EngineHandle, Event, GenParams, Submit};
@@ -47,6 +50,9 @@ pub struct AppState {
     pub max_body_bytes: usize,
     /// The gateways that poll the lease report, so each can be told of the others.
     pub pollers: Mutex<Pollers>,
+    /// Permits to validate a request off the async executor (one a core): a request beyond
+    /// them waits for one, so blocking validations never queue up without bound.
+    pub validation_slots: Arc<Semaphore>,
 }
 
 impl AppState {
@@ -270,14 +276,14 @@ type Body = Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>;
 
 async fn completions(State(st): Shared, headers: HeaderMap, body: Body) -> Response {
     match body {
-        Ok(b) => generate(st, headers, Endpoint::Completions, &b).await,
+        Ok(b) => generate(st, headers, Endpoint::Completions, b).await,
         Err(e) => body_refused(&st, &e),
     }
 }
 
 async fn chat_completions(State(st): Shared, headers: HeaderMap, body: Body) -> Response {
     match body {
-        Ok(b) => generate(st, headers, Endpoint::ChatCompletions, &b).await,
+        Ok(b) => generate(st, headers, Endpoint::ChatCompletions, b).await,
         Err(e) => body_refused(&st, &e),
     }
 }
@@ -427,6 +433,32 @@ fn validate(
     })
 }
 
+/// `validate` on tokio's blocking pool, at most `validation_slots` at a time. Parsing a body of
+/// megabytes (a token-id prompt of 2 M numbers), counting a long prompt and rendering a chat
+/// template take the CPU for long enough to stall every SSE stream, `/health` and the
+/// gateway's lease polls if run on the executor's few worker threads. A request beyond the
+/// permits waits for one here, as an idle future; the permit goes with the blocking task, so a
+/// handler dropped meanwhile (its client gone) frees it only when the work is done.
+async fn validate_off_executor(
+    st: &Arc<AppState>,
+    endpoint: Endpoint,
+    body: axum::body::Bytes,
+    read_note: bool,
+) -> Result<Validated, ApiError> {
+    let stopped = |what: String| ApiError::new(ErrorKind::Internal, what);
+    let permit = Arc::clone(&st.validation_slots)
+        .acquire_owned()
+        .await
+        .map_err(|e| stopped(format!("The request could not be validated: {e}")))?;
+    let st = Arc::clone(st);
+    tokio::task::spawn_blocking(move || {
+        let _permit = permit;
+        validate(&st, endpoint, &body, read_note)
+    })
+    .await
+    .unwrap_or_else(|e| Err(stopped(format!("The request could not be validated: {e}"))))
+}
+
 /// A lease acknowledged the moment its request arrives: listed in the leases report (state
 /// `arrived` until the engine lists it) for as long as its handler or response stream lives.
 /// A request the engine never took is recorded as finished (`refused`) when it lets go, so the
@@ -471,7 +503,7 @@ async fn generate(
     st: Arc<AppState>,
     headers: HeaderMap,
     endpoint: Endpoint,
-    body: &[u8],
+    body: axum::body::Bytes,
 ) -> Response {
     let lease = headers
         .get("x-kvgate-lease")
@@ -511,7 +543,7 @@ async fn generate(
         None => None,
     };
     let read_note = headers.contains_key("x-kvgate-note");
-    let v = match validate(&st, endpoint, body, read_note) {
+    let v = match validate_off_executor(&st, endpoint, body, read_note).await {
         Ok(v) => v,
         Err(e) => return HttpError(e).into_response(),
     };
@@ -716,6 +748,108 @@ fn sse_stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::handle::EngineHandle;
+    use crate::metrics::Metrics;
+    use crate::pool::BlockPool;
+
+    /// A server state over the synthetic tokenizer, a context of 64 tokens, and `slots`
+    /// validation permits (no engine: validation never reaches it).
+    fn state(slots: usize) -> Arc<AppState> {
+        let (tx, _) = std::sync::mpsc::channel();
+        let pool = BlockPool::new(1 << 20, 16, 64);
+        let engine = EngineHandle::new(tx, Default::default(), pool, Arc::new(Metrics::default()));
+        Arc::new(AppState {
+            engine,
+            tok: Arc::new(crate::synthetic::tokenizer(512).unwrap()),
+            model_name: "m".into(),
+            spec: kvgate_core::ModelSpec {
+                layers: 1,
+                kv_heads: 1,
+                head_dim: 1,
+                kv_dtype_bytes: 4,
+                context_tokens: 64,
+            },
+            admission: Admission::Reserve,
+            admission_secret: None,
+            scratch_margin_bytes: 0,
+            prefill_scratch_bytes: 0,
+            decode_scratch_bytes: 0,
+            max_body_bytes: 1 << 20,
+            pollers: Default::default(),
+            validation_slots: Arc::new(Semaphore::new(slots)),
+        })
+    }
+
+    const OK: &str = r#"{"model":"m","prompt":"hello","max_tokens":4}"#;
+
+    #[tokio::test]
+    async fn validation_off_the_executor_answers_exactly_as_validation_does() {
+        let st = state(2);
+        let ids = |n: usize| format!("{:?}", vec![5u32; n]);
+        let bodies = [
+            (Endpoint::Completions, OK.to_string()),
+            (Endpoint::Completions, "not json".into()),
+            (
+                Endpoint::Completions,
+                r#"{"model":"other","prompt":"x"}"#.into(),
+            ),
+            (
+                Endpoint::Completions,
+                format!(r#"{{"model":"m","prompt":{}}}"#, ids(8)),
+            ),
+            (
+                Endpoint::Completions,
+                format!(r#"{{"model":"m","prompt":{}}}"#, ids(65)),
+            ),
+            (
+                Endpoint::Completions,
+                format!(r#"{{"model":"m","prompt":"{}"}}"#, " ".repeat(5000)),
+            ),
+            (
+                Endpoint::ChatCompletions,
+                r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#
+                    .into(),
+            ),
+        ];
+        for (endpoint, body) in bodies {
+            let inline = validate(&st, endpoint, body.as_bytes(), false);
+            let off = validate_off_executor(&st, endpoint, body.clone().into(), false).await;
+            match (inline, off) {
+                (Ok(a), Ok(b)) => assert_eq!(
+                    (a.prompt, a.params.max_tokens, a.stream),
+                    (b.prompt, b.params.max_tokens, b.stream),
+                    "{body}"
+                ),
+                (Err(a), Err(b)) => {
+                    assert_eq!((a.status, a.body()), (b.status, b.body()), "{body}")
+                }
+                (a, b) => panic!("{body}: {:?} vs {:?}", a.err(), b.err()),
+            }
+        }
+        assert_eq!(st.validation_slots.available_permits(), 2, "all given back");
+    }
+
+    #[tokio::test]
+    async fn a_validation_beyond_the_permits_waits_for_one() {
+        let st = state(1);
+        let held = Arc::clone(&st.validation_slots)
+            .acquire_owned()
+            .await
+            .unwrap();
+        let st2 = Arc::clone(&st);
+        let waiting = tokio::spawn(async move {
+            validate_off_executor(&st2, Endpoint::Completions, OK.into(), false)
+                .await
+                .is_ok()
+        });
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!waiting.is_finished(), "no permit: it waits");
+        drop(held);
+        assert!(waiting.await.unwrap());
+        assert_eq!(st.validation_slots.available_permits(), 1);
+    }
 
     fn query(instance: Option<&str>, gateway: Option<u64>) -> LeasesQuery {
         LeasesQuery {

@@ -538,6 +538,15 @@ impl<M: Forward> Engine<M> {
             None => self.waiting.iter_mut().find(|s| s.id == id),
         };
         let Some(seq) = seq else {
+            // A lease that already ended will not arrive again (lease ids are single-use):
+            // unknown, as to a cancel, rather than remembered for an arrival that never comes.
+            let finished = {
+                let p = self.published();
+                !p.is_live(&id) && p.finished.iter().any(|f| f.id == id)
+            };
+            if finished {
+                return Demoted::Unknown;
+            }
             if self.demoted_early.len() == DEMOTED_KEPT {
                 self.demoted_early.pop_front();
             }
@@ -1006,7 +1015,13 @@ impl<M: Forward> Engine<M> {
         }
         seq.generated.push(token);
         self.metrics.generated_tokens.inc();
-        let stopped = match self.tok.counter.decode_bytes(&[token]) {
+        // A control token (`<|im_start|>`, `<|start_header_id|>`) counts as generated but is no
+        // text: never streamed, never part of a stop string (OpenAI, vLLM's default).
+        let text = match self.tok.hidden_ids.contains(&token) {
+            true => None,
+            false => self.tok.counter.decode_bytes(&[token]),
+        };
+        let stopped = match text {
             Some(bytes) => seq.text.push(&bytes),
             None => false,
         };

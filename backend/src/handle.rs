@@ -73,7 +73,8 @@ pub enum Demoted {
     OnArrival,
     /// This backend does not lend (`--admission` other than `reserve`): stopped, as by a cancel.
     Cancelled,
-    /// Not here, and this backend does not lend: nothing to do.
+    /// Already finished (a 404, as for any lease not held), or not here and this backend does
+    /// not lend: nothing to do.
     Unknown,
 }
 

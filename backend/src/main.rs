@@ -4,7 +4,7 @@
 use kvgate_backend::{api, engine, metrics, model, pool, synthetic, tokenizer};
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
@@ -19,7 +19,7 @@ use crate::engine::{Admission, EngineConfig, OnKvExhaustion};
 #[command(version, about)]
 struct Args {
     /// GGUF model file (Llama family). `make setup` fetches the default SmolLM2-135M-Instruct.
-    #[arg(long, default_value = "models/SmolLM2-135M-Instruct.Q4_1.gguf")]
+    #[arg(long, default_value = DEFAULT_MODEL)]
     model: PathBuf,
     /// Serve a model of a named shape with random weights instead of `--model`: `smollm2`
     /// (SmolLM2-135M's shape), `llama8b` (Llama-3-8B's) or `tiny`. No file is read; the tokenizer
@@ -29,8 +29,9 @@ struct Args {
     /// Seed of the synthetic weights (same seed, same weights, on every device).
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// The model name clients send (`model` field) and /v1/models lists
-    /// [default: smollm2-135m-instruct, or synthetic-SHAPE].
+    /// The model name clients send (`model` field) and /v1/models lists [default: the GGUF's
+    /// `general.name`, else its file name without `.gguf`; `smollm2-135m-instruct` for the
+    /// bundled SmolLM2 file; synthetic-SHAPE].
     #[arg(long)]
     model_name: Option<String>,
     /// Address to listen on.
@@ -112,6 +113,28 @@ struct Args {
     step_delay_ms: u64,
 }
 
+/// The model `make setup` fetches, and the name it is served under.
+const DEFAULT_MODEL: &str = "models/SmolLM2-135M-Instruct.Q4_1.gguf";
+const DEFAULT_MODEL_NAME: &str = "smollm2-135m-instruct";
+
+/// The name a GGUF is served under without `--model-name`: the bundled default's own, else the
+/// file's `general.name` (trimmed, if it is a printable one), else its file stem.
+fn default_model_name(path: &Path, ct: &gguf_file::Content) -> String {
+    if path.file_name() == Path::new(DEFAULT_MODEL).file_name() {
+        return DEFAULT_MODEL_NAME.to_string();
+    }
+    let usable = |s: &str| {
+        let s = s.trim();
+        (!s.is_empty() && !s.chars().any(char::is_control)).then(|| s.to_string())
+    };
+    ct.metadata
+        .get("general.name")
+        .and_then(|v| v.to_string().ok())
+        .and_then(|s| usable(s))
+        .or_else(|| usable(&path.file_stem()?.to_string_lossy()))
+        .unwrap_or_else(|| DEFAULT_MODEL_NAME.to_string())
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum WeightType {
     Auto,
@@ -151,6 +174,19 @@ fn abort_on_panic() {
     }));
 }
 
+/// The admission secret, from `--admission-secret-file` or else `KVGATE_ADMISSION_SECRET`
+/// (`env`), trimmed either way: a secret mounted from a Kubernetes Secret or written by `echo`
+/// ends in a newline the gateway does not send. Empty once trimmed: none.
+fn admission_secret(file: Option<&Path>, env: Option<String>) -> Result<Option<String>> {
+    let secret = match file {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("reading the admission secret {}", path.display()))?,
+        None => env.unwrap_or_default(),
+    };
+    let secret = secret.trim();
+    Ok((!secret.is_empty()).then(|| secret.to_string()))
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     abort_on_panic();
@@ -182,7 +218,8 @@ async fn main() -> Result<()> {
                 eprintln!("kvgate-backend: {w}");
             }
             let llama = model::Llama::from_gguf(&ct, &mut file, cfg.clone(), &dev)?;
-            (cfg, tok, llama, "smollm2-135m-instruct".to_string())
+            let name = default_model_name(&args.model, &ct);
+            (cfg, tok, llama, name)
         }
     };
     let model_name = args.model_name.clone().unwrap_or(model_name);
@@ -258,16 +295,10 @@ async fn main() -> Result<()> {
         },
         metrics,
     );
-    let admission_secret = match &args.admission_secret_file {
-        Some(path) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("reading the admission secret {}", path.display()))?
-                .trim()
-                .to_string(),
-        ),
-        None => std::env::var("KVGATE_ADMISSION_SECRET").ok(),
-    }
-    .filter(|s| !s.is_empty());
+    let admission_secret = admission_secret(
+        args.admission_secret_file.as_deref(),
+        std::env::var("KVGATE_ADMISSION_SECRET").ok(),
+    )?;
     if admission_secret.is_none() {
         eprintln!(
             "warning: no admission secret (--admission-secret-file): the admission API and lease headers are \
@@ -286,6 +317,9 @@ async fn main() -> Result<()> {
         decode_scratch_bytes: decode_scratch,
         max_body_bytes: args.max_body_bytes.max(1),
         pollers: Default::default(),
+        validation_slots: Arc::new(tokio::sync::Semaphore::new(
+            std::thread::available_parallelism().map_or(1, |n| n.get()),
+        )),
     });
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
@@ -329,7 +363,67 @@ async fn main() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use std::os::unix::process::ExitStatusExt;
+    use std::path::Path;
     use std::process::Command;
+
+    use candle_core::quantized::gguf_file::{Content, Value, VersionedMagic};
+
+    fn gguf(name: Option<&str>) -> Content {
+        Content {
+            magic: VersionedMagic::GgufV3,
+            metadata: name
+                .map(|n| ("general.name".to_string(), Value::String(n.into())))
+                .into_iter()
+                .collect(),
+            tensor_infos: Default::default(),
+            tensor_data_offset: 0,
+        }
+    }
+
+    #[test]
+    fn a_gguf_is_served_under_its_own_name() {
+        let name =
+            |path: &str, n: Option<&str>| super::default_model_name(Path::new(path), &gguf(n));
+        assert_eq!(
+            name("/m/qwen.gguf", Some(" Qwen2.5 0.5B Instruct\n")),
+            "Qwen2.5 0.5B Instruct"
+        );
+        assert_eq!(name("/m/Llama-3.2-1B.Q8_0.gguf", None), "Llama-3.2-1B.Q8_0");
+        assert_eq!(
+            name("/m/Llama-3.2-1B.Q8_0.gguf", Some("  ")),
+            "Llama-3.2-1B.Q8_0"
+        );
+        assert_eq!(name("/m/x.gguf", Some("two\nlines")), "x");
+        // The bundled default keeps the name every client and test uses (its general.name is
+        // "Smollm2 135M 8k Lc100K Mix1 Ep2").
+        let bundled = "/repo/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+        assert_eq!(
+            name(bundled, Some("Smollm2 135M 8k Lc100K Mix1 Ep2")),
+            "smollm2-135m-instruct"
+        );
+        assert_eq!(name(super::DEFAULT_MODEL, None), "smollm2-135m-instruct");
+    }
+
+    #[test]
+    fn the_admission_secret_is_trimmed_from_the_environment_as_from_a_file() {
+        let secret = |env: &str| super::admission_secret(None, Some(env.to_string())).unwrap();
+        assert_eq!(secret("s3cret\n"), Some("s3cret".to_string()));
+        assert_eq!(secret(" s3cret \r\n"), Some("s3cret".to_string()));
+        assert_eq!(secret(" \n"), None, "empty: none, as an empty file gives");
+        assert_eq!(super::admission_secret(None, None).unwrap(), None);
+        let dir = std::env::temp_dir().join(format!("kvgate-secret-{}", std::process::id()));
+        std::fs::write(&dir, "from-file\n").unwrap();
+        let from_file = super::admission_secret(Some(&dir), Some("env".into())).unwrap();
+        std::fs::write(&dir, "\n").unwrap();
+        let empty_file = super::admission_secret(Some(&dir), Some("env".into())).unwrap();
+        std::fs::remove_file(&dir).unwrap();
+        assert_eq!(from_file, Some("from-file".to_string()), "the file wins");
+        assert_eq!(empty_file, None);
+        assert!(
+            super::admission_secret(Some(&dir), None).is_err(),
+            "gone: an error"
+        );
+    }
 
     const CHILD: &str = "KVGATE_TEST_PANIC_CHILD";
     const SIGABRT: i32 = 6;

@@ -87,7 +87,8 @@ pub fn parameters(c: &Config) -> u64 {
 /// A byte-level tokenizer covering the model's whole vocabulary, ChatML-compatible:
 /// id 0 `<|endoftext|>`, 1 `<|im_start|>`, 2 `<|im_end|>` (specials, as in SmolLM2), ids 3..259
 /// the 256 single bytes, and the rest two- then three-letter ASCII strings (`aa`, `ab`, …), which
-/// act as merges. Every id decodes to bytes, so whatever a random model samples streams as text.
+/// act as merges. Every id decodes to bytes, so whatever a random model samples streams as text,
+/// except the specials: control tokens, counted but never streamed (as a real model's are).
 pub fn tokenizer(vocab: usize) -> Result<Tokenizer> {
     const SPECIALS: [&str; 3] = ["<|endoftext|>", IM_START, IM_END];
     if vocab < SPECIALS.len() + 256 {
@@ -131,6 +132,7 @@ pub fn tokenizer(vocab: usize) -> Result<Tokenizer> {
         counter,
         bpe,
         stop_ids: vec![0, 2],
+        hidden_ids: (0..SPECIALS.len() as u32).collect(),
         vocab: vocab as u64,
     })
 }

@@ -2,6 +2,8 @@
 //! kvgate-core, so the filter and the backend count with the same code), an incremental
 //! detokenizer for streaming, and stop-string hold-back (`TextStream`).
 
+use std::collections::HashSet;
+
 use anyhow::{bail, Context as _, Result};
 use candle_core::quantized::gguf_file;
 use kvgate_core::tokenize::{ChatTemplate, CustomBpe, GPT2_STYLE_PATTERN};
@@ -59,9 +61,21 @@ pub struct Tokenizer {
     /// Ids that end generation: EOS, EOT and EOM from the metadata, and the vocabulary's
     /// end-of-turn control tokens.
     pub stop_ids: Vec<u32>,
+    /// Ids whose text is never streamed (they still count as generated tokens): the
+    /// vocabulary's control tokens and other non-text ids (`<|im_start|>`,
+    /// `<|start_header_id|>`), as vLLM's `skip_special_tokens` (its default) and llama.cpp's
+    /// BPE `token_to_piece` without `special` leave them out. User-defined tokens
+    /// (GGUF token type 4, Hugging Face's added tokens that are not special) are text.
+    pub hidden_ids: HashSet<u32>,
     /// Number of token ids the model knows.
     pub vocab: u64,
 }
+
+/// GGUF `tokenizer.ggml.token_type` of a user-defined token (llama.cpp
+/// `LLAMA_TOKEN_TYPE_USER_DEFINED`).
+const USER_DEFINED: i32 = 4;
+/// GGUF `tokenizer.ggml.token_type` of a control token (llama.cpp `LLAMA_TOKEN_TYPE_CONTROL`).
+const CONTROL: i32 = 3;
 
 fn md_u32(ct: &gguf_file::Content, key: &str) -> Option<u32> {
     ct.metadata.get(key).and_then(|v| v.to_u32().ok())
@@ -139,16 +153,24 @@ impl Tokenizer {
         let end_of_turn = END_OF_TURN
             .iter()
             .filter_map(|s| counter.special_id(s))
-            .filter(|id| types.get(*id as usize) == Some(&3));
+            .filter(|id| types.get(*id as usize) == Some(&CONTROL));
         for id in metadata_ids.chain(end_of_turn) {
             if !stop_ids.contains(&id) {
                 stop_ids.push(id);
             }
         }
+        // `from_gpt2_vocab` makes every token whose type is not normal (1) a special token.
+        let hidden_ids = bpe
+            .special_tokens
+            .iter()
+            .map(|(_, id)| *id)
+            .filter(|id| types.get(*id as usize) != Some(&USER_DEFINED))
+            .collect();
         Ok(Tokenizer {
             counter,
             bpe,
             stop_ids,
+            hidden_ids,
             vocab: tokens.len() as u64,
         })
     }
@@ -203,6 +225,11 @@ pub fn merge_order_warning(ct: &gguf_file::Content) -> Option<String> {
 }
 
 /// Turns a growing list of token ids into text chunks, never splitting a UTF-8 character.
+///
+/// Bytes that can never be UTF-8 become one U+FFFD per invalid sequence (as
+/// `String::from_utf8_lossy` counts them) and are dropped; the valid text after them, and an
+/// incomplete character at the end, are kept. A character still incomplete when generation
+/// ends is flushed as one U+FFFD by `finish`, as vLLM's detokenizer does.
 #[derive(Default)]
 pub struct Detokenizer {
     pending: Vec<u8>,
@@ -213,17 +240,49 @@ impl Detokenizer {
     /// Append a token's bytes; returns the newly completed text (possibly empty).
     pub fn push(&mut self, bytes: &[u8]) -> &str {
         self.pending.extend_from_slice(bytes);
-        let valid = match std::str::from_utf8(&self.pending) {
-            Ok(_) => self.pending.len(),
-            Err(e) if e.error_len().is_some() => {
-                // Invalid bytes (not just incomplete): emit them lossily rather than stall.
-                self.pending.len()
-            }
-            Err(e) => e.valid_up_to(),
-        };
         let start = self.text.len();
-        let done: Vec<u8> = self.pending.drain(..valid).collect();
-        self.text.push_str(&String::from_utf8_lossy(&done));
+        let mut from = 0;
+        loop {
+            let rest = self.pending.get(from..).unwrap_or_default();
+            match std::str::from_utf8(rest) {
+                Ok(s) => {
+                    self.text.push_str(s);
+                    from = self.pending.len();
+                    break;
+                }
+                Err(e) => {
+                    let valid = e.valid_up_to();
+                    // Valid by construction: `from_utf8` checked these bytes.
+                    self.text.push_str(&String::from_utf8_lossy(
+                        rest.get(..valid).unwrap_or_default(),
+                    ));
+                    match e.error_len() {
+                        // Bytes that no later byte can make valid: one U+FFFD, and go on after.
+                        Some(bad) => {
+                            self.text.push(char::REPLACEMENT_CHARACTER);
+                            from += valid + bad;
+                        }
+                        // A character the next token may complete: it waits.
+                        None => {
+                            from += valid;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        self.pending.drain(..from);
+        self.text.get(start..).unwrap_or("")
+    }
+
+    /// Generation ended: an incomplete character left pending becomes one U+FFFD. Returns the
+    /// text this added (possibly empty).
+    pub fn finish(&mut self) -> &str {
+        let start = self.text.len();
+        if !self.pending.is_empty() {
+            self.pending.clear();
+            self.text.push(char::REPLACEMENT_CHARACTER);
+        }
         self.text.get(start..).unwrap_or("")
     }
 }
@@ -266,18 +325,25 @@ impl TextStream {
     pub fn push(&mut self, bytes: &[u8]) -> bool {
         let before = self.detok.text.len();
         self.detok.push(bytes);
-        if self.stop_at.is_none() {
-            let text = &self.detok.text;
-            let mut from = before.saturating_sub(self.hold);
-            while !text.is_char_boundary(from) {
-                from -= 1;
-            }
-            self.stop_at = text
-                .get(from..)
-                .and_then(|tail| find_stop(tail, &self.stops))
-                .map(|at| from + at);
-        }
+        self.search_from(before);
         self.stop_at.is_some()
+    }
+
+    /// Look for the first stop string in what the text gained after byte `before` (and the
+    /// held-back tail before it), unless one was found already.
+    fn search_from(&mut self, before: usize) {
+        if self.stop_at.is_some() {
+            return;
+        }
+        let text = &self.detok.text;
+        let mut from = before.saturating_sub(self.hold);
+        while !text.is_char_boundary(from) {
+            from -= 1;
+        }
+        self.stop_at = text
+            .get(from..)
+            .and_then(|tail| find_stop(tail, &self.stops))
+            .map(|at| from + at);
     }
 
     /// Text that can be sent now: up to a stop string, or all but the held-back tail.
@@ -295,7 +361,13 @@ impl TextStream {
 
     /// Everything not sent yet (generation ended for another reason than a stop string; up to
     /// the stop string if there is one).
+    ///
+    /// An incomplete character at the end is flushed first (one U+FFFD), and searched for a stop
+    /// string like any other text.
     pub fn rest(&mut self) -> Option<String> {
+        let before = self.detok.text.len();
+        self.detok.finish();
+        self.search_from(before);
         self.take_to(self.stop_at.unwrap_or(self.detok.text.len()))
     }
 
@@ -474,6 +546,39 @@ mod tests {
     }
 
     #[test]
+    fn control_tokens_are_hidden_and_user_defined_ones_are_text() {
+        let mut ct = gguf(&[]);
+        let push = |ct: &mut gguf_file::Content, key: &str, v: Value| {
+            if let Some(Value::Array(a)) = ct.metadata.get_mut(key) {
+                a.push(v);
+            }
+        };
+        push(
+            &mut ct,
+            "tokenizer.ggml.tokens",
+            Value::String("<tool_call>".into()),
+        );
+        push(
+            &mut ct,
+            "tokenizer.ggml.token_type",
+            Value::I32(USER_DEFINED),
+        );
+        let t = Tokenizer::from_gguf(&ct).unwrap();
+        let tool_call = t.vocab as u32 - 1;
+        assert_eq!(t.counter.special_id("<tool_call>"), Some(tool_call));
+        let mut hidden: Vec<u32> = t.hidden_ids.iter().copied().collect();
+        hidden.sort_unstable();
+        // Every control token (the stop ids among them, and <|start_header_id|> = 3, which
+        // is none), not the user-defined one and no normal token.
+        assert_eq!(hidden, vec![0, 1, 2, 3, 4, 5]);
+        assert!(!t.hidden_ids.contains(&tool_call));
+        // Without token types every token is normal: nothing is hidden.
+        let mut ct = gguf(&[]);
+        ct.metadata.remove("tokenizer.ggml.token_type");
+        assert!(Tokenizer::from_gguf(&ct).unwrap().hidden_ids.is_empty());
+    }
+
+    #[test]
     fn the_chat_template_comes_from_the_gguf() {
         let llama3 = "{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
         let t = Tokenizer::from_gguf(&gguf(&[(
@@ -510,6 +615,62 @@ mod tests {
         assert_eq!(d.push(&euro[1..]), "€");
         assert_eq!(d.push(&[0xff]), "\u{fffd}");
         assert_eq!(d.text, "a€\u{fffd}");
+    }
+
+    #[test]
+    fn detokenizer_replaces_only_the_invalid_bytes_and_keeps_a_partial_character_after_them() {
+        let mut d = Detokenizer::default();
+        // A leaves a lead byte pending; B makes it invalid and starts "\u{201c}"; C ends it.
+        assert_eq!(d.push(&[0xe2]), "");
+        assert_eq!(d.push(&[b' ', 0xe2, 0x80]), "\u{fffd} ");
+        assert_eq!(d.push(&[0x9c]), "\u{201c}");
+        // Several invalid sequences in one token: one U+FFFD each, as from_utf8_lossy counts.
+        assert_eq!(
+            d.push(&[0xff, b'a', 0xc3, 0x28, 0xe2, 0x82]),
+            "\u{fffd}a\u{fffd}("
+        );
+        assert_eq!(d.push(&[0xac]), "\u{20ac}");
+        assert_eq!(d.text, "\u{fffd} \u{201c}\u{fffd}a\u{fffd}(\u{20ac}");
+        // What is left incomplete at the end is flushed as one U+FFFD.
+        assert_eq!(d.push(&[0xf0, 0x9f]), "");
+        assert_eq!(d.finish(), "\u{fffd}");
+        assert_eq!(d.finish(), "", "flushed once");
+    }
+
+    #[test]
+    fn the_rest_flushes_an_incomplete_character_and_searches_it_for_a_stop() {
+        let stops = vec!["x".to_string()];
+        let mut t = TextStream::new(&stops);
+        assert!(!t.push(b"ab"));
+        assert!(!t.push(&[0xe2, 0x82]));
+        assert_eq!(t.ready(), Some("ab".into()));
+        assert_eq!(t.rest(), Some("\u{fffd}".into()));
+        assert_eq!(t.rest(), None, "nothing is sent twice");
+        // A stop string the flushed U+FFFD completes still cuts the text there.
+        let stops = vec!["b\u{fffd}".to_string()];
+        let mut t = TextStream::new(&stops);
+        assert!(!t.push(b"ab"));
+        assert!(!t.push(&[0xe2]));
+        assert_eq!(t.ready(), None, "held back: it may start the stop string");
+        assert_eq!(t.rest(), Some("a".into()));
+        assert_eq!(t.stop_at, Some(1));
+    }
+
+    #[test]
+    fn a_bad_byte_before_a_split_character_does_not_break_the_character_or_a_stop() {
+        // The same bytes as in the detokenizer test, through the stream with a stop string on
+        // the character the bad bytes are followed by: found, and nothing past it sent.
+        let stops = vec!["\u{201c}".to_string()];
+        let mut t = TextStream::new(&stops);
+        let mut out = Vec::new();
+        assert!(!t.push(&[0xe2]));
+        out.extend(t.ready());
+        assert!(!t.push(&[b' ', 0xe2, 0x80]));
+        out.extend(t.ready());
+        assert!(t.push(&[0x9c, b'z']));
+        out.extend(t.ready());
+        assert_eq!(out.concat(), "\u{fffd} ");
+        assert_eq!(t.rest(), None);
     }
 
     fn stream(stops: &[&str], pieces: &[&str]) -> (Vec<String>, bool) {

@@ -81,16 +81,21 @@ impl Forward for Fake {
 }
 
 fn tokenizer() -> Tokenizer {
-    let tokens: Vec<String> = ["<|endoftext|>", "a", "b", "c"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    let bpe = CustomBpe::from_gpt2_vocab(&tokens, &[3, 1, 1, 1], GPT2_STYLE_PATTERN).unwrap();
+    tokenizer_of(["<|endoftext|>", "a", "b", "c"], [3, 1, 1, 1])
+}
+
+/// A tokenizer of the fake model's 4 ids (token type 3: a control token; id 0 is EOS).
+fn tokenizer_of(tokens: [&str; VOCAB], types: [i32; VOCAB]) -> Tokenizer {
+    let tokens: Vec<String> = tokens.iter().map(|s| s.to_string()).collect();
+    let bpe = CustomBpe::from_gpt2_vocab(&tokens, &types, GPT2_STYLE_PATTERN).unwrap();
     let counter = TokenCounter::new(&TokenizerSpec::Custom(bpe.clone())).unwrap();
     Tokenizer {
         counter,
         bpe,
         stop_ids: vec![0],
+        hidden_ids: (0..VOCAB as u32)
+            .filter(|&i| types.get(i as usize) == Some(&3))
+            .collect(),
         vocab: VOCAB as u64,
     }
 }
@@ -346,6 +351,27 @@ fn prompt_admission_holds_the_prompt_admits_what_fits_by_prompt_and_fails_mid_de
     );
     assert_eq!(e.metrics.kv_oom.get(), 1);
     assert_eq!(e.pool.stats().blocks_free, 4);
+}
+
+#[test]
+fn a_control_token_counts_as_generated_but_is_never_streamed_nor_part_of_a_stop_string() {
+    // Id 3 a control token that is no stop id, as `<|im_start|>` is in SmolLM2.
+    let (plain, end) = solo(4, greedy(40));
+    assert_eq!(end, Some((FinishReason::Length, 40, false)));
+    assert!(plain.contains('c') && plain.contains('b'), "{plain}");
+    let mut e = engine(64, Admission::None, usize::MAX, 8);
+    e.tok = Arc::new(tokenizer_of(
+        ["<|endoftext|>", "a", "b", "<|im_start|>"],
+        [3, 1, 1, 3],
+    ));
+    let mut params = greedy(40);
+    params.stop = vec!["im_start".into()];
+    let mut rx = submit_with(&mut e, "x", 4, params);
+    let mut evs = Vec::new();
+    run(&mut e, 200, &mut [(&mut rx, &mut evs)]);
+    assert_eq!(finished(&evs), Some((FinishReason::Length, 40, false)));
+    assert_eq!(text(&evs), plain.replace('c', ""));
+    assert_eq!(e.metrics.generated_tokens.get(), 40);
 }
 
 #[test]
@@ -1284,11 +1310,8 @@ fn a_demoted_sequence_goes_on_in_borrowed_blocks_and_gives_them_back_to_a_reserv
         e.metrics.recompute_preemptions.get() >= 1,
         "A made way for B"
     );
-    assert_eq!(
-        e.demote("a".into()),
-        Demoted::OnArrival,
-        "gone: remembered, harmless"
-    );
+    assert_eq!(e.demote("a".into()), Demoted::Unknown, "finished: a 404");
+    assert!(e.demoted_early.is_empty(), "not remembered");
     assert_eq!(e.pool.stats().blocks_free, 8);
     e.pool.check().unwrap();
 }
@@ -1317,6 +1340,26 @@ fn a_lease_demoted_before_it_arrives_reserves_nothing_when_it_does() {
     // Another request with the same id later is not demoted.
     let _b = submit(&mut e, "a", 10, 100);
     assert_eq!(e.pool.stats().blocks_free, 1);
+}
+
+#[test]
+fn a_demote_for_a_finished_lease_is_unknown_and_not_kept_for_an_arrival() {
+    let mut e = engine(8, Admission::Reserve, 3, 8);
+    let mut a = submit(&mut e, "a", 4, 10);
+    let mut ea = Vec::new();
+    run(&mut e, 20, &mut [(&mut a, &mut ea)]);
+    assert_eq!(finished(&ea), Some((FinishReason::Stop, 3, false)));
+    assert_eq!(e.demote("a".into()), Demoted::Unknown);
+    // Refused at admission is finished too.
+    let mut big = submit(&mut e, "big", 4, 1000);
+    assert!(matches!(events(&mut big).first(), Some(Event::Rejected(_))));
+    assert_eq!(e.demote("big".into()), Demoted::Unknown);
+    assert!(e.demoted_early.is_empty());
+    assert_eq!(e.metrics.demoted.get(), 0);
+    // A lease acknowledged by the HTTP layer and not taken by the engine yet is on its way.
+    e.published.lock().unwrap().arrived.insert("c".into());
+    assert_eq!(e.demote("c".into()), Demoted::OnArrival);
+    assert_eq!(e.demote("never-seen".into()), Demoted::OnArrival);
 }
 
 #[test]
