@@ -34,6 +34,7 @@ fn main() {
         .encode_chat(&[ChatMessage {
             role: "user".into(),
             content: question.into(),
+            ..ChatMessage::default()
         }])
         .unwrap();
 

@@ -589,6 +589,7 @@ mod tests {
         let msgs = [ChatMessage {
             role: "user".into(),
             content: " hello ".into(),
+            ..ChatMessage::default()
         }];
         let ids = t.counter.encode_chat(&msgs).unwrap();
         let mut want = vec![0, 3];

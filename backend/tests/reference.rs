@@ -26,6 +26,7 @@ fn chat(tok: &Tokenizer, q: &str) -> Vec<u32> {
         .encode_chat(&[ChatMessage {
             role: "user".into(),
             content: q.into(),
+            ..ChatMessage::default()
         }])
         .unwrap()
 }
@@ -156,6 +157,7 @@ fn tokenizer_counts_what_the_filter_counts() {
     let msgs = [ChatMessage {
         role: "user".into(),
         content: "What is the capital of France?".into(),
+        ..ChatMessage::default()
     }];
     assert_eq!(
         tok.counter.count_chat(&msgs),

@@ -380,6 +380,7 @@ fn chat_templates(c: &mut Criterion) {
             .map(|r| ChatMessage {
                 role: r.to_string(),
                 content: turn.clone(),
+                ..ChatMessage::default()
             })
             .collect();
         g.throughput(Throughput::Elements(counter.count_chat(&msgs)));
@@ -402,7 +403,7 @@ fn chat_flood(c: &mut Criterion) {
     let flood: Vec<ChatMessage> = (0..140_000)
         .map(|_| ChatMessage {
             role: "user".into(),
-            content: String::new(),
+            ..ChatMessage::default()
         })
         .collect();
     for (name, spec) in chatml_and_smollm2(&[vec![b' '; 128]]) {

@@ -124,10 +124,10 @@ pub fn price_request(
         pricing.spec.context_tokens
     };
     let cap = effective_output_cap(requested, longest, context)?;
-    let too_large = || {
+    let too_large = |what: String| {
         ApiError::new(
             ErrorKind::KvRequestTooLarge,
-            "The request's worst-case KV reservation does not fit in 64 bits.",
+            format!("The request's worst-case KV reservation does not fit in 64 bits: {what}."),
         )
     };
     let mut reserved_tokens: u64 = 0;
@@ -135,12 +135,26 @@ pub fn price_request(
         let seq = p
             .checked_add(cap.cap)
             .and_then(|t| t.checked_mul(choices))
-            .ok_or_else(too_large)?;
-        reserved_tokens = reserved_tokens.checked_add(seq).ok_or_else(too_large)?;
+            .ok_or_else(|| {
+                too_large(format!(
+                    "({p} prompt + {} output tokens) × {choices} choices",
+                    cap.cap
+                ))
+            })?;
+        reserved_tokens = reserved_tokens.checked_add(seq).ok_or_else(|| {
+            too_large(format!(
+                "{} prompts of up to {longest} tokens, {} output tokens and {choices} choices each",
+                prompt_tokens.len(),
+                cap.cap
+            ))
+        })?;
     }
-    let bytes = pricing
-        .reservation_bytes(reserved_tokens)
-        .ok_or_else(too_large)?;
+    let bytes = pricing.reservation_bytes(reserved_tokens).ok_or_else(|| {
+        too_large(format!(
+            "{reserved_tokens} tokens × {} bytes per token + {} bytes of scratch margin",
+            pricing.bytes_per_token, pricing.scratch_margin_bytes
+        ))
+    })?;
     Ok(Price {
         cap_from_context: requested.is_none()
             && prompt_tokens.len() == 1
@@ -242,6 +256,42 @@ mod tests {
         let small = Pricing::new(p.spec, 4096 * 46_080, 1.0, 0).unwrap();
         let c = price_request(&small, &[200], None, 1).unwrap();
         assert_eq!((c.cap.cap, c.cap_from_context), (3896, false));
+    }
+
+    #[test]
+    fn a_reservation_past_64_bits_says_which_values_overflow() {
+        // 2 bytes per token and a context of half of 64 bits: one sequence fits, more do not.
+        let spec = ModelSpec {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 1,
+            kv_dtype_bytes: 1,
+            context_tokens: u64::MAX / 2,
+        };
+        let p = Pricing::new(spec, u64::MAX, 1.0, 7).unwrap();
+        let cap = u64::MAX / 4;
+        for (prompts, choices, want) in [
+            (
+                &[10u64][..],
+                8,
+                format!("(10 prompt + {cap} output tokens) × 8 choices"),
+            ),
+            (
+                &[10, 20][..],
+                3,
+                format!("2 prompts of up to 20 tokens, {cap} output tokens and 3 choices each"),
+            ),
+            (
+                &[10][..],
+                3,
+                format!("{} tokens × 2 bytes per token + 7 bytes", 3 * (10 + cap)),
+            ),
+        ] {
+            let e = price_request(&p, prompts, Some(cap), choices).unwrap_err();
+            assert_eq!(e.kind.code(), "kv_request_too_large");
+            assert_eq!(e.param, None);
+            assert!(e.message.contains(&want), "{}", e.message);
+        }
     }
 
     #[test]

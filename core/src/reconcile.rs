@@ -1802,6 +1802,7 @@ mod descriptor_tests {
         let msgs = [crate::request::ChatMessage {
             role: "user".into(),
             content: "ab".into(),
+            ..Default::default()
         }];
         assert_eq!(c.encode_chat(&msgs).unwrap(), vec![3, 2]);
         assert_eq!(c.count_chat(&msgs), 2);

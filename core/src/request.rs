@@ -34,11 +34,16 @@ pub enum PromptItem {
     Tokens(u64),
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct ChatMessage {
     pub role: String,
-    /// Text content; content parts are joined, tool calls serialized (counted conservatively).
+    /// Text content; content parts are joined and tool calls serialized (what a chat template
+    /// renders).
     pub content: String,
+    /// The message's other non-empty fields (`name`, …), as `\n{key}: {value}` each: counted
+    /// on top of the rendered chat, since a server's template may render them (vLLM passes
+    /// them to it), and not rendered by kvgate-backend's own template.
+    pub extra: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -239,6 +244,42 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
+/// The most bytes of a client's value an error message shows.
+const SHOWN_BYTES: usize = 64;
+
+/// What a client sent, for an error message: its type and its compact JSON, cut after
+/// [`SHOWN_BYTES`] bytes (on a character boundary, marked `…`). Serializes no further than that,
+/// however large the value.
+pub(crate) fn describe(v: &Value) -> String {
+    struct Upto(Vec<u8>);
+    impl std::io::Write for Upto {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let room = SHOWN_BYTES.saturating_sub(self.0.len());
+            self.0.extend(buf.iter().take(room));
+            if buf.len() > room {
+                return Err(std::io::Error::other("shown enough"));
+            }
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut w = Upto(Vec::new());
+    let cut = serde_json::to_writer(&mut w, v).is_err();
+    let shown = match std::str::from_utf8(&w.0) {
+        Ok(s) => s,
+        Err(e) => {
+            std::str::from_utf8(w.0.get(..e.valid_up_to()).unwrap_or_default()).unwrap_or_default()
+        }
+    };
+    match v {
+        Value::Null => "null".to_string(),
+        _ if cut => format!("{}: {shown}…", type_name(v)),
+        _ => format!("{}: {shown}", type_name(v)),
+    }
+}
+
 fn wrong_type(field: &str, want: &str, got: &Value) -> ApiError {
     ApiError::invalid(
         field,
@@ -368,9 +409,51 @@ fn parse_messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
             if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
                 content.push_str(&calls.to_string());
             }
-            Ok(ChatMessage { role, content })
+            let mut extra = String::new();
+            other_fields(m, &mut extra);
+            Ok(ChatMessage {
+                role,
+                content,
+                extra,
+            })
         })
         .collect()
+}
+
+/// Message keys read above; every other key is counted by [`other_fields`].
+const MESSAGE_KEYS: [&str; 3] = ["role", "content", "tool_calls"];
+
+/// Append a message's other fields to the text that is counted, as `\n{key}: {value}`.
+///
+/// They are forwarded, and a server's chat template may render any of them (vLLM hands the whole
+/// message to the template: `name`, for one), so a field nobody counted would be KV the
+/// reservation does not cover. They are not refused: the openai client echoes assistant
+/// messages back with `refusal`, `audio`, `function_call` and `annotations` set to null or
+/// empty, and those ask for nothing and add nothing here. A string counts as its text, any other
+/// value as its compact JSON; the key and separator are the per-field overhead. The text joins the
+/// content, so it goes through the counter's caps (its byte bound first) as content does, and
+/// its length is linear in the body's.
+fn other_fields(m: &Map<String, Value>, out: &mut String) {
+    for (key, v) in m {
+        let empty = match v {
+            Value::Null => true,
+            Value::Bool(b) => !b,
+            Value::String(s) => s.is_empty(),
+            Value::Array(a) => a.is_empty(),
+            Value::Object(o) => o.is_empty(),
+            Value::Number(_) => false,
+        };
+        if empty || MESSAGE_KEYS.contains(&key.as_str()) {
+            continue;
+        }
+        out.push('\n');
+        out.push_str(key);
+        out.push_str(": ");
+        match v {
+            Value::String(s) => out.push_str(s),
+            other => out.push_str(&other.to_string()),
+        }
+    }
 }
 
 fn content_parts(parts: &[Value], field: &str) -> Result<String, ApiError> {
@@ -476,6 +559,71 @@ mod tests {
         assert_eq!(p.choices(), 2);
         assert!(p.stream);
         assert_eq!(p.model.as_deref(), Some("m"));
+    }
+
+    #[test]
+    fn other_message_fields_are_counted_and_empty_ones_are_not() {
+        use crate::tokenize::{Capped, Encoding, TokenCounter, TokenizerSpec};
+        let c = TokenCounter::new(&TokenizerSpec::Builtin(Encoding::Cl100kBase)).unwrap();
+        let count = |body: &str| c.count_input(&chat(body).unwrap().input)[0];
+        let plain = count(r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1}"#);
+        // A server whose template renders `name` (vLLM passes it) allocates KV for it.
+        let name = "lorem ipsum dolor sit amet, ".repeat(300);
+        let n = c.count_text(&name);
+        assert!(n > 1000, "{n}");
+        let named = format!(
+            r#"{{"messages":[{{"role":"user","content":"hi","name":"{name}"}}],"max_tokens":1}}"#
+        );
+        assert!(
+            count(&named) >= plain + n,
+            "{} < {plain} + {n}",
+            count(&named)
+        );
+        // Any other value: its compact JSON.
+        let meta = serde_json::json!({ "note": name, "n": [1, 2, 3] });
+        let m = c.count_text(&meta.to_string());
+        let body = serde_json::json!({
+            "messages": [{ "role": "user", "content": "hi", "metadata": meta }]
+        });
+        assert!(count(&body.to_string()) >= plain + m);
+        // `true` and numbers are values too.
+        assert!(
+            count(r#"{"messages":[{"role":"user","content":"hi","x":true,"y":12345}]}"#) > plain
+        );
+        // What the openai client echoes back, and other empty values, count nothing.
+        let bare = count(
+            r#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"yo"}]}"#,
+        );
+        let echoed = count(
+            r#"{"messages":[{"role":"user","content":"hi","name":""},
+                {"role":"assistant","content":"yo","refusal":null,"audio":null,
+                 "function_call":null,"annotations":[],"tool_calls":null,"x":false,"y":{}}]}"#,
+        );
+        assert_eq!(echoed, bare);
+        // The field goes through the same caps as content: over by its bytes, before a render.
+        let Input::Chat(msgs) = chat(&named).unwrap().input else {
+            panic!()
+        };
+        // Counted, not rendered: kvgate-backend's template sees the content alone.
+        assert_eq!(msgs[0].content, "hi");
+        assert!(msgs[0].extra.starts_with("\nname: lorem"));
+        assert_eq!(
+            c.encode_chat(&msgs),
+            c.encode_chat(&[ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+                ..ChatMessage::default()
+            }])
+        );
+        assert_eq!(c.count_chat_capped(&msgs, 100), Capped::Over);
+        let huge = format!(
+            r#"{{"messages":[{{"role":"user","content":"hi","name":"{}"}}]}}"#,
+            "x".repeat(4 << 20)
+        );
+        let Input::Chat(msgs) = chat(&huge).unwrap().input else {
+            panic!()
+        };
+        assert_eq!(c.count_chat_capped(&msgs, 8192), Capped::Over);
     }
 
     #[test]

@@ -315,7 +315,7 @@ impl TokenCounter {
     fn measure_min_message_tokens(&self) -> [u64; crate::validate::ROLES.len()] {
         let msg = |role: &str| ChatMessage {
             role: role.to_string(),
-            content: String::new(),
+            ..ChatMessage::default()
         };
         let counted = |m: &[ChatMessage]| -> Option<u64> {
             let mut tally = Tally::new(u64::MAX);
@@ -417,6 +417,7 @@ impl TokenCounter {
         let bytes = messages.iter().fold(0usize, |a, m| {
             a.saturating_add(m.content.len())
                 .saturating_add(m.role.len())
+                .saturating_add(m.extra.len())
         });
         if self.pieces.surely_over(bytes, limit) {
             return Capped::Over;
@@ -435,6 +436,13 @@ impl TokenCounter {
             Some(Ok(text)) => self.tally_rendered(&text, &mut tally),
             None | Some(Err(_)) => self.tally_chat(messages, &mut tally),
         };
+        // The messages' other fields, which a server's template may render too.
+        let counted = counted.and_then(|()| {
+            messages
+                .iter()
+                .filter(|m| !m.extra.is_empty())
+                .try_for_each(|m| self.pieces.count(&m.extra, &mut tally))
+        });
         Tally::finish(counted.map(|()| tally.n))
     }
 
@@ -460,6 +468,7 @@ impl TokenCounter {
             .map(|m| ChatMessage {
                 role: self.escape(&m.role),
                 content: self.escape(&m.content),
+                extra: String::new(),
             })
             .collect()
     }
@@ -808,6 +817,7 @@ mod tests {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            ..ChatMessage::default()
         }
     }
 
@@ -1182,6 +1192,7 @@ mod tests {
         let msg = |role: &str, content: &str| ChatMessage {
             role: role.into(),
             content: content.into(),
+            ..ChatMessage::default()
         };
         let flood: Vec<ChatMessage> = (0..140_000).map(|_| msg("user", "")).collect();
         assert!(c.least_chat_tokens(&flood) > 8192, "over by price alone");

@@ -9,7 +9,7 @@
 use serde_json::{Map, Value};
 
 use crate::error::{ApiError, ErrorKind};
-use crate::request::{Input, ParsedRequest, PromptItem};
+use crate::request::{describe, Input, ParsedRequest, PromptItem};
 
 /// What the server behind the gateway serves. Unknown parts (`None`) are not checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -75,6 +75,9 @@ pub const ROLES: &[&str] = &["system", "developer", "user", "assistant"];
 
 /// The longest stop string accepted, in bytes.
 pub const MAX_STOP_BYTES: usize = 1024;
+
+/// The most stop strings accepted, as OpenAI's API.
+pub const MAX_STOPS: usize = 4;
 
 /// Values of `field` that ask for nothing: `null`, `false`, `0`, `""`, `[]`, `{}`, and the
 /// defaults spelled out (`response_format: {"type": "text"}`, `modalities: ["text"]`).
@@ -176,9 +179,9 @@ pub fn validate(
                     format!("'{field}' must be between {lo} and {hi}, got {n}."),
                 )),
             },
-            Some(_) => Err(ApiError::invalid(
+            Some(v) => Err(ApiError::invalid(
                 field,
-                format!("'{field}' must be a number."),
+                format!("'{field}' must be a number, got {}.", describe(v)),
             )),
         }
     };
@@ -204,29 +207,63 @@ pub fn validate(
             v.as_i64()
                 .map(|s| s as u64)
                 .or_else(|| v.as_u64())
-                .ok_or_else(|| ApiError::invalid("seed", "'seed' must be an integer."))?,
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "seed",
+                        format!(
+                            "'seed' must be an integer that fits in 64 bits, got {}.",
+                            describe(v)
+                        ),
+                    )
+                })?,
         ),
     };
+    let stop_rule = format!("'stop' must be a string or an array of at most {MAX_STOPS} strings");
     let stop = match obj.get("stop") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) if a.len() <= 4 && a.iter().all(Value::is_string) => a
-            .iter()
-            .filter_map(|s| s.as_str().map(str::to_string))
-            .collect(),
-        Some(_) => {
+        Some(Value::Array(a)) if a.len() > MAX_STOPS => {
             return Err(ApiError::invalid(
                 "stop",
-                "'stop' must be a string or an array of at most 4 strings.",
+                format!("{stop_rule}, got an array of {}.", a.len()),
+            ))
+        }
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, s)| match s {
+                Value::String(s) => Ok(s.clone()),
+                other => Err(ApiError::invalid(
+                    "stop",
+                    format!("{stop_rule}; stop[{i}] is {}.", describe(other)),
+                )),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => {
+            return Err(ApiError::invalid(
+                "stop",
+                format!("{stop_rule}, got {}.", describe(other)),
             ))
         }
     };
     // The server looks for every stop string in the output after every token: their length is
     // work per token for the whole batch.
-    if stop.iter().any(|s| s.len() > MAX_STOP_BYTES) {
+    if let Some((i, s)) = stop
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.len() > MAX_STOP_BYTES)
+    {
+        let which = if obj.get("stop").is_some_and(Value::is_array) {
+            format!("stop[{i}]")
+        } else {
+            "'stop'".to_string()
+        };
         return Err(ApiError::invalid(
             "stop",
-            format!("Each stop string must be at most {MAX_STOP_BYTES} bytes."),
+            format!(
+                "Each stop string must be at most {MAX_STOP_BYTES} bytes; {which} has {} bytes.",
+                s.len()
+            ),
         ));
     }
     let include_usage = match obj.get("stream_options") {
@@ -234,25 +271,31 @@ pub fn validate(
         Some(Value::Object(o)) => match o.get("include_usage") {
             None | Some(Value::Null) => false,
             Some(Value::Bool(b)) => *b,
-            Some(_) => {
+            Some(v) => {
                 return Err(ApiError::invalid(
                     "stream_options.include_usage",
-                    "'stream_options.include_usage' must be a boolean.",
+                    format!(
+                        "'stream_options.include_usage' must be a boolean, got {}.",
+                        describe(v)
+                    ),
                 ))
             }
         },
-        Some(_) => {
+        Some(v) => {
             return Err(ApiError::invalid(
                 "stream_options",
-                "'stream_options' must be an object.",
+                format!("'stream_options' must be an object, got {}.", describe(v)),
             ))
         }
     };
-    if !matches!(
-        obj.get("user"),
-        None | Some(Value::Null) | Some(Value::String(_))
-    ) {
-        return Err(ApiError::invalid("user", "'user' must be a string."));
+    match obj.get("user") {
+        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "user",
+                format!("'user' must be a string, got {}.", describe(v)),
+            ))
+        }
     }
     Ok(Sampling {
         temperature,
@@ -434,6 +477,53 @@ mod tests {
             (400, "stop".to_string())
         );
         assert!(check(Endpoint::Completions, &stop(MAX_STOP_BYTES)).is_ok());
+    }
+
+    #[test]
+    fn refusals_say_what_was_sent() {
+        let msg = |body: &str| match check(Endpoint::Completions, body) {
+            Err(e) => e.message,
+            Ok(s) => panic!("accepted {body}: {s:?}"),
+        };
+        for (body, want) in [
+            (
+                r#"{"prompt":"hi","temperature":"hot"}"#,
+                r#"got a string: "hot""#,
+            ),
+            (r#"{"prompt":"hi","top_p":[1]}"#, "got an array: [1]"),
+            (r#"{"prompt":"hi","seed":1.5}"#, "got a number: 1.5"),
+            (r#"{"prompt":"hi","seed":"7"}"#, r#"got a string: "7""#),
+            (r#"{"prompt":"hi","user":5}"#, "got an integer: 5"),
+            (
+                r#"{"prompt":"hi","user":{"id":"u1"}}"#,
+                r#"got an object: {"id":"u1"}"#,
+            ),
+            (r#"{"prompt":"hi","stop":5}"#, "got an integer: 5"),
+            (
+                r#"{"prompt":"hi","stop":["a","b","c","d","e"]}"#,
+                "got an array of 5",
+            ),
+            (
+                r#"{"prompt":"hi","stop":["a",7]}"#,
+                "stop[1] is an integer: 7",
+            ),
+        ] {
+            let m = msg(body);
+            assert!(m.contains(want), "{body}: {m}");
+        }
+        // Which stop string is too long, and by how much.
+        let long = "y".repeat(MAX_STOP_BYTES + 1);
+        let m = msg(&format!(r#"{{"prompt":"hi","stop":["a","{long}"]}}"#));
+        assert!(m.contains("stop[1] has 1025 bytes"), "{m}");
+        let m = msg(&format!(r#"{{"prompt":"hi","stop":"{long}"}}"#));
+        assert!(m.contains("'stop' has 1025 bytes"), "{m}");
+        // Long client text is cut: never more than 64 bytes of it, on a character boundary.
+        let m = msg(&format!(
+            r#"{{"prompt":"hi","user":["{}"]}}"#,
+            "é".repeat(10_000)
+        ));
+        assert!(m.contains("got an array: [\"éé"), "{m}");
+        assert!(m.contains('…') && m.matches('é').count() <= 32, "{m}");
     }
 
     #[test]

@@ -127,6 +127,7 @@ pub(crate) mod tests {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            ..ChatMessage::default()
         }
     }
 
