@@ -236,8 +236,9 @@ impl Default for RawRetryAfter {
     }
 }
 
-/// A lease's deadline: `base_ms + per_output_token_ms × cap`, at most `max_ms`. Past it the
-/// reaper reclaims the lease even if no end of stream was seen.
+/// The deadline of a lease without an owner (migrated from a ledger that had no owners):
+/// `base_ms + per_output_token_ms × cap`, at most `max_ms`. Past it the reaper reclaims that
+/// lease; a lease owned by a live worker has none and ends with its request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawLeaseTtl {
@@ -577,7 +578,22 @@ impl TryFrom<RawConfig> for Config {
                     "must be at least twice poll_ms, or requests still on their way count as drift",
                 ));
             }
+            if b.down_after_failures == 0 {
+                return Err(ConfigError::new(
+                    "backend.down_after_failures",
+                    b.down_after_failures,
+                    "must be at least 1 (the failed polls in a row that mark a backend down)",
+                ));
+            }
             check_endpoints(&b.endpoints)?;
+        } else if let Some(c) = policy.classes().iter().find(|c| !c.preempts.is_empty()) {
+            // A preempted lease is demoted at the backend; without the callout its request would
+            // go on holding its KV while the preempting one is admitted on top of it.
+            return Err(ConfigError::new(
+                format!("policy.classes.{}.preempts", c.name),
+                format!("{:?}", c.preempts),
+                "needs the `backend` callout: a preempted lease is demoted at the backend",
+            ));
         }
         if let Some(g) = raw.gateway_id.filter(|g| *g > MAX_GATEWAY_ID) {
             return Err(ConfigError::new(
@@ -1021,6 +1037,25 @@ mod tests {
         assert_eq!(
             Config::from_json(MIN.as_bytes()).unwrap().token_multiplier,
             1.0
+        );
+    }
+
+    #[test]
+    fn preemption_needs_the_callout_and_a_backend_is_down_after_at_least_one_failure() {
+        let policy =
+            r#""policy":{"classes":{"default":{},"vip":{"priority":9,"preempts":["default"]}}}"#;
+        let e = with(policy).unwrap_err();
+        assert_eq!(e.field, "policy.classes.vip.preempts");
+        assert!(e.rule.contains("`backend`"), "{}", e.rule);
+        assert!(with(&format!(r#"{policy},"backend":{{}}"#)).is_ok());
+        let e = with(r#""backend":{"down_after_failures":0}"#).unwrap_err();
+        assert_eq!(e.field, "backend.down_after_failures");
+        assert_eq!(
+            with(r#""backend":{"down_after_failures":1}"#)
+                .unwrap()
+                .backend
+                .map(|b| b.down_after_failures),
+            Some(1)
         );
     }
 

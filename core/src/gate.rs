@@ -414,10 +414,16 @@ mod tests {
     use crate::tokenize::{Encoding, TokenizerSpec};
 
     fn cfg(policy: &str, budget_tokens: u64) -> Config {
-        // 46,080 B per token; safety 1.0 so capacity is exactly `budget_tokens` tokens.
+        // 46,080 B per token; safety 1.0 so capacity is exactly `budget_tokens` tokens. A class
+        // that preempts needs the backend callout (its victims are demoted there).
+        let backend = if policy.contains("preempts") {
+            r#","backend":{}"#
+        } else {
+            ""
+        };
         let json = format!(
             r#"{{"model":{{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192}},
-                "kv_budget_bytes":{},"safety_fraction":1.0,"policy":{policy}}}"#,
+                "kv_budget_bytes":{},"safety_fraction":1.0,"policy":{policy}{backend}}}"#,
             budget_tokens * 46_080
         );
         Config::from_json(json.as_bytes()).unwrap()

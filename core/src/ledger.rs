@@ -115,8 +115,11 @@ pub struct Ledger {
     /// (`reconcile`). Never lent to newcomers: requests in line take part of it (below), and
     /// a class that preempts may take all of it (`admit_into_lent`) rather than demote a lease.
     pub(crate) lendable: u64,
-    /// Of `lendable`, what requests in line (claims) may take (see `settle_claims`): the room
-    /// held for a preempted sequence to resume, as far as requests in line before it need it.
+    /// Of `lendable`, what requests in line (claims) may still take until the next report sets
+    /// it again (see `settle_claims`): the room held for a preempted sequence to resume, as far
+    /// as requests in line before it need it. What an admission takes of it (its claim's part
+    /// poured from it, `grant`) comes off, so the line takes at most what the report lent it
+    /// in all between two reports, not that much at every pour.
     pub(crate) lendable_to_line: u64,
     pub(crate) leases: Vec<Lease>,
     /// Refused requests waiting for their retry, oldest first.
@@ -406,11 +409,14 @@ impl Ledger {
         &self.claims
     }
 
-    /// Drop expired claims, then set bytes aside for the active claims, oldest first: each takes
-    /// what it needs from what is not committed, until nothing is left. Recomputed from scratch at
-    /// every transition, so only one claim is ever partly served and all younger ones hold
-    /// nothing: an older claim that becomes active takes precedence over younger ones, and no two
-    /// claims can each hold part of what the other needs (which would deadlock the line).
+    /// Drop expired claims, and those of requests larger than the capacity (it was lowered
+    /// since their refusal: they can never be admitted, and the oldest would otherwise hold all
+    /// that frees until it expired). Then set bytes aside for the active claims, oldest first:
+    /// each takes what it needs from what is not committed, until nothing is left. Recomputed
+    /// from scratch at every transition, so only one claim is ever partly served and all
+    /// younger ones hold nothing: an older claim that becomes active takes precedence over
+    /// younger ones, and no two claims can each hold part of what the other needs (which would
+    /// deadlock the line).
     ///
     /// Once what is not committed has run out, the claims also take the room held for a
     /// preempted sequence to resume, as far as the requests that were in line before it was
@@ -426,9 +432,14 @@ impl Ledger {
     /// its client is back, nobody is admitted past it but backfills and classes that preempt,
     /// so they are a finite set, each done within its cap's decode time.
     /// Spare bytes are poured before lent ones, so `free()` (what is unclaimed less what claims
-    /// hold) counts none of the lent bytes as taken from the spare.
+    /// hold) counts none of the lent bytes as taken from the spare. What is lent to the line
+    /// is poured within what it may still take (`lendable_to_line`, lowered by each admission
+    /// that takes part of it), so the line never takes borrowed growth by refilling claims
+    /// behind each admitted one.
     pub(crate) fn settle_claims(&mut self, now_ms: u64) {
-        self.claims.retain(|c| c.expires_ms > now_ms);
+        let capacity = self.capacity;
+        self.claims
+            .retain(|c| c.expires_ms > now_ms && c.bytes <= capacity);
         let mut spare = self.unclaimed();
         let mut lend = self.lendable_now().min(self.lendable_to_line);
         for c in &mut self.claims {
@@ -471,8 +482,8 @@ impl Ledger {
     pub fn lendable(&self) -> u64 {
         self.lendable
     }
-    /// Of what may be lent, how much requests in line may take (see `settle_claims`); at most
-    /// what may be lent.
+    /// Of what may be lent, how much requests in line may take until it is set again (see
+    /// `settle_claims`); at most what may be lent.
     pub fn set_lendable_to_line(&mut self, bytes: u64) {
         self.lendable_to_line = bytes.min(self.lendable);
     }
@@ -547,6 +558,13 @@ impl Ledger {
         }
         if req.bytes > self.capacity {
             self.counters.rejected = self.counters.rejected.saturating_add(1);
+            // It can never fit (the capacity was lowered since its place in line was taken,
+            // or it was priced larger since): its place goes, and what it held goes to the
+            // places behind it.
+            if let Some(i) = own {
+                self.claims.remove(i);
+                self.settle_claims(req.now_ms);
+            }
             return AdmitOutcome::Rejected {
                 reason: RejectReason::ExceedsCapacity,
                 need: req.bytes,
@@ -751,9 +769,15 @@ impl Ledger {
     }
 
     /// Reserve for `req`, whose bytes the caller found room for (within capacity − committed):
-    /// its claim (`own`, if any) is spent, what it held being part of that room.
+    /// its claim (`own`, if any) is spent, what it held being part of that room. What it takes
+    /// of what was lent to the line (its claim's lent part, as far as it goes past the room
+    /// not held back) is no longer the line's to take until the next report.
     fn grant(&mut self, req: &AdmitRequest<'_>, own: Option<usize>) -> Lease {
         if let Some(i) = own {
+            let lent = self
+                .lent_to_claim(i)
+                .min(req.bytes.saturating_sub(self.unclaimed()));
+            self.lendable_to_line = self.lendable_to_line.saturating_sub(lent);
             self.claims.remove(i);
         }
         let id = self.take_id(req.id);
@@ -762,6 +786,18 @@ impl Ledger {
         self.counters.admitted = self.counters.admitted.saturating_add(1);
         self.leases.push(lease.clone());
         lease
+    }
+
+    /// What the claim at index `i` holds beyond the spare: the part `settle_claims` poured
+    /// into it from what is lent to the line (the spare goes first, oldest claim first).
+    fn lent_to_claim(&self, i: usize) -> u64 {
+        let mut spare = self.unclaimed();
+        for c in self.claims.iter().take(i) {
+            spare = spare.saturating_sub(c.held);
+        }
+        self.claims
+            .get(i)
+            .map_or(0, |c| c.held.saturating_sub(spare))
     }
 
     /// Of what is lendable, what may still be lent now. The rest of held back (block rounding,
@@ -847,18 +883,26 @@ impl Ledger {
         // the report. Not lendable any more either (borrowed growth never is firm, so this
         // errs towards lending less when the lease's part was firm: block rounding). What is
         // lent to the line (resume room, in no lease's `held`) stays, within what is left.
-        let to_line = self.lendable_to_line;
-        self.set_lendable(self.lendable.saturating_sub(lease.held));
-        self.set_held_back(self.held_back.saturating_sub(lease.held));
-        self.set_lendable_to_line(to_line);
+        self.give_back_held(lease.held);
         self.counters.released = self.counters.released.saturating_add(1);
         self.observe_lifetime(now_ms.saturating_sub(lease.created_ms));
         ReleaseOutcome::Released(lease)
     }
 
+    /// A lease that held `held` past its reservation at the last report has ended: that much
+    /// held back, and lendable, frees with it (see [`Ledger::release`]). What is lent to the
+    /// line stays, within what is left.
+    fn give_back_held(&mut self, held: u64) {
+        let to_line = self.lendable_to_line;
+        self.set_lendable(self.lendable.saturating_sub(held));
+        self.set_held_back(self.held_back.saturating_sub(held));
+        self.set_lendable_to_line(to_line);
+    }
+
     /// Reclaim the leases whose request can no longer end by itself: those whose owner is gone
     /// (`owner_alive` says no), and ownerless leases past their deadline. A live owner's lease is
-    /// never reclaimed, however old: it ends when its request ends.
+    /// never reclaimed, however old: it ends when its request ends. What the backend held for
+    /// a reclaimed lease past its reservation is given back with it, as on a release.
     pub fn reap(&mut self, now_ms: u64, owner_alive: impl Fn(u64) -> bool) -> Vec<Lease> {
         let mut reaped = Vec::new();
         let mut i = 0;
@@ -873,6 +917,7 @@ impl Ledger {
             if orphaned {
                 let lease = self.leases.swap_remove(i);
                 self.committed = self.committed.saturating_sub(lease.bytes);
+                self.give_back_held(lease.held);
                 reaped.push(lease);
             } else {
                 i += 1;
@@ -906,6 +951,26 @@ impl Ledger {
         self.held_back = self.held_back.saturating_add(was.bytes);
         self.lendable = self.lendable.saturating_add(was.bytes);
         Some(was)
+    }
+
+    /// Undo [`Ledger::demote`] for a demotion the backend did not confirm: its sequence still
+    /// holds its reservation there, so the lease reserves `bytes` (what it reserved before)
+    /// again, out of what it holds past its reservation, within the capacity (any rest stays
+    /// held back). Returns the bytes restored: 0 for an unknown id or a lease that reserves
+    /// something already.
+    pub fn undemote(&mut self, id: u64, bytes: u64) -> u64 {
+        let room = self.capacity.saturating_sub(self.committed);
+        let Some(lease) = self.leases.iter_mut().find(|l| l.id == id && l.bytes == 0) else {
+            return 0;
+        };
+        let back = bytes.min(lease.held).min(room);
+        lease.bytes = back;
+        lease.held -= back;
+        self.committed = self.committed.saturating_add(back);
+        self.held_back = self.held_back.saturating_sub(back);
+        self.lendable = self.lendable.min(self.held_back);
+        self.lendable_to_line = self.lendable_to_line.min(self.lendable);
+        back
     }
 
     /// Remove a lease and give its bytes back (the one place `committed` goes down).
@@ -1130,6 +1195,36 @@ mod tests {
         assert!(matches!(l.release(a.id, 10), ReleaseOutcome::Released(x) if x.bytes == 0));
         assert_eq!(l.committed(), 100);
         assert_eq!(l.release(a.id, 11), ReleaseOutcome::Unknown);
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_demotion_the_backend_did_not_confirm_is_undone() {
+        let mut l = Ledger::new(100, 1);
+        let AdmitOutcome::Admitted { lease: a } = l.try_admit(&req(60, 0), &retry(), 1) else {
+            panic!("first admission must fit");
+        };
+        let was = l.demote(a.id).expect("a live lease");
+        let b = l.admit_into_lent(&req(90, 1)).expect("the preemptor");
+        // The backend did not confirm: the preemptor goes, the victim reserves its bytes again.
+        assert!(matches!(l.release(b.id, 2), ReleaseOutcome::Released(_)));
+        assert_eq!(l.undemote(a.id, was.bytes), 60);
+        assert_eq!(l.lease(a.id).map(|x| (x.bytes, x.held)), Some((60, 0)));
+        assert_eq!((l.committed(), l.held_back(), l.lendable()), (60, 0, 0));
+        assert_eq!(l.free(), 40);
+        assert_eq!(l.undemote(a.id, was.bytes), 0, "once");
+        assert_eq!(l.undemote(99, 10), 0);
+        l.check().unwrap();
+        // Within the capacity: what does not fit stays held back.
+        l.demote(a.id).expect("live");
+        assert!(matches!(
+            l.try_admit(&req(40, 3), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert!(l.admit_into_lent(&req(50, 4)).is_some());
+        assert_eq!(l.undemote(a.id, was.bytes), 10);
+        assert_eq!(l.lease(a.id).map(|x| (x.bytes, x.held)), Some((10, 50)));
+        assert_eq!((l.committed(), l.held_back()), (100, 50));
         l.check().unwrap();
     }
 
@@ -1743,6 +1838,8 @@ mod tests {
             ));
         }
         assert_eq!(l.held_for(8), 15);
+        // The line took 25 of the 40: 15 is what it may still take until the next report.
+        assert_eq!(l.lendable_to_line(), 15);
         l.check().unwrap();
         // Lending never goes past what is held back; lendable, and what of it the line may
         // take, follow held back down.
@@ -1754,6 +1851,141 @@ mod tests {
         l.release(lease.id, 7);
         l.drop_claim(8);
         assert_eq!(l.free(), 100 - 30 - 10);
+    }
+
+    #[test]
+    fn the_line_takes_at_most_what_is_lent_to_it_between_two_reports_in_all() {
+        // 80 committed; 20 held back: 15 elastic sequences' borrowed growth and 5 of room held
+        // for a resume, which the report lends to the line.
+        let mut l = Ledger::new(100, 1);
+        assert!(matches!(
+            l.try_admit(&req(80, 0), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        l.set_held_back(20);
+        l.set_lendable(20);
+        // Three requests of 5 in line, their clients back, holding nothing yet.
+        for key in 1..=3 {
+            refused_twice(&mut l, &retry(), |now| keyed(5, key, 0, now));
+        }
+        assert_eq!(l.claimed(), 0);
+        l.set_lendable_to_line(5);
+        // The first is lent the 5 and admitted.
+        assert!(matches!(
+            l.try_admit(&keyed(5, 1, 0, 10), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert_eq!(l.lendable_to_line(), 0);
+        // Nothing more is lent to the others until the next report: the 15 left are the
+        // borrowers' growth, which the line never takes.
+        for key in [2, 3] {
+            assert!(matches!(
+                l.try_admit(&keyed(5, key, 0, 11), &retry(), 1),
+                AdmitOutcome::Rejected { .. }
+            ));
+            assert_eq!(l.held_for(key), 0);
+        }
+        assert_eq!(l.committed(), 85);
+        assert_eq!(
+            l.committed() + l.held_back() - l.capacity(),
+            5,
+            "lent in all"
+        );
+        l.check().unwrap();
+        // The next report lends the line again.
+        l.set_lendable_to_line(5);
+        assert!(matches!(
+            l.try_admit(&keyed(5, 2, 0, 12), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert_eq!((l.committed(), l.lendable_to_line()), (90, 0));
+        assert_eq!(l.held_for(3), 0);
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_reaped_lease_gives_back_what_it_held_past_its_reservation_as_a_release_does() {
+        let mut l = Ledger::new(100, 1);
+        let owned = |owner, bytes| AdmitRequest {
+            owner,
+            ..req(bytes, 0)
+        };
+        let AdmitOutcome::Admitted { lease: a } = l.try_admit(&owned(7, 60), &retry(), 1) else {
+            panic!("fits");
+        };
+        assert!(matches!(
+            l.try_admit(&owned(8, 20), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        // A report: 10 held back, room for a resume, lent to the line.
+        l.set_held_back(10);
+        l.set_lendable(10);
+        l.set_lendable_to_line(10);
+        // Demoted: its 60 are held back (and lendable) until its request ends.
+        l.demote(a.id).expect("a live lease");
+        assert_eq!((l.committed(), l.held_back(), l.lendable()), (20, 70, 70));
+        let mut released = l.clone();
+        assert!(matches!(
+            released.release(a.id, 5),
+            ReleaseOutcome::Released(_)
+        ));
+        // Its worker is gone: reaped, it gives the 60 back as its release would.
+        let reaped = l.reap(5, |o| o != 7);
+        assert_eq!(reaped.iter().map(|x| x.id).collect::<Vec<_>>(), vec![a.id]);
+        let totals = |l: &Ledger| {
+            (
+                l.committed(),
+                l.held_back(),
+                l.lendable(),
+                l.lendable_to_line(),
+                l.free(),
+            )
+        };
+        assert_eq!(totals(&l), (20, 10, 10, 10, 70));
+        assert_eq!(totals(&l), totals(&released));
+        l.check().unwrap();
+    }
+
+    #[test]
+    fn a_place_in_line_larger_than_the_capacity_holds_nothing_and_goes() {
+        let mut l = Ledger::new(100, 1);
+        let AdmitOutcome::Admitted { lease } = l.try_admit(&req(50, 0), &retry(), 1) else {
+            panic!("fits");
+        };
+        refused_twice(&mut l, &retry(), |now| keyed(80, 7, 0, now));
+        assert_eq!(l.held_for(7), 50);
+        // A reload (or a smaller backend pool) lowers the capacity below what it needs.
+        l.set_capacity(60);
+        l.release(lease.id, 2);
+        // A newcomer is not kept out by a place that can never be admitted.
+        assert!(matches!(
+            l.try_admit(&req(30, 3), &retry(), 1),
+            AdmitOutcome::Admitted { .. }
+        ));
+        assert!(l.claims().is_empty());
+        // Its retry is told it can never fit, and takes no place again.
+        assert!(matches!(
+            l.try_admit(&keyed(80, 7, 0, 4), &retry(), 1),
+            AdmitOutcome::Rejected {
+                reason: RejectReason::ExceedsCapacity,
+                ..
+            }
+        ));
+        assert!(l.claims().is_empty());
+        // A place taken within the capacity whose retry is priced past it goes too, and what
+        // it held is free again.
+        refused_twice(&mut l, &retry(), |now| keyed(40, 8, 0, now + 5));
+        assert_eq!((l.held_for(8), l.free()), (30, 0));
+        assert!(matches!(
+            l.try_admit(&keyed(61, 8, 0, 7), &retry(), 1),
+            AdmitOutcome::Rejected {
+                reason: RejectReason::ExceedsCapacity,
+                ..
+            }
+        ));
+        assert!(l.claims().is_empty());
+        assert_eq!(l.free(), 30);
+        l.check().unwrap();
     }
 
     #[test]
@@ -2077,13 +2309,19 @@ mod tests {
         fn invariants_hold_under_random_sequences(ops in proptest::collection::vec(op(), 1..200)) {
             let mut l = Ledger::new(1000, 1);
             let mut now = 0u64;
+            // What the last report lent the line, what admissions have taken of it since (what
+            // they took past the room not held back), and whether the claims were poured since
+            // (a report does not pour them here).
+            let (mut lent_to_line, mut line_took, mut poured) = (0u64, 0u64, true);
             for o in ops {
                 now += 1;
                 match o {
                     Op::Admit(b) => {
-                        let before = l.committed();
+                        let (before, unclaimed) = (l.committed(), l.unclaimed());
+                        poured = true;
                         match l.try_admit(&AdmitRequest { ttl_ms: 30, ..req(b, now) }, &retry(), now) {
                             AdmitOutcome::Admitted { lease } => {
+                                line_took += b.saturating_sub(unclaimed);
                                 prop_assert_eq!(l.committed(), before + b);
                                 prop_assert_eq!(lease.bytes, b);
                                 // A newcomer is never lent anything held back.
@@ -2096,13 +2334,15 @@ mod tests {
                         }
                     }
                     Op::AdmitKeyed(b, key) => {
-                        let before = l.committed();
+                        let (before, unclaimed) = (l.committed(), l.unclaimed());
+                        poured = true;
                         let r = AdmitRequest {
                             ttl_ms: 30,
                             claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 , max_line_permille: 0,waits: false, grows_to: 0,}),
                             ..req(b, now)
                         };
                         if let AdmitOutcome::Admitted { .. } = l.try_admit(&r, &retry(), now) {
+                            line_took += b.saturating_sub(unclaimed);
                             prop_assert_eq!(l.committed(), before + b);
                             prop_assert!(l.claims().iter().all(|c| c.key != key));
                             // A request in line may be lent what is lent to the line, never
@@ -2127,9 +2367,15 @@ mod tests {
                         prop_assert_eq!(&l, &before);
                     }
                     Op::Reap(ahead) => {
-                        for r in l.reap(now + ahead, |_| true) {
+                        let back = l.held_back();
+                        let reaped = l.reap(now + ahead, |_| true);
+                        poured = true;
+                        for r in &reaped {
                             prop_assert!(r.deadline_ms <= now + ahead);
                         }
+                        // What they held past their reservations is given back with them.
+                        let held = reaped.iter().map(|r| r.held).fold(0, u64::saturating_add);
+                        prop_assert_eq!(l.held_back(), back.saturating_sub(held));
                         prop_assert!(l.leases().iter().all(|x| x.deadline_ms > now + ahead));
                     }
                     Op::HoldBack(h, lend) => {
@@ -2138,6 +2384,7 @@ mod tests {
                         // Half of it to the line (as a resume's room), half only to a class
                         // that preempts (as borrowed growth).
                         l.set_lendable_to_line(lend / 2);
+                        (lent_to_line, line_took, poured) = (l.lendable_to_line(), 0, false);
                     }
                     Op::Held(i, h) => {
                         if let Some(id) = l.leases().get(i % l.leases().len().max(1)).map(|x| x.id) {
@@ -2146,7 +2393,12 @@ mod tests {
                     }
                     Op::Demote(i) => {
                         if let Some(id) = l.leases().get(i % l.leases().len().max(1)).map(|x| x.id) {
-                            l.demote(id);
+                            // Every other one not confirmed by the backend: undone at once.
+                            if let Some(was) = l.demote(id) {
+                                if i % 2 == 1 {
+                                    l.undemote(id, was.bytes);
+                                }
+                            }
                         }
                     }
                 }
@@ -2154,6 +2406,17 @@ mod tests {
                 prop_assert!(l.committed() <= l.capacity());
                 // Claims only ever hold bytes nobody has committed.
                 prop_assert!(l.committed() + l.claimed() <= l.capacity());
+                // Between two reports the line takes at most what the first lent it, in all:
+                // what admissions took past the room not held back, and what claims hold
+                // past it.
+                prop_assert!(line_took <= lent_to_line);
+                if poured {
+                    let held = l.claimed().saturating_sub(l.unclaimed());
+                    prop_assert!(
+                        line_took + held <= lent_to_line,
+                        "took {} + held {} > lent {}", line_took, held, lent_to_line
+                    );
+                }
             }
             // Releasing everything returns committed to exactly zero.
             let ids: Vec<u64> = l.leases().iter().map(|x| x.id).collect();

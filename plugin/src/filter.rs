@@ -240,11 +240,11 @@ impl Filter {
             class,
             priced: RefCell::new(priced.clone()),
             worst_case: priced,
-            body: RefCell::new(obj),
             body_size: p.body_size,
             granted: Cell::new(None),
             level: Cell::new(None),
             pending_demotions: Cell::new(0),
+            failed_demotions: RefCell::new(Vec::new()),
             endpoint: RefCell::new(None),
             shadow_note: RefCell::new(None),
             claim_active: Cell::new(false),
@@ -352,7 +352,14 @@ impl Filter {
             if let (Some(g), Some(rt), Some(e), false) =
                 (t.granted.get(), &self.rt, t.endpoint(), self.response_done)
             {
-                let _ = crate::ticket::lease_call(rt, &e, g.lease, crate::ticket::Call::Cancel);
+                let _ = crate::ticket::lease_call(
+                    rt,
+                    &self.worker,
+                    &e,
+                    g.lease,
+                    crate::ticket::Call::Cancel,
+                    self.context_id,
+                );
             }
             t.release(&self.worker);
         }

@@ -1,6 +1,7 @@
 //! The root context of a worker: configuration, the ledger's seeding, and a 100 ms tick that
 //! reaps expired leases, retries queued requests, and polls the backend's admission API.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::time::Duration;
 
@@ -35,6 +36,8 @@ enum Retried {
 pub struct Root {
     worker: Rc<Worker>,
     next_reap_ms: u64,
+    /// Other workers' heartbeats, watched for change (see `OwnerWatch`).
+    watch: RefCell<crate::worker::OwnerWatch>,
     /// One poll state per endpoint, in the endpoints' order.
     polls: Vec<Poll>,
     /// The configuration as written (before a backend descriptor is applied to it).
@@ -73,10 +76,11 @@ impl Poll {
 }
 
 impl Root {
-    pub fn new() -> Root {
+    pub fn new(context_id: u32) -> Root {
         Root {
-            worker: Rc::new(Worker::new()),
+            worker: Rc::new(Worker::new(context_id)),
             next_reap_ms: 0,
+            watch: RefCell::default(),
             polls: Vec::new(),
             configured: None,
             want_descriptor: false,
@@ -246,17 +250,20 @@ impl Root {
         Ok(())
     }
 
-    /// Reclaim the leases of workers that are gone (heartbeat older than `owner_timeout_ms`):
-    /// their requests can no longer end by themselves. A live worker's lease is never touched.
+    /// Reclaim the leases of workers that are gone (heartbeat unchanged over `owner_timeout_ms`
+    /// of this worker's watching): their requests can no longer end by themselves. A live
+    /// worker's lease is never touched.
     fn reap(&self, rt: &Runtime, endpoint: &Endpoint, now: u64) -> Result<(), StoreError> {
         let key = endpoint.ledger_key.as_str();
         let ledger = store::read(&EnvoyStore, key)?;
         let timeout = rt.cfg.owner_timeout_ms;
-        let gone: Vec<u64> = ledger
-            .owners()
-            .into_iter()
-            .filter(|o| !crate::worker::owner_alive(*o, now, timeout))
-            .collect();
+        let gone = self.watch.borrow_mut().gone(
+            &ledger.owners(),
+            now,
+            timeout,
+            rt.cfg.tick_ms.saturating_mul(2),
+            crate::worker::read_beat,
+        );
         if gone.is_empty()
             && ledger.next_deadline().is_none_or(|d| d > now)
             && ledger.next_claim_expiry().is_none_or(|d| d > now)
@@ -776,7 +783,8 @@ impl RootContext for Root {
         crate::worker::beat(now);
         self.worker.refresh_endpoints();
         self.worker.retry_releases(now);
-        if now >= self.next_reap_ms {
+        // A clock stepped back does not hold the reaper off for as long.
+        if now >= self.next_reap_ms || self.next_reap_ms > now.saturating_add(rt.cfg.tick_ms) {
             self.next_reap_ms = now + rt.cfg.tick_ms;
             for e in self.worker.endpoints() {
                 if let Err(err) = self.reap(&rt, &e, now) {

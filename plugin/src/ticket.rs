@@ -29,6 +29,10 @@ pub struct Granted {
     pub went_ahead_until: Option<u64>,
 }
 
+/// How much a rewritten body may exceed `max_body_bytes`: the cap and the gateway's note it
+/// adds, not numbers written out longer than the client wrote them.
+const REWRITE_SLACK: u64 = 1024;
+
 pub struct Ticket {
     pub context_id: u32,
     /// Fair retries: this request's place in line if it is refused.
@@ -40,14 +44,17 @@ pub struct Ticket {
     /// As of its last try: an elastic class's allowance is chosen at each try, from what the
     /// class has learned by then (see [`Ticket::reprice`]).
     pub priced: RefCell<Priced>,
-    /// The parsed request body until it is forwarded (empty after admission).
-    pub body: RefCell<Map<String, Value>>,
+    /// The size of the request body, which stays in Envoy's buffer (the stream is paused)
+    /// until admission rewrites it: a queued request holds no copy of it here.
     pub body_size: usize,
     pub granted: Cell<Option<Granted>>,
     /// The level after this ticket's last admission attempt (answers its response headers).
     pub level: Cell<Option<kvgate_core::Level>>,
     /// Preemption demotions still in flight; the request goes on when they are answered.
     pub pending_demotions: Cell<u32>,
+    /// Victims (lease id, bytes it reserved) whose demotion was not sent or not confirmed:
+    /// they still hold their reservations at the backend, so this request does not go on.
+    pub failed_demotions: RefCell<Vec<(u64, u64)>>,
     /// Where the lease was reserved.
     pub endpoint: RefCell<Option<Rc<Endpoint>>>,
     /// Shadow mode: what enforce would have done (the `x-kvgate-shadow` response header).
@@ -315,22 +322,41 @@ impl Ticket {
                 } else if priced.elastic.is_some() {
                     worker.metrics.elastic_admitted.inc();
                 }
-                let new_body = {
-                    let mut body = self.body.borrow_mut();
-                    // Only for a backend known to read it (`x-kvgate-note` told it to look);
-                    // another server would take it for a request field.
-                    if endpoint.lends.get() {
-                        GatewayNote {
-                            reserve_output: priced.elastic.map(|e| e.output_tokens),
-                            prompt_tokens: self.prompt_tokens(),
+                let new_body = match self.forwarded_body() {
+                    Ok(mut body) => {
+                        // Only for a backend known to read it (`x-kvgate-note` told it to
+                        // look); another server would take it for a request field.
+                        if endpoint.lends.get() {
+                            GatewayNote {
+                                reserve_output: priced.elastic.map(|e| e.output_tokens),
+                                prompt_tokens: self.prompt_tokens(),
+                            }
+                            .write(&mut body);
                         }
-                        .write(&mut body);
+                        // An unset cap the whole context bounds is left to the server
+                        // (`Price::cap_from_context`), unless a degrade lowered it.
+                        let from_context = priced.price.cap_from_context && degraded_from.is_none();
+                        write_cap(&mut body, (!from_context).then_some(cap))
                     }
-                    // An unset cap the whole context bounds is left to the server
-                    // (`Price::cap_from_context`), unless a degrade lowered it.
-                    let from_context = priced.price.cap_from_context && degraded_from.is_none();
-                    write_cap(&mut body, (!from_context).then_some(cap))
+                    Err(e) => {
+                        self.release(worker);
+                        return Attempt::Rejected(e);
+                    }
                 };
+                if new_body.len() as u64 > rt.cfg.max_body_bytes.saturating_add(REWRITE_SLACK) {
+                    // Written again, the body grew past the limit (numbers such as `1e15` are
+                    // written out in full): the server would refuse it after admission.
+                    self.release(worker);
+                    return Attempt::Rejected(ApiError::new(
+                        ErrorKind::BodyTooLarge,
+                        format!(
+                            "The request body, as forwarded ({} bytes from the {} sent: numbers are written out in full), is larger than the gateway's limit of {} bytes.",
+                            new_body.len(),
+                            self.body_size,
+                            rt.cfg.max_body_bytes
+                        ),
+                    ));
+                }
                 let routed = match &endpoint.address {
                     // Envoy's override_host balancer picks this host (header_mutation copies the
                     // filter state into x-kvgate-endpoint after the buffer filter).
@@ -348,11 +374,11 @@ impl Ticket {
                         format!("kvgate could not forward the admitted request ({s:?})."),
                     ));
                 }
-                // Forwarded: the parsed body (several times the request's own size for small
-                // array elements) is not needed for the rest of a stream that may run minutes.
-                drop(std::mem::take(&mut *self.body.borrow_mut()));
                 let demotions = self.demote_at_backend(worker, rt, &endpoint, &preempted);
                 self.pending_demotions.set(demotions);
+                if demotions == 0 && !self.failed_demotions.borrow().is_empty() {
+                    return Attempt::Rejected(self.undo_preemption(worker, rt));
+                }
                 Attempt::Admitted {
                     ready: demotions == 0,
                 }
@@ -434,15 +460,72 @@ impl Ticket {
                 self.class.name,
                 endpoint.name(&rt.cfg)
             ));
-            match lease_call(rt, endpoint, v.id, Call::Demote) {
+            match lease_call(rt, worker, endpoint, v.id, Call::Demote, self.context_id) {
                 Some(token) => {
-                    worker.await_demotion(token, Rc::clone(self));
+                    worker.await_demotion(token, Rc::clone(self), v);
                     sent += 1;
                 }
-                None => worker.metrics.demote_failed.inc(),
+                None => {
+                    worker.metrics.demote_failed.inc();
+                    self.failed_demotions.borrow_mut().push((v.id, v.bytes));
+                }
             }
         }
         sent
+    }
+
+    /// The body to forward: read again from Envoy's buffer (the stream is paused), without a
+    /// client's copy of the gateway's own field (the note replaces it, or, for a backend that
+    /// does not read notes, nothing does). It was parsed when priced; a queued request keeps
+    /// no parsed copy, which takes several times the body's size.
+    fn forwarded_body(&self) -> Result<Map<String, Value>, ApiError> {
+        let unreadable = |why: String| {
+            ApiError::new(
+                ErrorKind::Internal,
+                format!("kvgate could not read the admitted request's body again ({why})."),
+            )
+        };
+        let raw = proxy_wasm::hostcalls::get_buffer(BufferType::HttpRequestBody, 0, self.body_size)
+            .map_err(|s| unreadable(format!("{s:?}")))?
+            .unwrap_or_default();
+        let mut body: Map<String, Value> =
+            serde_json::from_slice(&raw).map_err(|e| unreadable(e.to_string()))?;
+        body.remove(kvgate_core::GATEWAY_FIELD);
+        Ok(body)
+    }
+
+    /// One or more of its demotions were not sent or not confirmed: the victims' sequences
+    /// still hold their reservations at the backend, so this request, admitted into their
+    /// room, must not go on. Its lease is released and the victims reserve their bytes again
+    /// (within the capacity; the next report holds back the rest). Returns the client's answer.
+    pub fn undo_preemption(&self, worker: &Worker, rt: &Runtime) -> ApiError {
+        let failed = std::mem::take(&mut *self.failed_demotions.borrow_mut());
+        if let Some(endpoint) = self.endpoint() {
+            self.release(worker);
+            let undone = store::transact(&EnvoyStore, &endpoint.ledger_key, CAS_ATTEMPTS, |l| {
+                failed
+                    .iter()
+                    .map(|(id, bytes)| l.undemote(*id, *bytes))
+                    .sum::<u64>()
+            });
+            match undone {
+                Ok((_, ledger)) => endpoint.observe(&ledger),
+                Err(e) => {
+                    // The next report holds back what the victims still use.
+                    worker.metrics.ledger_errors.inc();
+                    host::warn(&format!(
+                        "kvgate: undoing {} unconfirmed demotions failed: {e}",
+                        failed.len()
+                    ));
+                }
+            }
+        }
+        let poll = rt.cfg.backend.as_ref().map_or(1_000, |b| b.poll_ms);
+        ApiError::new(
+            ErrorKind::KvCapacityExceeded,
+            "The model server did not confirm the preemption of lower-priority requests, so their KV cache is still in use; nothing was sent. Retry after the time in the Retry-After header.",
+        )
+        .with_retry_after_ms(poll.clamp(rt.cfg.retry_after.min_ms, rt.cfg.retry_after.max_ms))
     }
 
     /// The endpoint this ticket's lease is on (once admitted).
@@ -507,15 +590,35 @@ pub enum Call {
 }
 
 /// POST `call` for lease `id` to `endpoint`; the callout's token, `None` when it could not be
-/// sent (logged).
-pub fn lease_call(rt: &Runtime, endpoint: &Endpoint, id: u64, call: Call) -> Option<u32> {
+/// sent (logged). Envoy ties a callout to the context that is effective when it is sent and
+/// cancels it, unanswered, when that context goes: a stream's context goes with its stream. So
+/// it is sent as the worker's root context's (then `stream`, the stream being served, is made
+/// effective again): a cancel sent as a stream ends, or a demotion whose preempting client
+/// leaves, still reaches the backend. The SDK still delivers the answer by token.
+pub fn lease_call(
+    rt: &Runtime,
+    worker: &Worker,
+    endpoint: &Endpoint,
+    id: u64,
+    call: Call,
+    stream: u32,
+) -> Option<u32> {
     let b = rt.cfg.backend.as_ref()?;
     let template = match call {
         Call::Cancel => &b.cancel_path,
         Call::Demote => &b.demote_path,
     };
     let path = template.replace("{id}", &id.to_string());
-    match host::call_backend(b, endpoint.address.as_deref(), "POST", &path) {
+    let as_root = proxy_wasm::hostcalls::set_effective_context(worker.root_id).is_ok();
+    let sent = host::call_backend(b, endpoint.address.as_deref(), "POST", &path);
+    if as_root {
+        if let Err(s) = proxy_wasm::hostcalls::set_effective_context(stream) {
+            host::warn(&format!(
+                "kvgate: stream {stream} is gone after a lease call: {s:?}"
+            ));
+        }
+    }
+    match sent {
         Ok(token) => Some(token),
         Err(s) => {
             host::warn(&format!("kvgate: {call:?} of lease {id} not sent: {s:?}"));

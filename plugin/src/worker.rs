@@ -298,30 +298,104 @@ pub fn beat(now_ms: u64) {
     }
 }
 
-/// Is `owner` alive: its heartbeat is no older than `timeout_ms`. A host error counts as alive
-/// (never reclaim on doubt).
-pub fn owner_alive(owner: u64, now_ms: u64, timeout_ms: u64) -> bool {
-    if owner == owner_id() {
-        return true;
-    }
-    match proxy_wasm::hostcalls::get_shared_data(&heartbeat_key(owner)) {
-        Ok((Some(b), _)) => b
-            .get(..8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes)
-            .is_some_and(|t| now_ms.saturating_sub(t) <= timeout_ms),
-        Ok((None, _)) => false,
-        Err(_) => true,
+/// Other workers' liveness, judged by watching their heartbeats change, never by comparing
+/// one clock with another: a clock stepped forward (NTP) or a process frozen for a while (a
+/// paused container, a live-migrated VM) would otherwise make every other worker look silent
+/// at once and reap live requests' leases. An owner is gone once its heartbeat has not
+/// changed over `timeout_ms` of this worker's own watching, where each observation adds at
+/// most `max_gap_ms` (a clock jump or a pause counts as one tick, not as silence); a clock
+/// stepped back adds nothing.
+#[derive(Debug, Default)]
+pub struct OwnerWatch {
+    seen: HashMap<u64, Seen>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    /// The heartbeat as last read (`None`: no key).
+    beat: Option<u64>,
+    /// How long, by this worker's watching, it has not changed.
+    silent_ms: u64,
+    /// When this worker last read it.
+    checked_ms: u64,
+}
+
+/// What a heartbeat read gives: its value, no key, or a host error (counted as alive).
+pub type BeatRead = Result<Option<u64>, ()>;
+
+impl OwnerWatch {
+    /// The owners among `owners` that are gone, reading each one's heartbeat with `read`.
+    /// This worker's own owner is never gone; a host error counts as alive (never reclaim on
+    /// doubt). Owners not read for ten timeouts are forgotten.
+    pub fn gone(
+        &mut self,
+        owners: &[u64],
+        now_ms: u64,
+        timeout_ms: u64,
+        max_gap_ms: u64,
+        read: impl Fn(u64) -> BeatRead,
+    ) -> Vec<u64> {
+        let mut gone = Vec::new();
+        for &owner in owners {
+            if owner == owner_id() {
+                continue;
+            }
+            let Ok(beat) = read(owner) else {
+                self.seen.remove(&owner);
+                continue;
+            };
+            let seen = self.seen.entry(owner).or_insert(Seen {
+                beat,
+                silent_ms: 0,
+                checked_ms: now_ms,
+            });
+            if seen.beat != beat {
+                seen.beat = beat;
+                seen.silent_ms = 0;
+            } else {
+                let gap = now_ms.saturating_sub(seen.checked_ms).min(max_gap_ms);
+                seen.silent_ms = seen.silent_ms.saturating_add(gap);
+            }
+            seen.checked_ms = now_ms;
+            if seen.silent_ms > timeout_ms {
+                gone.push(owner);
+            }
+        }
+        let horizon = timeout_ms.saturating_mul(10);
+        self.seen.retain(|_, s| {
+            now_ms.saturating_sub(s.checked_ms) <= horizon
+                && s.checked_ms <= now_ms.saturating_add(horizon)
+        });
+        gone
     }
 }
 
+/// An owner's heartbeat as stored in shared data.
+pub fn read_beat(owner: u64) -> BeatRead {
+    match proxy_wasm::hostcalls::get_shared_data(&heartbeat_key(owner)) {
+        Ok((Some(b), _)) => Ok(b
+            .get(..8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)),
+        Ok((None, _)) => Ok(None),
+        Err(_) => Err(()),
+    }
+}
+
+/// A demotion in flight: the request waiting for it, the victim's lease id and the bytes it
+/// reserved (given back to it if the backend does not confirm).
+pub type Demotion = (Rc<Ticket>, u64, u64);
+
 pub struct Worker {
+    /// Its root context: the context lease calls are sent as (see `ticket::lease_call`).
+    pub root_id: u32,
     pub runtime: RefCell<Option<Rc<Runtime>>>,
     pub metrics: Metrics,
     pub queue: RefCell<AdmissionQueue<Rc<Ticket>>>,
     /// Preemption demotions in flight, by callout token: whichever context the host delivers the
     /// answer to, it reaches the ticket that is waiting for it.
-    pub demotions: RefCell<HashMap<u32, Rc<Ticket>>>,
+    /// Each with its victim: the lease id and the bytes it reserved.
+    pub demotions: RefCell<HashMap<u32, Demotion>>,
     /// The backend endpoints of the current configuration (one, without `backend.endpoints`).
     endpoints: RefCell<Vec<Rc<Endpoint>>>,
     /// Endpoints a new configuration dropped whose ledgers may still hold leases: their
@@ -381,12 +455,14 @@ impl Worker {
         }
     }
 
-    pub fn new() -> Worker {
+    /// The worker of root context `root_id`.
+    pub fn new(root_id: u32) -> Worker {
         use std::hash::{BuildHasher, Hasher};
         // WASI random (through std's RandomState) mixed with the clock.
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u64(host::now_nanos());
         Worker {
+            root_id,
             runtime: RefCell::new(None),
             metrics: Metrics::define(),
             queue: RefCell::new(AdmissionQueue::default()),
@@ -680,9 +756,10 @@ impl Worker {
         }
     }
 
-    /// A demotion sent for request `ticket`, answered under callout `token`.
-    pub fn await_demotion(&self, token: u32, ticket: Rc<Ticket>) {
-        if self.demotions.borrow_mut().insert(token, ticket).is_none() {
+    /// A demotion of `victim` sent for request `ticket`, answered under callout `token`.
+    pub fn await_demotion(&self, token: u32, ticket: Rc<Ticket>, victim: &kvgate_core::Lease) {
+        let entry = (ticket, victim.id, victim.bytes);
+        if self.demotions.borrow_mut().insert(token, entry).is_none() {
             // Every worker moves the same gauge: added to, never set.
             self.metrics.demotions_pending.add(1);
         }
@@ -696,7 +773,7 @@ impl Worker {
     pub fn forget_demotions(&self, context_id: u32) {
         let mut d = self.demotions.borrow_mut();
         let before = d.len();
-        d.retain(|_, t| t.context_id != context_id);
+        d.retain(|_, (t, _, _)| t.context_id != context_id);
         let gone = before.saturating_sub(d.len());
         if gone > 0 {
             self.metrics
@@ -706,9 +783,11 @@ impl Worker {
     }
 
     /// A preemption demotion was answered (or failed): when the ticket's last one is in, its
-    /// request goes on. Returns false when the token is not a demotion of this worker.
+    /// request goes on if every one was confirmed; if one was not, the preemption is undone
+    /// and its client answered 429 ([`Ticket::undo_preemption`]). Returns false when the
+    /// token is not a demotion of this worker.
     pub fn demotion_answered(&self, token: u32) -> bool {
-        let Some(t) = self.demotions.borrow_mut().remove(&token) else {
+        let Some((t, victim, bytes)) = self.demotions.borrow_mut().remove(&token) else {
             return false;
         };
         self.metrics.demotions_pending.add_signed(-1);
@@ -718,9 +797,10 @@ impl Worker {
         );
         if status.as_deref() != Some("200") {
             // Not demoted (or not known to be): the victim may still hold its reservation at
-            // the backend, which then refuses this request (429) until it ends; the ledger
-            // sees its use again at the next poll.
+            // the backend. A backend that does not refuse on its own would run out of KV with
+            // this request on top of it: it does not go on.
             self.metrics.demote_failed.inc();
+            t.failed_demotions.borrow_mut().push((victim, bytes));
             host::warn(&format!(
                 "kvgate: a demotion was not confirmed (status {})",
                 status.as_deref().unwrap_or("none: timed out or failed")
@@ -728,10 +808,16 @@ impl Worker {
         }
         let left = t.pending_demotions.get().saturating_sub(1);
         t.pending_demotions.set(left);
-        if left == 0 && proxy_wasm::hostcalls::set_effective_context(t.context_id).is_ok() {
+        if left > 0 || proxy_wasm::hostcalls::set_effective_context(t.context_id).is_err() {
+            return true;
+        }
+        if t.failed_demotions.borrow().is_empty() {
             if let Err(s) = proxy_wasm::hostcalls::resume_http_request() {
                 host::warn(&format!("kvgate: resume after preemption failed: {s:?}"));
             }
+        } else if let Some(rt) = self.runtime() {
+            let e = t.undo_preemption(self, &rt);
+            crate::filter::reply_error(self, &e, self.level(&rt.cfg));
         }
         true
     }

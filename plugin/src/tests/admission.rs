@@ -231,6 +231,13 @@ fn a_stream_cut_short_is_cancelled_at_the_backend_and_released() {
     assert_eq!(cancels[0].header(":method"), Some("POST"));
     assert_eq!(cancels[0].upstream, "kvgate_backend");
     assert_eq!(ledger().committed(), 0);
+    // Sent as the root context's: Envoy would cancel a callout of the stream's own context,
+    // unsent or unanswered, as that context goes at the end of the same event.
+    assert_eq!(cancels[0].during, s.0, "sent as the stream ended");
+    assert_eq!(cancels[0].context, vm.root);
+    assert!(!Vm::cancelled(cancels[0].token));
+    vm.answer_call(cancels[0].token, 200, b"{}"); // nobody waits for it
+    assert_eq!(ledger().committed(), 0);
 }
 
 // ---- 2. full: 429 -----------------------------------------------------------------------------
@@ -307,6 +314,25 @@ fn an_unreadable_body_gets_400_and_an_oversized_one_413() {
     vm.finish(s);
     vm.finish(t);
     assert_eq!(Vm::metric("kvgate.admitted"), 0);
+}
+
+#[test]
+fn a_body_that_grows_past_the_limit_when_written_again_gets_413_and_keeps_nothing() {
+    // `1e15` is written out as `1000000000000000.0`: 4 bytes become 18.
+    let mut vm = start(20_000, json!({"max_body_bytes": 4_000}));
+    let pad = vec!["1e15"; 600].join(",");
+    let body = format!(r#"{{"model": "m", "prompt": [1, 2, 3], "max_tokens": 5, "pad": [{pad}]}}"#);
+    assert!(body.len() < 4_000);
+    let (s, action) = vm.post("/v1/completions", &[], &body);
+    assert_eq!(action, Action::Pause);
+    assert_rejected(s, 413, "request_body_too_large");
+    assert_eq!(ledger().committed(), 0, "its reservation is given back");
+    vm.finish(s);
+    // A body the rewrite does not grow past the limit goes through.
+    let (t, action) = vm.post("/v1/completions", &[], &completion(3, Some(5)));
+    assert_eq!(action, Action::Continue);
+    vm.finish(t);
+    assert_eq!(ledger().committed(), 0);
 }
 
 #[test]

@@ -106,6 +106,17 @@ fn write_heartbeat(owner: u64, at_ms: u64) {
     });
 }
 
+/// Tick every 100 ms for `ms`, the owners in `beating` writing their heartbeats before each.
+fn tick_for(vm: &mut Vm, ms: u64, beating: &[u64]) {
+    for _ in 0..ms.div_ceil(100) {
+        vm.advance_ms(100);
+        for &o in beating {
+            write_heartbeat(o, Vm::now_ms());
+        }
+        vm.tick();
+    }
+}
+
 fn calls_to(path_part: &str) -> Vec<testhost::Call> {
     Vm::calls()
         .into_iter()

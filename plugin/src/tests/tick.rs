@@ -35,6 +35,12 @@ fn the_reaper_takes_only_leases_of_gone_workers_never_a_live_ones_however_old() 
     let my_lease = lease_of(mine);
 
     vm.tick();
+    assert!(
+        ledger().lease(11).is_some(),
+        "an old heartbeat alone is no proof: a clock may have jumped"
+    );
+    // Watched: the stopped owner's heartbeat does not change for the timeout, the live one's does.
+    tick_for(&mut vm, timeout + 200, &[alive]);
     let l = ledger();
     assert!(l.lease(11).is_none(), "the stale owner's lease is reaped");
     assert!(l.lease(12).is_some());
@@ -47,7 +53,7 @@ fn the_reaper_takes_only_leases_of_gone_workers_never_a_live_ones_however_old() 
     // This worker said it is alive.
     let beat = testhost::with(|h| h.shared.get(&heartbeat_key(owner_id())).cloned());
     let beat = u64::from_le_bytes(beat.unwrap().0[..8].try_into().unwrap());
-    assert_eq!(beat, EPOCH_MS);
+    assert_eq!(beat, Vm::now_ms());
 
     // Far past any lease TTL (max 1 h): live owners keep their leases.
     for _ in 0..5 {
@@ -63,9 +69,18 @@ fn the_reaper_takes_only_leases_of_gone_workers_never_a_live_ones_however_old() 
     assert!(l.lease(my_lease).is_some(), "nor this worker's own");
     assert_eq!(Vm::metric("kvgate.reaped"), 1);
 
-    // Once the other owner stops, its lease goes; this worker's stays until its stream ends.
-    vm.advance_ms(timeout + 1);
+    // A clock stepped forward, or the whole process frozen, past the timeout: one tick's
+    // worth of silence, not the timeout's.
+    vm.advance_ms(10 * timeout);
     vm.tick();
+    tick_for(&mut vm, timeout / 2, &[]);
+    assert!(ledger().lease(12).is_some(), "a jump is not silence");
+    // A clock stepped back: nothing is reaped for it either.
+    vm.advance_ms_back(5 * timeout);
+    vm.tick();
+    assert!(ledger().lease(12).is_some());
+    // Once the other owner stops, its lease goes; this worker's stays until its stream ends.
+    tick_for(&mut vm, timeout, &[]);
     assert!(ledger().lease(12).is_none());
     assert_eq!(Vm::metric("kvgate.reaped"), 2);
     vm.finish(mine);
@@ -94,9 +109,9 @@ fn a_queued_request_is_admitted_on_tick_by_preemption_and_resumes_when_the_demot
 }
 
 #[test]
-fn a_demotion_the_backend_does_not_confirm_is_counted_and_the_request_goes_on() {
-    // The backend then refuses the request (429) until the victim ends, which the filter
-    // answers like any backend refusal; nothing waits for ever.
+fn a_demotion_the_backend_does_not_confirm_is_undone_and_the_request_does_not_go_on() {
+    // The victim still holds its reservation at the backend: a backend that does not refuse
+    // on its own would run out of KV with the preempting request on top of it.
     preempted_from_the_queue(503);
 }
 
@@ -144,8 +159,8 @@ fn preempted_from_the_queue(status: u32) {
         "sent from the root context's tick"
     );
     assert_eq!(
-        demotions[0].context, s.0,
-        "while the queued stream was the effective one"
+        demotions[0].context, vm.root,
+        "sent as the root context's: it outlives the stream"
     );
     assert!(
         !Vm::resumed(s),
@@ -155,12 +170,36 @@ fn preempted_from_the_queue(status: u32) {
     assert_eq!(Vm::metric("kvgate.demotions_pending"), 1);
     vm.answer_call(demotions[0].token, status, b"{}");
     assert_eq!(Vm::metric("kvgate.demotions_pending"), 0);
-    assert!(Vm::resumed(s), "the queued stream is resumed");
     assert_eq!(
         Vm::metric("kvgate.demote_failed"),
         i64::from(status != 200),
         "a demotion not confirmed is counted"
     );
+    if status != 200 {
+        assert!(!Vm::resumed(s), "not sent to the backend");
+        let replies = Vm::replies(s);
+        assert_eq!(replies.len(), 1);
+        assert_eq!(replies[0].status, 429);
+        let body: Value = serde_json::from_slice(&replies[0].body).unwrap();
+        assert_eq!(body["error"]["code"], "kv_capacity_exceeded");
+        assert!(replies[0].header("retry-after").is_some());
+        let l = ledger();
+        assert!(l.lease(lease_of(s)).is_none(), "its lease is released");
+        assert_eq!(
+            l.lease(22).map(|v| v.bytes),
+            Some(3_000 * PER_TOKEN),
+            "the victim reserves its bytes again"
+        );
+        assert_eq!(l.committed(), 3_000 * PER_TOKEN);
+        vm.finish(s);
+        assert_eq!(
+            ledger().committed(),
+            3_000 * PER_TOKEN,
+            "nothing else to release"
+        );
+        return;
+    }
+    assert!(Vm::resumed(s), "the queued stream is resumed");
     assert!(Vm::replies(s).is_empty());
 
     vm.respond(s);
@@ -202,6 +241,9 @@ fn a_preempting_request_whose_client_left_before_its_demotion_was_answered_leave
         "nothing waits for it"
     );
     assert_eq!(ledger().committed(), 0, "its reservation is released");
+    // Sent as the root context's, the demotion outlives the stream: the backend still gives
+    // back what the victim reserved, which the ledger no longer counts.
+    assert!(!Vm::cancelled(demotions[0].token));
     vm.answer_call(demotions[0].token, 200, b"{}"); // dropped by the SDK: its stream is gone
     assert_eq!(Vm::metric("kvgate.demotions_pending"), 0);
     assert!(!Vm::resumed(s));
