@@ -10,13 +10,33 @@ from harness import (BACKEND, BLOCK_BYTES, MODEL, WASM, Backend, Envoy, fleet_bo
 from mock_upstream import MockUpstream  # noqa: E402
 
 
-def teardown(request, processes):
-    """Stop every process; print its log when the test failed."""
-    failed = getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed
-    for p in processes:
-        p.stop()
-        if failed:
-            print(f"----- {p.name} log ({p.log_path}) -----\n{p.logs()}")
+def teardown(request, processes, settled=None):
+    """Stop every process; print its log when the test failed.
+
+    A test that passed must leave what it started at rest: `settled(p)` asserts it for each
+    process still running (a gateway's ledger and queue empty, a backend's pool empty), unless
+    the test is marked `leaves_state` with the reason."""
+    rep = getattr(request.node, "rep_call", None)
+    failed = rep is not None and rep.failed
+    try:
+        if settled and rep is not None and rep.passed and not request.node.get_closest_marker("leaves_state"):
+            for p in processes:
+                if p.proc is not None and p.proc.poll() is None:
+                    settled(p)
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        for p in processes:
+            p.stop()
+            if failed:
+                print(f"----- {p.name} log ({p.log_path}) -----\n{p.logs()}")
+
+
+def drained(envoy):
+    """A gateway with the filter: committed bytes exactly zero, no lease, nothing queued."""
+    if not envoy.plain:
+        envoy.assert_drained()
 
 
 @pytest.fixture(scope="session")
@@ -56,7 +76,7 @@ def gateway(request, tmp_path, wasm, upstream):
 
     upstream.clear()
     yield make
-    teardown(request, started)
+    teardown(request, started, drained)
 
 
 @pytest.fixture
@@ -72,7 +92,7 @@ def backend(request, tmp_path):
         return b.start()
 
     yield make
-    teardown(request, started)
+    teardown(request, started, lambda b: b.wait_pool_empty())
 
 
 @pytest.fixture
@@ -102,7 +122,7 @@ def stack(request, tmp_path, wasm, backend):
         return e.start(), b
 
     yield make
-    teardown(request, started)
+    teardown(request, started, drained)
 
 
 @pytest.fixture
@@ -138,4 +158,4 @@ def fleet(request, tmp_path, wasm, backend):
         return gws, bs
 
     yield make
-    teardown(request, started)
+    teardown(request, started, drained)

@@ -274,10 +274,10 @@ class Envoy(Process):
         raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)}")
 
     def assert_drained(self, timeout=15):
-        """The ledger's committed bytes return to exactly zero."""
-        s = self.wait_for(lambda s: s["committed_bytes"] == 0 and s["leases"] == 0, timeout,
-                          "committed bytes to return to zero")
-        assert s["committed_bytes"] == 0
+        """The ledger's committed bytes return to exactly zero, and nothing waits in the queue."""
+        s = self.wait_for(lambda s: s["committed_bytes"] == 0 and s["leases"] == 0 and s["queued"] == 0,
+                          timeout, "committed bytes to return to zero and the queue to empty")
+        assert s["committed_bytes"] == 0 and s["queued"] == 0
         return s
 
 

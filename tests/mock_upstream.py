@@ -7,7 +7,8 @@ headers, so a test can make it stream slowly, reset mid-stream, or hang:
   x-mock-chunks: number of SSE chunks (stream/reset), default 5
   x-mock-delay-ms: delay between chunks, default 100
 
-GET /_mock/requests returns what it recorded; POST /_mock/clear forgets it.
+GET /_mock/requests returns what it recorded; POST /_mock/clear forgets it. GET
+/v1/admission/leases answers an empty lease report (a gateway's poll, not recorded).
 """
 
 import json
@@ -38,11 +39,14 @@ class Handler(BaseHTTPRequestHandler):
         n = int(self.headers.get("content-length", "0"))
         return self.rfile.read(n)
 
-    def _json(self, status, obj):
+    def _json(self, status, obj, close=False):
         body = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(body)))
+        if close:
+            self.send_header("connection", "close")
+            self.close_connection = True
         self.end_headers()
         self.wfile.write(body)
 
@@ -50,7 +54,16 @@ class Handler(BaseHTTPRequestHandler):
         if self.path == "/_mock/requests":
             with self.server.lock:
                 self._json(200, self.server.recorded)
+        elif self.path.startswith("/v1/admission/leases"):
+            # A lease report with nothing running: a gateway with the callout sees it up.
+            # The connection closes after it: a callout after it needs a new one.
+            self._json(200, {"pool": {"capacity_bytes": 1 << 40, "used_bytes": 0}, "admission": "reserve",
+                             "leases": [], "finished": [], "cursor": 0}, close=True)
         else:
+            with self.server.lock:
+                self.server.recorded.append(
+                    {"path": self.path, "headers": {k.lower(): v for k, v in self.headers.items()}, "body": None}
+                )
             self._json(200, {"object": "list", "data": [{"id": "mock", "object": "model"}]})
 
     def do_POST(self):
