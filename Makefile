@@ -42,7 +42,7 @@ $(MODEL): | $(VENV)/.ok
 	tools/fetch-model.sh
 
 setup-rust:
-	rustup target add wasm32-wasip1 wasm32-unknown-unknown
+	rustup target add wasm32-wasip1
 	rustup component add clippy rustfmt
 
 $(VENV)/.ok: tests/requirements.txt
@@ -251,7 +251,7 @@ bench-core:
 
 # Envoy with the filter vs without, same upstream, same run (needs wrk: apt-get install wrk).
 bench-gateway: wasm setup-venv
-	command -v wrk >/dev/null || apt-get install -y wrk
+	command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk; }
 	cargo build --release -p kvgate-core --example count
 	$(PY) bench/gateway_bench.py
 

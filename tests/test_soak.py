@@ -98,7 +98,8 @@ def run_soak(gw, total, concurrency=16, abort_fraction=0.2, seed=7):
 
 def test_soak_with_client_aborts_never_exceeds_capacity_and_ends_at_zero(gateway):
     total = int(os.environ.get("SOAK_REQUESTS", "1500"))
-    gw = gateway({"kv_budget_bytes": CAPACITY_TOKENS * PER_TOKEN, "safety_fraction": 1.0}, concurrency=4)
+    gw = gateway({"kv_budget_bytes": CAPACITY_TOKENS * PER_TOKEN, "safety_fraction": 1.0,
+                  "scratch_margin_bytes": 0}, concurrency=4)
     counts, peak, secs = run_soak(gw, total)
     print(f"soak: {total} requests in {secs:.1f} s ({total / secs:.0f}/s): {counts}, "
           f"peak committed {peak['committed']} of {CAPACITY_TOKENS * PER_TOKEN} B")

@@ -163,7 +163,9 @@ fn d_max_body() -> u64 {
     4 * 1024 * 1024
 }
 fn d_status_path() -> String {
-    "/kvgate/status".into()
+    // Off unless asked for: it shows backend addresses and the line's state to whoever can
+    // reach the listener.
+    String::new()
 }
 fn d_context_status() -> u32 {
     413
@@ -894,7 +896,7 @@ mod tests {
         assert_eq!(c.tokenizer, TokenizerSpec::Builtin(Encoding::Cl100kBase));
         assert!(c.guards("/v1/chat/completions?x"));
         assert!(!c.guards("/v1/models"));
-        assert_eq!(c.status_path, "/kvgate/status");
+        assert_eq!(c.status_path, "", "off unless configured");
         assert_eq!(c.context_error_status, 413);
         assert_eq!(c.lease_ttl.for_cap(100), 65_000);
         assert_eq!(c.lease_ttl.for_cap(u64::MAX), 3_600_000);

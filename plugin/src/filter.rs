@@ -88,9 +88,14 @@ impl Filter {
     fn reject(&mut self, rt: &Runtime, err: &ApiError) -> Action {
         self.pending = None;
         if self.guarded && rt.cfg.mode == kvgate_core::config::Mode::Shadow {
-            // Shadow: count it, send nothing, let the request through as it came.
+            // Shadow: count it, send nothing, let the request through as it came. Refused
+            // before it was recorded: it goes without the gateway's lease headers, or the
+            // backend would run it under a lease the ledger does not have.
             self.worker.metrics.would_reject(err.kind);
             self.shadow_note = Some(format!("would_reject={}", err.kind.code()));
+            for h in ["x-kvgate-lease", "x-kvgate-class", "x-kvgate-secret"] {
+                let _ = abi::remove_header(REQ, h);
+            }
             return Action::Continue;
         }
         reply_error(&self.worker, err, self.current_level(rt));

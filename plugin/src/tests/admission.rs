@@ -559,6 +559,13 @@ fn shadow_mode_counts_what_enforce_would_do_and_lets_everything_through_unchange
     assert_eq!(a, Action::Continue);
     assert!(Vm::replies(bad).is_empty());
     assert_eq!(Vm::metric("kvgate.shadow.would_reject.invalid_request"), 1);
+    // Not recorded, so not forwarded under a lease.
+    assert_eq!(Vm::request_header(bad, "x-kvgate-lease"), None);
+    assert_eq!(Vm::request_header(bad, "x-kvgate-secret"), None);
+    assert!(
+        Vm::request_header(first, "x-kvgate-lease").is_some(),
+        "recorded ones are"
+    );
     vm.finish(bad);
     // A degrade that enforce would apply is counted, the body is not rewritten.
     let (big, _) = vm.post("/v1/completions", &[], &completion(100, Some(700)));

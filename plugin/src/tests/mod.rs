@@ -34,6 +34,7 @@ fn config(tokens: u64, extra: Value) -> String {
         "kv_budget_bytes": tokens * PER_TOKEN,
         "safety_fraction": 1.0,
         "retry_after": {"min_ms": 500, "max_ms": 10000, "jitter": 0.0, "default_lease_ms": 3000},
+        "status_path": "/kvgate/status",
     });
     for (k, v) in extra.as_object().cloned().unwrap_or_default() {
         cfg[k] = v;
