@@ -353,9 +353,9 @@ def test_a_chunked_body_past_envoys_buffer_in_one_read_gets_an_openai_413(gatewa
 
 def test_a_stream_cut_short_is_cancelled_at_the_backend(gateway, upstream):
     # The filter tells the backend to stop a stream whose client left: a server may not see
-    # the connection close until it writes. Envoy cancels a callout with the context it was
-    # sent as, and a stream's context goes as the stream ends, so the filter sends it as its
-    # root context's. (The mock answers the lease poll with an empty report.)
+    # the connection close until it writes. The call is sent as the stream ends; Envoy sends
+    # it as the VM's root context's, so it outlives the stream. (The mock answers the lease
+    # poll with an empty report and closes that connection: the call needs a new one.)
     gw = gateway(budget(20_000, backend={"cluster": "kvgate_backend", "poll_ms": 60_000,
                                          "lost_grace_ms": 120_000}))
     gw.wait_for(lambda s: s["backend"]["up"], what="the first poll")

@@ -263,6 +263,7 @@ async fn demote(
             Ok(Json(json!({"id": id, "demoted": true, "on_arrival": true})))
         }
         Some(Demoted::Cancelled) => Ok(Json(json!({"id": id, "cancelled": true}))),
+        Some(Demoted::Finished) => Ok(Json(json!({"id": id, "finished": true}))),
         Some(Demoted::Unknown) => Err(no_live_lease(&id)),
         None => Err(HttpError(
             ApiError::new(ErrorKind::Internal, "The engine has stopped.").with_status(503),

@@ -538,14 +538,15 @@ impl<M: Forward> Engine<M> {
             None => self.waiting.iter_mut().find(|s| s.id == id),
         };
         let Some(seq) = seq else {
-            // A lease that already ended will not arrive again (lease ids are single-use):
-            // unknown, as to a cancel, rather than remembered for an arrival that never comes.
+            // A lease that already ended will not arrive again (lease ids are single-use): it
+            // holds nothing, as the demotion asks, and is not remembered for an arrival that
+            // never comes.
             let finished = {
                 let p = self.published();
                 !p.is_live(&id) && p.finished.iter().any(|f| f.id == id)
             };
             if finished {
-                return Demoted::Unknown;
+                return Demoted::Finished;
             }
             if self.demoted_early.len() == DEMOTED_KEPT {
                 self.demoted_early.pop_front();

@@ -73,8 +73,9 @@ pub enum Demoted {
     OnArrival,
     /// This backend does not lend (`--admission` other than `reserve`): stopped, as by a cancel.
     Cancelled,
-    /// Already finished (a 404, as for any lease not held), or not here and this backend does
-    /// not lend: nothing to do.
+    /// Already finished: it holds nothing, which is what the demotion asked (200, `finished`).
+    Finished,
+    /// Not here and this backend does not lend (a 404, as for any lease not held).
     Unknown,
 }
 

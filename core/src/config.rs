@@ -51,7 +51,8 @@ pub struct RawConfig {
     pub context_error_status: u32,
     #[serde(default = "d_tick")]
     pub tick_ms: u64,
-    /// A worker whose heartbeat is older than this is gone; only then are its leases reclaimed.
+    /// A worker whose heartbeat has not changed for this long (as another worker watched it) is
+    /// gone; only then are its leases reclaimed.
     #[serde(default = "d_owner_timeout")]
     pub owner_timeout_ms: u64,
     /// Fair retries: a refused request keeps its place in line (freed bytes are set aside for it)
@@ -542,6 +543,15 @@ impl TryFrom<RawConfig> for Config {
                 "owner_timeout_ms",
                 raw.owner_timeout_ms,
                 "must be in 1000..=3600000",
+            ));
+        }
+        if raw.owner_timeout_ms < raw.tick_ms.saturating_mul(3) {
+            // The reaper counts a tick's gap as at most two ticks of silence (a clock jump or a
+            // pause): a shorter timeout would reap live workers after one.
+            return Err(ConfigError::new(
+                "owner_timeout_ms",
+                raw.owner_timeout_ms,
+                format!("must be at least 3 x tick_ms ({})", raw.tick_ms),
             ));
         }
         if let Some(b) = &raw.backend {
@@ -1043,13 +1053,17 @@ mod tests {
     }
 
     #[test]
-    fn preemption_needs_the_callout_and_a_backend_is_down_after_at_least_one_failure() {
+    fn preemption_needs_the_callout_a_backend_is_down_after_a_failure_and_owners_outlast_three_ticks(
+    ) {
         let policy =
             r#""policy":{"classes":{"default":{},"vip":{"priority":9,"preempts":["default"]}}}"#;
         let e = with(policy).unwrap_err();
         assert_eq!(e.field, "policy.classes.vip.preempts");
         assert!(e.rule.contains("`backend`"), "{}", e.rule);
         assert!(with(&format!(r#"{policy},"backend":{{}}"#)).is_ok());
+        let e = with(r#""tick_ms":1000,"owner_timeout_ms":2999"#).unwrap_err();
+        assert_eq!(e.field, "owner_timeout_ms");
+        assert!(with(r#""tick_ms":1000,"owner_timeout_ms":3000"#).is_ok());
         let e = with(r#""backend":{"down_after_failures":0}"#).unwrap_err();
         assert_eq!(e.field, "backend.down_after_failures");
         assert_eq!(

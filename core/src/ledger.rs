@@ -953,23 +953,26 @@ impl Ledger {
         Some(was)
     }
 
-    /// Undo [`Ledger::demote`] for a demotion the backend did not confirm: its sequence still
-    /// holds its reservation there, so the lease reserves `bytes` (what it reserved before)
-    /// again, out of what it holds past its reservation, within the capacity (any rest stays
-    /// held back). Returns the bytes restored: 0 for an unknown id or a lease that reserves
-    /// something already.
-    pub fn undemote(&mut self, id: u64, bytes: u64) -> u64 {
+    /// Undo [`Ledger::demote`] for a demotion the backend did not confirm: its sequence may
+    /// still hold its reservation there, so the lease reserves `bytes` (what it reserved
+    /// before) again, within the capacity. What it held past its reservation as of the last
+    /// report (all it held, if the report came after the demotion) stops being held back as
+    /// far as the reservation covers it. Returns the bytes reserved again: 0 for an unknown id
+    /// or a lease that reserves something already.
+    pub fn undemote(&mut self, id: u64, bytes: u64, now_ms: u64) -> u64 {
         let room = self.capacity.saturating_sub(self.committed);
         let Some(lease) = self.leases.iter_mut().find(|l| l.id == id && l.bytes == 0) else {
             return 0;
         };
-        let back = bytes.min(lease.held).min(room);
+        let back = bytes.min(room);
+        let from_held = back.min(lease.held);
         lease.bytes = back;
-        lease.held -= back;
+        lease.held -= from_held;
         self.committed = self.committed.saturating_add(back);
-        self.held_back = self.held_back.saturating_sub(back);
+        self.held_back = self.held_back.saturating_sub(from_held);
         self.lendable = self.lendable.min(self.held_back);
         self.lendable_to_line = self.lendable_to_line.min(self.lendable);
+        self.settle_claims(now_ms);
         back
     }
 
@@ -1208,12 +1211,21 @@ mod tests {
         let b = l.admit_into_lent(&req(90, 1)).expect("the preemptor");
         // The backend did not confirm: the preemptor goes, the victim reserves its bytes again.
         assert!(matches!(l.release(b.id, 2), ReleaseOutcome::Released(_)));
-        assert_eq!(l.undemote(a.id, was.bytes), 60);
+        assert_eq!(l.undemote(a.id, was.bytes, 5), 60);
         assert_eq!(l.lease(a.id).map(|x| (x.bytes, x.held)), Some((60, 0)));
         assert_eq!((l.committed(), l.held_back(), l.lendable()), (60, 0, 0));
         assert_eq!(l.free(), 40);
-        assert_eq!(l.undemote(a.id, was.bytes), 0, "once");
-        assert_eq!(l.undemote(99, 10), 0);
+        assert_eq!(l.undemote(a.id, was.bytes, 5), 0, "once");
+        assert_eq!(l.undemote(99, 10, 5), 0);
+        l.check().unwrap();
+        // A report came between: it says what the demoted lease holds (30 of its 60, its
+        // blocks taken lazily). Reserved again whole, it holds nothing past that.
+        l.demote(a.id).expect("live");
+        l.set_held(|x| if x == a.id { 30 } else { 0 });
+        l.set_held_back(30);
+        assert_eq!(l.undemote(a.id, was.bytes, 6), 60);
+        assert_eq!(l.lease(a.id).map(|x| (x.bytes, x.held)), Some((60, 0)));
+        assert_eq!((l.committed(), l.held_back(), l.free()), (60, 0, 40));
         l.check().unwrap();
         // Within the capacity: what does not fit stays held back.
         l.demote(a.id).expect("live");
@@ -1222,7 +1234,7 @@ mod tests {
             AdmitOutcome::Admitted { .. }
         ));
         assert!(l.admit_into_lent(&req(50, 4)).is_some());
-        assert_eq!(l.undemote(a.id, was.bytes), 10);
+        assert_eq!(l.undemote(a.id, was.bytes, 5), 10);
         assert_eq!(l.lease(a.id).map(|x| (x.bytes, x.held)), Some((10, 50)));
         assert_eq!((l.committed(), l.held_back()), (100, 50));
         l.check().unwrap();
@@ -2396,7 +2408,7 @@ mod tests {
                             // Every other one not confirmed by the backend: undone at once.
                             if let Some(was) = l.demote(id) {
                                 if i % 2 == 1 {
-                                    l.undemote(id, was.bytes);
+                                    l.undemote(id, was.bytes, now);
                                 }
                             }
                         }

@@ -142,12 +142,21 @@ fn check_counts(counter: &TokenCounter, req: &ParsedRequest) {
         Input::Chat(messages) => {
             assert_eq!(counts.len(), 1);
             let n = counts[0];
-            let exact = counter.encode_chat(messages).map_or(0, |ids| ids.len() as u64);
-            assert!(n >= exact, "under-counted chat: {n} < {exact}");
-            if messages
+            // What the template renders, plus the messages' other fields (`extra`), which are
+            // counted on top and not rendered by kvgate-backend.
+            let extra: u64 = messages
                 .iter()
-                .all(|m| m.role.len() + 1 + m.content.len() <= LONG_PIECE_BYTES)
-            {
+                .map(|m| counter.count_text_tiktoken(&m.extra))
+                .sum();
+            let exact = counter
+                .encode_chat(messages)
+                .map_or(0, |ids| ids.len() as u64)
+                + extra;
+            assert!(n >= exact, "under-counted chat: {n} < {exact}");
+            if messages.iter().all(|m| {
+                m.role.len() + 1 + m.content.len() <= LONG_PIECE_BYTES
+                    && m.extra.len() <= LONG_PIECE_BYTES
+            }) {
                 assert_eq!(n, exact, "inexact chat count");
             }
             assert_eq!(counter.count_chat_capped(messages, n), Capped::Within(n));

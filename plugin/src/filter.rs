@@ -246,6 +246,7 @@ impl Filter {
             priced: RefCell::new(priced.clone()),
             worst_case: priced,
             body_size: p.body_size,
+            first_body: RefCell::new(Some(obj)),
             granted: Cell::new(None),
             level: Cell::new(None),
             pending_demotions: Cell::new(0),
@@ -257,7 +258,10 @@ impl Filter {
             sent_away: Cell::new(false),
         });
         self.ticket = Some(Rc::clone(&ticket));
-        match ticket.attempt(&self.worker, &rt) {
+        let attempt = ticket.attempt(&self.worker, &rt);
+        // Whatever the first try did, the parsed body is not kept (see `Ticket::first_body`).
+        drop(ticket.first_body.borrow_mut().take());
+        match attempt {
             Attempt::Admitted { ready: true } => Action::Continue,
             Attempt::Admitted { ready: false } => Action::Pause,
             Attempt::Rejected(err) => {
@@ -357,14 +361,7 @@ impl Filter {
             if let (Some(g), Some(rt), Some(e), false) =
                 (t.granted.get(), &self.rt, t.endpoint(), self.response_done)
             {
-                let _ = crate::ticket::lease_call(
-                    rt,
-                    &self.worker,
-                    &e,
-                    g.lease,
-                    crate::ticket::Call::Cancel,
-                    self.context_id,
-                );
+                let _ = crate::ticket::lease_call(rt, &e, g.lease, crate::ticket::Call::Cancel);
             }
             t.release(&self.worker);
         }

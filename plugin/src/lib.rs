@@ -34,8 +34,8 @@ proxy_wasm::main! {{
             &format!("kvgate: panic: {info}"),
         );
     }));
-    proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
-        Box::new(root::Root::new(context_id))
+    proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
+        Box::new(root::Root::new())
     });
 }}
 

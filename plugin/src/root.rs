@@ -76,9 +76,9 @@ impl Poll {
 }
 
 impl Root {
-    pub fn new(context_id: u32) -> Root {
+    pub fn new() -> Root {
         Root {
-            worker: Rc::new(Worker::new(context_id)),
+            worker: Rc::new(Worker::new()),
             next_reap_ms: 0,
             watch: RefCell::default(),
             polls: Vec::new(),

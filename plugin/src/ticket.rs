@@ -47,6 +47,9 @@ pub struct Ticket {
     /// The size of the request body, which stays in Envoy's buffer (the stream is paused)
     /// until admission rewrites it: a queued request holds no copy of it here.
     pub body_size: usize,
+    /// The body as parsed when priced, for the first try only (then dropped: a queued request
+    /// would hold several times the body's size; a later try reads the buffer again).
+    pub first_body: RefCell<Option<Map<String, Value>>>,
     pub granted: Cell<Option<Granted>>,
     /// The level after this ticket's last admission attempt (answers its response headers).
     pub level: Cell<Option<kvgate_core::Level>>,
@@ -322,6 +325,10 @@ impl Ticket {
                 } else if priced.elastic.is_some() {
                     worker.metrics.elastic_admitted.inc();
                 }
+                // The victims are demoted in the ledger: until their demotions are sent, a
+                // failure here gives them their bytes back with this request's release.
+                *self.failed_demotions.borrow_mut() =
+                    preempted.iter().map(|v| (v.id, v.bytes)).collect();
                 let new_body = match self.forwarded_body() {
                     Ok(mut body) => {
                         // Only for a backend known to read it (`x-kvgate-note` told it to
@@ -357,6 +364,13 @@ impl Ticket {
                         ),
                     ));
                 }
+                // Demotions go before the body is rewritten: if none could be sent, the request
+                // is refused with its body as the client sent it (a queue class tries it again).
+                self.failed_demotions.borrow_mut().clear();
+                let demotions = self.demote_at_backend(worker, rt, &endpoint, &preempted);
+                if demotions == 0 && !self.failed_demotions.borrow().is_empty() {
+                    return Attempt::Rejected(self.undo_preemption(worker, rt));
+                }
                 let routed = match &endpoint.address {
                     // Envoy's override_host balancer picks this host (header_mutation copies the
                     // filter state into x-kvgate-endpoint after the buffer filter).
@@ -367,18 +381,16 @@ impl Ticket {
                     abi::set_buffer(BufferType::HttpRequestBody, 0, self.body_size, &new_body)
                 });
                 if let Err(s) = rewritten {
-                    // Half-admitted is not allowed: give the reservation back and fail clearly.
+                    // Half-admitted is not allowed: give the reservation back (and the victims
+                    // of demotions still in flight theirs) and fail clearly.
+                    worker.forget_demotions(self.context_id);
                     self.release(worker);
                     return Attempt::Rejected(ApiError::new(
                         ErrorKind::Internal,
                         format!("kvgate could not forward the admitted request ({s:?})."),
                     ));
                 }
-                let demotions = self.demote_at_backend(worker, rt, &endpoint, &preempted);
                 self.pending_demotions.set(demotions);
-                if demotions == 0 && !self.failed_demotions.borrow().is_empty() {
-                    return Attempt::Rejected(self.undo_preemption(worker, rt));
-                }
                 Attempt::Admitted {
                     ready: demotions == 0,
                 }
@@ -460,7 +472,7 @@ impl Ticket {
                 self.class.name,
                 endpoint.name(&rt.cfg)
             ));
-            match lease_call(rt, worker, endpoint, v.id, Call::Demote, self.context_id) {
+            match lease_call(rt, endpoint, v.id, Call::Demote) {
                 Some(token) => {
                     worker.await_demotion(token, Rc::clone(self), v);
                     sent += 1;
@@ -479,6 +491,9 @@ impl Ticket {
     /// does not read notes, nothing does). It was parsed when priced; a queued request keeps
     /// no parsed copy, which takes several times the body's size.
     fn forwarded_body(&self) -> Result<Map<String, Value>, ApiError> {
+        if let Some(body) = self.first_body.borrow_mut().take() {
+            return Ok(body);
+        }
         let unreadable = |why: String| {
             ApiError::new(
                 ErrorKind::Internal,
@@ -496,30 +511,10 @@ impl Ticket {
 
     /// One or more of its demotions were not sent or not confirmed: the victims' sequences
     /// still hold their reservations at the backend, so this request, admitted into their
-    /// room, must not go on. Its lease is released and the victims reserve their bytes again
-    /// (within the capacity; the next report holds back the rest). Returns the client's answer.
+    /// room, must not go on. Its lease is released and the victims reserve their bytes again,
+    /// in the same change of the ledger (see [`Ticket::release`]). Returns the client's answer.
     pub fn undo_preemption(&self, worker: &Worker, rt: &Runtime) -> ApiError {
-        let failed = std::mem::take(&mut *self.failed_demotions.borrow_mut());
-        if let Some(endpoint) = self.endpoint() {
-            self.release(worker);
-            let undone = store::transact(&EnvoyStore, &endpoint.ledger_key, CAS_ATTEMPTS, |l| {
-                failed
-                    .iter()
-                    .map(|(id, bytes)| l.undemote(*id, *bytes))
-                    .sum::<u64>()
-            });
-            match undone {
-                Ok((_, ledger)) => endpoint.observe(&ledger),
-                Err(e) => {
-                    // The next report holds back what the victims still use.
-                    worker.metrics.ledger_errors.inc();
-                    host::warn(&format!(
-                        "kvgate: undoing {} unconfirmed demotions failed: {e}",
-                        failed.len()
-                    ));
-                }
-            }
-        }
+        self.release(worker);
         let poll = rt.cfg.backend.as_ref().map_or(1_000, |b| b.poll_ms);
         ApiError::new(
             ErrorKind::KvCapacityExceeded,
@@ -534,11 +529,15 @@ impl Ticket {
     }
 
     /// Give the reservation back (end of stream, or a failure after admission). Idempotent.
+    /// Victims of its preemption whose demotion is not known to be done (not sent, not
+    /// confirmed, or still in flight when its client left) reserve their bytes again in the
+    /// same change of the ledger: their sequences may still hold them at the backend.
     pub fn release(&self, worker: &Worker) {
         let Some(g) = self.granted.take() else { return };
         let Some(endpoint) = self.endpoint() else {
             return;
         };
+        let victims = std::mem::take(&mut *self.failed_demotions.borrow_mut());
         let now = host::now_ms();
         // A backfill that ran past its expected end kept the line's front waiting longer than
         // the decision counted on (its run is weighed at its cap at the measured decode rate,
@@ -547,9 +546,10 @@ impl Ticket {
             worker.metrics.backfill_overran.inc();
             worker.metrics.backfill_overrun_ms.add(now - end);
         }
-        if let Err(e) = worker.release_lease(&endpoint, g.lease, now) {
+        if let Err(e) = worker.release_lease(&endpoint, g.lease, &victims, now) {
             // The worker is alive, so the reaper would never take this lease: it is released
-            // again at every tick until the ledger takes it.
+            // again at every tick until the ledger takes it. (The victims' use, if any, is held
+            // back at the next report.)
             host::warn(&format!(
                 "kvgate: release of lease {} failed: {e}; retried at the next tick",
                 g.lease
@@ -590,35 +590,17 @@ pub enum Call {
 }
 
 /// POST `call` for lease `id` to `endpoint`; the callout's token, `None` when it could not be
-/// sent (logged). Envoy ties a callout to the context that is effective when it is sent and
-/// cancels it, unanswered, when that context goes: a stream's context goes with its stream. So
-/// it is sent as the worker's root context's (then `stream`, the stream being served, is made
-/// effective again): a cancel sent as a stream ends, or a demotion whose preempting client
-/// leaves, still reaches the backend. The SDK still delivers the answer by token.
-pub fn lease_call(
-    rt: &Runtime,
-    worker: &Worker,
-    endpoint: &Endpoint,
-    id: u64,
-    call: Call,
-    stream: u32,
-) -> Option<u32> {
+/// sent (logged). Envoy sends every callout as the VM's root context's (proxy-wasm-cpp-host's
+/// `http_call`), so one sent as a stream ends outlives that stream; the SDK delivers the answer
+/// to the context that was active when it was sent, or drops it if that one is gone.
+pub fn lease_call(rt: &Runtime, endpoint: &Endpoint, id: u64, call: Call) -> Option<u32> {
     let b = rt.cfg.backend.as_ref()?;
     let template = match call {
         Call::Cancel => &b.cancel_path,
         Call::Demote => &b.demote_path,
     };
     let path = template.replace("{id}", &id.to_string());
-    let as_root = proxy_wasm::hostcalls::set_effective_context(worker.root_id).is_ok();
-    let sent = host::call_backend(b, endpoint.address.as_deref(), "POST", &path);
-    if as_root {
-        if let Err(s) = proxy_wasm::hostcalls::set_effective_context(stream) {
-            host::warn(&format!(
-                "kvgate: stream {stream} is gone after a lease call: {s:?}"
-            ));
-        }
-    }
-    match sent {
+    match host::call_backend(b, endpoint.address.as_deref(), "POST", &path) {
         Ok(token) => Some(token),
         Err(s) => {
             host::warn(&format!("kvgate: {call:?} of lease {id} not sent: {s:?}"));

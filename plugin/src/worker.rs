@@ -387,8 +387,6 @@ pub fn read_beat(owner: u64) -> BeatRead {
 pub type Demotion = (Rc<Ticket>, u64, u64);
 
 pub struct Worker {
-    /// Its root context: the context lease calls are sent as (see `ticket::lease_call`).
-    pub root_id: u32,
     pub runtime: RefCell<Option<Rc<Runtime>>>,
     pub metrics: Metrics,
     pub queue: RefCell<AdmissionQueue<Rc<Ticket>>>,
@@ -455,14 +453,12 @@ impl Worker {
         }
     }
 
-    /// The worker of root context `root_id`.
-    pub fn new(root_id: u32) -> Worker {
+    pub fn new() -> Worker {
         use std::hash::{BuildHasher, Hasher};
         // WASI random (through std's RandomState) mixed with the clock.
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
         h.write_u64(host::now_nanos());
         Worker {
-            root_id,
             runtime: RefCell::new(None),
             metrics: Metrics::define(),
             queue: RefCell::new(AdmissionQueue::default()),
@@ -622,16 +618,23 @@ impl Worker {
     }
 
     /// Give lease `lease` on `endpoint` back to its ledger, counted as released (or as already
-    /// gone: released by the backend's report, reaped, or preempted).
+    /// gone: released by the backend's report, reaped, or preempted), and, in the same change,
+    /// give `victims` (lease id, bytes it reserved) of its preemption whose demotion is not
+    /// known to be done their reservations back ([`kvgate_core::Ledger::undemote`]).
     pub fn release_lease(
         &self,
         endpoint: &Endpoint,
         lease: u64,
+        victims: &[(u64, u64)],
         now: u64,
     ) -> Result<(), store::StoreError> {
         let (outcome, ledger) =
             store::transact(&EnvoyStore, &endpoint.ledger_key, CAS_ATTEMPTS, |l| {
-                l.release(lease, now)
+                let outcome = l.release(lease, now);
+                for (id, bytes) in victims {
+                    l.undemote(*id, *bytes, now);
+                }
+                outcome
             })
             .inspect_err(|_| self.metrics.ledger_errors.inc())?;
         endpoint.observe(&ledger);
@@ -661,7 +664,7 @@ impl Worker {
     pub fn retry_releases(&self, now: u64) {
         let pending = UNRELEASED.with(|u| std::mem::take(&mut *u.borrow_mut()));
         for (endpoint, lease) in pending {
-            match self.release_lease(&endpoint, lease, now) {
+            match self.release_lease(&endpoint, lease, &[], now) {
                 Ok(()) => {}
                 Err(store::StoreError::Contended { .. } | store::StoreError::Host(_)) => {
                     self.release_later(endpoint, lease);
@@ -773,7 +776,15 @@ impl Worker {
     pub fn forget_demotions(&self, context_id: u32) {
         let mut d = self.demotions.borrow_mut();
         let before = d.len();
-        d.retain(|_, (t, _, _)| t.context_id != context_id);
+        // Their outcome is unknown now (the SDK drops an answer to a context that is gone):
+        // the victims reserve their bytes again with the request's release.
+        d.retain(|_, (t, victim, bytes)| {
+            let mine = t.context_id == context_id;
+            if mine {
+                t.failed_demotions.borrow_mut().push((*victim, *bytes));
+            }
+            !mine
+        });
         let gone = before.saturating_sub(d.len());
         if gone > 0 {
             self.metrics

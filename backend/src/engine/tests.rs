@@ -1310,7 +1310,11 @@ fn a_demoted_sequence_goes_on_in_borrowed_blocks_and_gives_them_back_to_a_reserv
         e.metrics.recompute_preemptions.get() >= 1,
         "A made way for B"
     );
-    assert_eq!(e.demote("a".into()), Demoted::Unknown, "finished: a 404");
+    assert_eq!(
+        e.demote("a".into()),
+        Demoted::Finished,
+        "finished: holds nothing"
+    );
     assert!(e.demoted_early.is_empty(), "not remembered");
     assert_eq!(e.pool.stats().blocks_free, 8);
     e.pool.check().unwrap();
@@ -1343,17 +1347,17 @@ fn a_lease_demoted_before_it_arrives_reserves_nothing_when_it_does() {
 }
 
 #[test]
-fn a_demote_for_a_finished_lease_is_unknown_and_not_kept_for_an_arrival() {
+fn a_demote_for_a_finished_lease_is_answered_finished_and_not_kept_for_an_arrival() {
     let mut e = engine(8, Admission::Reserve, 3, 8);
     let mut a = submit(&mut e, "a", 4, 10);
     let mut ea = Vec::new();
     run(&mut e, 20, &mut [(&mut a, &mut ea)]);
     assert_eq!(finished(&ea), Some((FinishReason::Stop, 3, false)));
-    assert_eq!(e.demote("a".into()), Demoted::Unknown);
+    assert_eq!(e.demote("a".into()), Demoted::Finished);
     // Refused at admission is finished too.
     let mut big = submit(&mut e, "big", 4, 1000);
     assert!(matches!(events(&mut big).first(), Some(Event::Rejected(_))));
-    assert_eq!(e.demote("big".into()), Demoted::Unknown);
+    assert_eq!(e.demote("big".into()), Demoted::Finished);
     assert!(e.demoted_early.is_empty());
     assert_eq!(e.metrics.demoted.get(), 0);
     // A lease acknowledged by the HTTP layer and not taken by the engine yet is on its way.

@@ -73,8 +73,6 @@ pub struct Host {
     pub now_ns: u64,
     /// Contexts the host knows (created and not deleted): `set_effective_context` accepts these.
     pub live: BTreeSet<u32>,
-    /// Callouts cancelled with the context they were sent as (Envoy's `~Context`): never answered.
-    pub cancelled: BTreeSet<u32>,
     pub effective: u32,
     /// The context whose callback the host is running (set by `Vm` before each callback).
     pub callback: u32,

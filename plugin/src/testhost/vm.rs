@@ -60,8 +60,8 @@ impl Vm {
             };
             prepare(h);
         });
-        proxy_wasm::set_root_context(|context_id| -> Box<dyn proxy_wasm::traits::RootContext> {
-            Box::new(crate::root::Root::new(context_id))
+        proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
+            Box::new(crate::root::Root::new())
         });
         // Context ids are unique per dispatcher (a thread); start above any used before.
         let root = next_root_id();
@@ -248,29 +248,12 @@ impl Vm {
         }
         with(|h| {
             h.live.remove(&s.0);
-            // Like Envoy: the context's callouts still in flight go with it, unanswered.
-            let gone: Vec<u32> = h
-                .calls
-                .iter()
-                .filter(|c| c.context == s.0)
-                .map(|c| c.token)
-                .collect();
-            h.cancelled.extend(gone);
         });
-    }
-
-    /// Was callout `token` cancelled with the context it was sent as?
-    pub fn cancelled(token: u32) -> bool {
-        with(|h| h.cancelled.contains(&token))
     }
 
     /// Deliver the answer to callout `token` (the host calls back with the root context id,
     /// whatever context sent it; the SDK routes by token).
     pub fn answer_call(&self, token: u32, status: u32, body: &[u8]) {
-        assert!(
-            !Self::cancelled(token),
-            "callout {token} was cancelled with its context"
-        );
         with(|h| {
             h.maps.insert(
                 (0, MapType::HttpCallResponseHeaders as u32),

@@ -159,8 +159,8 @@ fn preempted_from_the_queue(status: u32) {
         "sent from the root context's tick"
     );
     assert_eq!(
-        demotions[0].context, vm.root,
-        "sent as the root context's: it outlives the stream"
+        demotions[0].context, s.0,
+        "while the queued stream was the effective one"
     );
     assert!(
         !Vm::resumed(s),
@@ -240,17 +240,41 @@ fn a_preempting_request_whose_client_left_before_its_demotion_was_answered_leave
         0,
         "nothing waits for it"
     );
-    assert_eq!(ledger().committed(), 0, "its reservation is released");
-    // Sent as the root context's, the demotion outlives the stream: the backend still gives
-    // back what the victim reserved, which the ledger no longer counts.
-    assert!(!Vm::cancelled(demotions[0].token));
+    // Its reservation is released, and the victim, whose demotion's outcome nobody will
+    // read now, reserves its bytes again: it may still hold them at the backend.
+    assert_eq!(ledger().lease(22).map(|v| v.bytes), Some(3_000 * PER_TOKEN));
+    assert_eq!(ledger().committed(), 3_000 * PER_TOKEN);
     vm.answer_call(demotions[0].token, 200, b"{}"); // dropped by the SDK: its stream is gone
     assert_eq!(Vm::metric("kvgate.demotions_pending"), 0);
     assert!(!Vm::resumed(s));
-    assert!(
-        ledger().lease(22).is_some(),
-        "the demoted lease ends with its own request"
-    );
+    assert_eq!(ledger().committed(), 3_000 * PER_TOKEN);
+}
+
+#[test]
+fn a_preempting_request_refused_after_the_decision_gives_its_victims_back_their_bytes() {
+    // Admitted by demoting a batch lease, then refused before the demotion is sent (its body,
+    // written again, grows past the limit): the victim was never told, so it reserves again.
+    let mut cfg = queue_config();
+    cfg["max_body_bytes"] = json!(5_000);
+    let mut vm = start(10_000, cfg);
+    put_lease(22, 3_000, "batch", 0, owner_id());
+    let pad = vec!["1e15"; 600].join(",");
+    let body =
+        format!(r#"{{"model": "m", "prompt": [1, 2, 3], "max_tokens": 9000, "pad": [{pad}]}}"#);
+    assert!(body.len() < 5_000);
+    let (s, action) = vm.post("/v1/completions", &[], &body);
+    assert_eq!(action, Action::Pause);
+    let replies = Vm::replies(s);
+    assert_eq!(replies.len(), 1);
+    assert_eq!(replies[0].status, 413);
+    assert!(calls_to("/demote").is_empty(), "never told");
+    let l = ledger();
+    assert_eq!(l.lease(22).map(|v| v.bytes), Some(3_000 * PER_TOKEN));
+    assert_eq!(l.committed(), 3_000 * PER_TOKEN);
+    assert_eq!(l.held_back(), 0);
+    l.check().unwrap();
+    vm.finish(s);
+    assert_eq!(ledger().committed(), 3_000 * PER_TOKEN);
 }
 
 #[test]
