@@ -68,6 +68,8 @@ lint: setup-rust
 
 test-core:
 	cargo test -p kvgate-core --lib --tests
+	# The simulator still runs every arm on the shipped filter configuration (a small run).
+	cargo run -q -p kvgate-core --example sim -- --jobs 40 > /dev/null
 
 # The filter's glue (headers -> body -> admit/queue -> end, callouts, tick, reaper), natively,
 # driven through the SDK's entry points against an in-memory proxy-wasm host.

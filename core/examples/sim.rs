@@ -547,7 +547,8 @@ fn filter_config(
                            "kv_dtype_bytes": dtype, "context_tokens": p.context()}),
     );
     o.remove("fallback_model");
-    o.remove("backend");
+    // `backend` stays: classes that preempt need it (the simulated backend demotes their
+    // victims); nothing here reads its callout settings.
     // As bench/admission_bench.py's filter_config: the budget is the pool, one block of margin.
     o.insert(
         "kv_budget_bytes".into(),
