@@ -969,9 +969,7 @@ impl Ledger {
         lease.bytes = back;
         lease.held -= from_held;
         self.committed = self.committed.saturating_add(back);
-        self.held_back = self.held_back.saturating_sub(from_held);
-        self.lendable = self.lendable.min(self.held_back);
-        self.lendable_to_line = self.lendable_to_line.min(self.lendable);
+        self.set_held_back(self.held_back.saturating_sub(from_held));
         self.settle_claims(now_ms);
         back
     }

@@ -262,7 +262,6 @@ impl Root {
             now,
             timeout,
             rt.cfg.tick_ms.saturating_mul(2),
-            crate::worker::read_beat,
         );
         if gone.is_empty()
             && ledger.next_deadline().is_none_or(|d| d > now)

@@ -515,12 +515,11 @@ impl Ticket {
     /// in the same change of the ledger (see [`Ticket::release`]). Returns the client's answer.
     pub fn undo_preemption(&self, worker: &Worker, rt: &Runtime) -> ApiError {
         self.release(worker);
-        let poll = rt.cfg.backend.as_ref().map_or(1_000, |b| b.poll_ms);
         ApiError::new(
             ErrorKind::KvCapacityExceeded,
             "The model server did not confirm the preemption of lower-priority requests, so their KV cache is still in use; nothing was sent. Retry after the time in the Retry-After header.",
         )
-        .with_retry_after_ms(poll.clamp(rt.cfg.retry_after.min_ms, rt.cfg.retry_after.max_ms))
+        .with_retry_after_ms(one_poll_ms(rt))
     }
 
     /// The endpoint this ticket's lease is on (once admitted).
@@ -561,12 +560,18 @@ impl Ticket {
 
 /// Every endpoint that is up refused an admitted request (its own 429) since its last poll.
 pub fn backends_full(rt: &Runtime) -> ApiError {
-    let poll = rt.cfg.backend.as_ref().map_or(1_000, |b| b.poll_ms);
     ApiError::new(
         ErrorKind::KvCapacityExceeded,
         "The model servers' KV caches are full right now (they refused a request another gateway raced for). Retry after the time in the Retry-After header.",
     )
-    .with_retry_after_ms(poll.clamp(rt.cfg.retry_after.min_ms, rt.cfg.retry_after.max_ms))
+    .with_retry_after_ms(one_poll_ms(rt))
+}
+
+/// A Retry-After of one poll period (when the backend's next report tells more), within the
+/// configured bounds.
+fn one_poll_ms(rt: &Runtime) -> u64 {
+    let poll = rt.cfg.backend.as_ref().map_or(1_000, |b| b.poll_ms);
+    poll.clamp(rt.cfg.retry_after.min_ms, rt.cfg.retry_after.max_ms)
 }
 
 /// No endpoint can take requests now (every one down, or serving another model).

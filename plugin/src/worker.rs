@@ -268,7 +268,12 @@ fn stored(key: &str) -> Option<Vec<u8>> {
 }
 
 fn stored_u64(key: &str) -> Option<u64> {
-    Some(u64::from_le_bytes(stored(key)?.get(..8)?.try_into().ok()?))
+    le_u64(&stored(key)?)
+}
+
+/// The first 8 bytes of a shared-data value, little endian.
+fn le_u64(b: &[u8]) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(..8)?.try_into().ok()?))
 }
 
 /// This worker's identity as a lease owner: one per wasm VM (an Envoy worker thread), shared by
@@ -320,12 +325,9 @@ struct Seen {
     checked_ms: u64,
 }
 
-/// What a heartbeat read gives: its value, no key, or a host error (counted as alive).
-pub type BeatRead = Result<Option<u64>, ()>;
-
 impl OwnerWatch {
-    /// The owners among `owners` that are gone, reading each one's heartbeat with `read`.
-    /// This worker's own owner is never gone; a host error counts as alive (never reclaim on
+    /// The owners among `owners` that are gone, by their heartbeats in shared data. This
+    /// worker's own owner is never gone; a host error counts as alive (never reclaim on
     /// doubt). Owners not read for ten timeouts are forgotten.
     pub fn gone(
         &mut self,
@@ -333,17 +335,18 @@ impl OwnerWatch {
         now_ms: u64,
         timeout_ms: u64,
         max_gap_ms: u64,
-        read: impl Fn(u64) -> BeatRead,
     ) -> Vec<u64> {
         let mut gone = Vec::new();
         for &owner in owners {
             if owner == owner_id() {
                 continue;
             }
-            let Ok(beat) = read(owner) else {
+            let Ok((beat, _)) = proxy_wasm::hostcalls::get_shared_data(&heartbeat_key(owner))
+            else {
                 self.seen.remove(&owner);
                 continue;
             };
+            let beat = beat.as_deref().and_then(le_u64);
             let seen = self.seen.entry(owner).or_insert(Seen {
                 beat,
                 silent_ms: 0,
@@ -362,23 +365,9 @@ impl OwnerWatch {
             }
         }
         let horizon = timeout_ms.saturating_mul(10);
-        self.seen.retain(|_, s| {
-            now_ms.saturating_sub(s.checked_ms) <= horizon
-                && s.checked_ms <= now_ms.saturating_add(horizon)
-        });
+        self.seen
+            .retain(|_, s| now_ms.saturating_sub(s.checked_ms) <= horizon);
         gone
-    }
-}
-
-/// An owner's heartbeat as stored in shared data.
-pub fn read_beat(owner: u64) -> BeatRead {
-    match proxy_wasm::hostcalls::get_shared_data(&heartbeat_key(owner)) {
-        Ok((Some(b), _)) => Ok(b
-            .get(..8)
-            .and_then(|b| b.try_into().ok())
-            .map(u64::from_le_bytes)),
-        Ok((None, _)) => Ok(None),
-        Err(_) => Err(()),
     }
 }
 
