@@ -1,13 +1,14 @@
 """The kvgate filter inside a real Envoy 1.40, in front of a slow streaming upstream."""
 
 import json
+import math
 import socket
 import threading
 import time
 
 import requests
 
-from harness import http_connection_manager, shipped_bootstrap
+from harness import http_connection_manager, shipped_bootstrap, shipped_plugin_config
 
 PER_TOKEN = 46_080  # SmolLM2-135M, f32 KV: 2 x 30 x 3 x 64 x 4
 
@@ -73,6 +74,23 @@ def test_seed_numbers_are_what_the_ledger_reserves(gateway, upstream):
     assert st["kvgate.released"] == 4
 
 
+def test_an_approximate_tokenizer_pads_text_prompts_by_its_multiplier(gateway, upstream):
+    # The shipped inline configuration counts with cl100k_base, which only approximates
+    # SmolLM2's tokenizer: text counts are multiplied (token arrays are the model's own ids).
+    mult = shipped_plugin_config()["tokenizer"]["multiplier"]
+    assert mult > 1
+    gw = gateway(budget(20_000))
+    text = " ".join(["hello"] * 100)  # 100 cl100k tokens: "hello", then " hello" 99 times
+    for body, prompt in [({"prompt": text, "max_tokens": 10}, math.ceil(100 * mult)),
+                         ({"prompt": tokens(100), "max_tokens": 10}, 100)]:
+        t, res = stream_in_background(gw, body)
+        s = gw.wait_for(lambda s: s["leases"] == 1, what="the lease to appear")
+        assert s["committed_bytes"] == (prompt + 10) * PER_TOKEN, (body["prompt"][:20], prompt)
+        t.join()
+        assert res["status"] == 200
+        gw.assert_drained()
+
+
 def test_chat_cap_field_is_rewritten(gateway, upstream):
     gw = gateway(budget(20_000))
     body = {"model": "m", "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -83,8 +101,10 @@ def test_chat_cap_field_is_rewritten(gateway, upstream):
     cap = seen["body"]["max_completion_tokens"]
     assert r.headers["x-kvgate-max-tokens"] == str(cap)
     prompt = 8192 - cap
-    # ChatML framing is counted: more than the bare question's 7 cl100k tokens.
-    assert 10 < prompt < 40
+    # ChatML framing is counted: more than the bare question's 7 cl100k tokens (text counts are
+    # padded by the shipped approximate tokenizer's multiplier).
+    mult = shipped_plugin_config()["tokenizer"]["multiplier"]
+    assert 10 * mult < prompt < 40 * mult
     # And in max_tokens, the field every server reads (one that ignores max_completion_tokens
     # would otherwise run to its context).
     assert seen["body"]["max_tokens"] == cap

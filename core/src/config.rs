@@ -195,6 +195,10 @@ pub struct RawTokenizer {
     pub pattern: Option<String>,
     #[serde(default)]
     pub special_tokens: BTreeMap<String, u32>,
+    /// With a model given inline: text prompt counts are multiplied by this, because this
+    /// tokenizer only approximates the model's own (with `"from_backend"` use
+    /// `fallback_token_multiplier`; the descriptor's tokenizer is exact).
+    pub multiplier: Option<f64>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -435,6 +439,26 @@ impl TryFrom<RawConfig> for Config {
                 "must be in [1, 4]",
             ));
         }
+        let token_multiplier = match (raw.tokenizer.multiplier, from_backend) {
+            (None, true) => raw.fallback_token_multiplier,
+            (None, false) => 1.0,
+            (Some(m), true) => {
+                return Err(ConfigError::new(
+                    "tokenizer.multiplier",
+                    m,
+                    "applies to a model given inline; with \"from_backend\" set \
+                     fallback_token_multiplier (the descriptor's tokenizer is exact)",
+                ))
+            }
+            (Some(m), false) if !(1.0..=4.0).contains(&m) => {
+                return Err(ConfigError::new(
+                    "tokenizer.multiplier",
+                    m,
+                    "must be in [1, 4]",
+                ))
+            }
+            (Some(m), false) => m,
+        };
         let pricing = Pricing::new(
             spec,
             raw.kv_budget_bytes,
@@ -617,11 +641,7 @@ impl TryFrom<RawConfig> for Config {
         Ok(Config {
             pricing,
             from_backend,
-            token_multiplier: if from_backend {
-                raw.fallback_token_multiplier
-            } else {
-                1.0
-            },
+            token_multiplier,
             tokenizer,
             levels: LevelThresholds {
                 amber: l.amber,
@@ -1050,6 +1070,28 @@ mod tests {
             Config::from_json(MIN.as_bytes()).unwrap().token_multiplier,
             1.0
         );
+    }
+
+    #[test]
+    fn an_approximate_tokenizer_for_an_inline_model_is_padded_by_its_multiplier() {
+        let inline = |tok: &str| {
+            Config::from_json(
+                format!(r#"{{"model":{{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192}},"kv_budget_bytes":1073741824,"tokenizer":{tok}}}"#)
+                    .as_bytes(),
+            )
+        };
+        let ok = inline(r#"{"encoding":"cl100k_base","multiplier":1.5}"#).unwrap();
+        assert_eq!(ok.token_multiplier, 1.5);
+        for bad in ["0.9", "4.5"] {
+            let e = inline(&format!(r#"{{"multiplier":{bad}}}"#)).unwrap_err();
+            assert_eq!(e.field, "tokenizer.multiplier");
+        }
+        let e = Config::from_json(
+            br#"{"model":"from_backend","fallback_model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},"kv_budget_bytes":1,"backend":{},"tokenizer":{"multiplier":1.5}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "tokenizer.multiplier");
+        assert!(e.to_string().contains("fallback_token_multiplier"), "{e}");
     }
 
     #[test]

@@ -265,7 +265,9 @@ pub fn backfill(
 
 /// Shadow mode: what [`decide`] would do, decided on a copy of the ledger; the ledger itself
 /// records the request at its full worst case whatever the decision (it goes through
-/// unchanged, so that is what the backend may come to hold).
+/// unchanged, so that is what the backend may come to hold). A lease id that is already live
+/// records nothing: the answer is then the duplicate-id refusal (`internal_error`), and the
+/// request must go through without the lease, which is another request's.
 pub fn shadow(
     ledger: &mut Ledger,
     cfg: &Config,
@@ -293,7 +295,7 @@ pub fn shadow(
         ..holder
     };
     let cap = priced.price.cap.cap;
-    ledger.record(&admit_request(
+    let recorded = ledger.record(&admit_request(
         cfg,
         class,
         holder,
@@ -301,7 +303,17 @@ pub fn shadow(
         cap,
         now_ms,
     ));
-    decision
+    if recorded {
+        decision
+    } else {
+        Decision::Rejected(rejection(
+            RejectReason::DuplicateId,
+            priced.reserve_bytes(),
+            ledger.free(),
+            ledger,
+            None,
+        ))
+    }
 }
 
 /// What the ledger is asked to reserve for `holder`'s request of class `class`.
@@ -465,6 +477,14 @@ mod tests {
         assert!(l.committed() > l.capacity());
         l.check().unwrap();
         let second = l.lease(2).cloned().unwrap();
+        // An id already live records nothing: the duplicate-id refusal, and the live lease
+        // (another request's) stays as it was.
+        let Decision::Rejected(e) = shadow(&mut l, &c, &class, &p, holder(2), 5, 1) else {
+            panic!("a live id is not recorded twice")
+        };
+        assert_eq!((e.kind, e.status), (ErrorKind::Internal, 503));
+        assert_eq!(l.committed(), 2 * p.price.bytes);
+        assert_eq!(l.leases().len(), 2);
         assert_eq!(
             l.release(2, 10),
             crate::ledger::ReleaseOutcome::Released(second)

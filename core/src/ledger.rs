@@ -341,15 +341,18 @@ impl Ledger {
     }
 
     /// Shadow mode: reserve whatever the decision was, past the capacity if need be (the request
-    /// goes through; the ledger must show what the backend really holds). An id already live is
-    /// left as it is.
-    pub fn record(&mut self, req: &AdmitRequest<'_>) {
+    /// goes through; the ledger must show what the backend really holds). An id already live
+    /// (or none) records nothing and returns false: that lease is another request's, and this
+    /// one must not end it.
+    #[must_use]
+    pub fn record(&mut self, req: &AdmitRequest<'_>) -> bool {
         let Some(id) = req.id.filter(|id| *id != 0 && self.lease(*id).is_none()) else {
-            return;
+            return false;
         };
         self.committed = self.committed.saturating_add(req.bytes);
         self.counters.admitted = self.counters.admitted.saturating_add(1);
         self.leases.push(Lease::of(req, id));
+        true
     }
 
     /// Record when a lease is expected to end (the backend's report of its progress).

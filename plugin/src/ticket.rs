@@ -275,7 +275,14 @@ impl Ticket {
             }
         };
         if shadow {
-            return self.let_through(worker, &endpoint, &decision);
+            return match decision {
+                // Not recorded (its lease id was live): through without the lease, which is
+                // another request's and must not end with this one.
+                Decision::Rejected(err) if err.kind == ErrorKind::Internal => {
+                    Attempt::Rejected(err)
+                }
+                d => self.let_through(worker, &endpoint, &d),
+            };
         }
         match decision {
             Decision::Rejected(err) => {

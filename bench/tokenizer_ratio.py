@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""How far an approximate tokenizer is from the model's own: the prompt tokens kvgate-backend
+counts with SmolLM2's tokenizer (its `usage.prompt_tokens`) against kvgate-core's cl100k_base
+count, per kind of text. This is the figure behind `tokenizer.multiplier` in envoy/envoy.yaml.
+
+    .venv/bin/python bench/tokenizer_ratio.py [--encoding cl100k_base]
+
+Needs `make backend-build model` and `cargo build --release -p kvgate-core --example count`.
+The texts: files of this repository (prose, code, YAML), seeded JSON records and numbers, and
+one paragraph each of German, Russian and Chinese, repeated. Each is cut into chunks that fit
+the model's context and the counts are summed.
+"""
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from harness import Backend  # noqa: E402
+
+COUNT = ROOT / "target" / "release" / "examples" / "count"
+CHUNK_CHARS = 3000
+MAX_CHARS = 12000
+
+LANGUAGES = {
+    "German prose": "Die Würde des Menschen ist unantastbar. Sie zu achten und zu schützen ist "
+                    "Verpflichtung aller staatlichen Gewalt. Das Deutsche Volk bekennt sich darum "
+                    "zu unverletzlichen und unveräußerlichen Menschenrechten als Grundlage jeder "
+                    "menschlichen Gemeinschaft, des Friedens und der Gerechtigkeit in der Welt. ",
+    "Russian prose": "Все люди рождаются свободными и равными в своем достоинстве и правах. Они "
+                     "наделены разумом и совестью и должны поступать в отношении друг друга в "
+                     "духе братства. ",
+    "Chinese prose": "人人生而自由，在尊严和权利上一律平等。他们赋有理性和良心，并应以兄弟关系的精神相对待。",
+}
+
+
+def texts():
+    rng = random.Random(1)
+    yield "English prose (README.md)", (ROOT / "README.md").read_text()
+    yield "Rust (core/src/ledger.rs)", (ROOT / "core" / "src" / "ledger.rs").read_text()
+    yield "Python (bench/admission_bench.py)", (ROOT / "bench" / "admission_bench.py").read_text()
+    yield "YAML (envoy/fleet-filter.yaml)", (ROOT / "envoy" / "fleet-filter.yaml").read_text()
+    records = [{"id": i, "name": f"user{i}", "score": rng.random(), "tags": ["a", "bb", "ccc"][: i % 3 + 1]}
+               for i in range(600)]
+    yield "JSON records", json.dumps(records)
+    for name, paragraph in LANGUAGES.items():
+        yield name, paragraph * (MAX_CHARS // len(paragraph) + 1)
+    yield "numbers (9-digit, spaced)", " ".join(str(rng.randint(0, 10**9)) for _ in range(3000))
+
+
+def approximate(encoding, text, scratch):
+    scratch.write_text(text)
+    out = subprocess.check_output([str(COUNT), encoding, str(scratch), "1"], text=True)
+    return int(out.split()[0])
+
+
+def exact(backend, text):
+    r = requests.post(backend.url + "/v1/completions", timeout=300,
+                      json={"model": "smollm2-135m-instruct", "prompt": text, "max_tokens": 1})
+    r.raise_for_status()
+    return r.json()["usage"]["prompt_tokens"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--encoding", default="cl100k_base")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        backend = Backend(tmp)
+        backend.start()
+        scratch = Path(tmp) / "chunk.txt"
+        try:
+            print(f"| text | model's tokens | {args.encoding} tokens | model / {args.encoding} |")
+            print("|---|---:|---:|---:|")
+            for name, text in texts():
+                text = text[:MAX_CHARS]
+                chunks = [text[i:i + CHUNK_CHARS] for i in range(0, len(text), CHUNK_CHARS)]
+                model = sum(exact(backend, c) for c in chunks)
+                approx = sum(approximate(args.encoding, c, scratch) for c in chunks)
+                print(f"| {name} | {model:,} | {approx:,} | {model / approx:.2f} |", flush=True)
+        finally:
+            backend.stop()
+
+
+if __name__ == "__main__":
+    main()
