@@ -223,10 +223,12 @@ def test_what_an_outgrown_sequence_borrowed_is_admitted_again_when_it_ends_not_a
     assert after["held_back_bytes"] == 0, (grown, after)
     freed = grown["committed_bytes"] + grown["held_back_bytes"]
     assert after["free_bytes"] >= grown["free_bytes"] + freed, (grown, after)
-    # Priced at all that is free now (the chat template's ~40 prompt tokens and the one-block
-    # margin priced in): more than the stream's reservation alone gave back.
+    # Priced at all that is free now (the chat template's ~40 prompt tokens, padded by the
+    # approximate tokenizer's multiplier, and the one-block margin priced in): more than the
+    # stream's reservation alone gave back.
     per_token = after["model"]["kv_bytes_per_token"]
-    max_tokens = (after["free_bytes"] - BLOCK_BYTES) // per_token - 40
+    prompt = math.ceil(40 * gw.plugin_config["tokenizer"].get("multiplier", 1.0))
+    max_tokens = (after["free_bytes"] - BLOCK_BYTES) // per_token - prompt
     assert max_tokens * per_token > grown["free_bytes"] + grown["committed_bytes"], grown
     r = requests.post(gw.url + "/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
                       timeout=120, json={"model": MODEL, "max_tokens": max_tokens, "messages": [
