@@ -380,6 +380,34 @@ impl Root {
                 self.worker.unqueue(ticket.context_id);
             }
         }
+        // The front waits for the bytes set aside for it (on its home endpoint), not for room
+        // nobody in line holds: a request behind it that fits in such room, on any endpoint,
+        // goes there as a newcomer would (the plain pass), rather than wait out its
+        // `max_wait_ms` while newcomers take that room.
+        let open_room = self
+            .worker
+            .endpoints()
+            .iter()
+            .map(|e| e.view.get())
+            .filter(|v| v.eligible)
+            .map(|v| v.room)
+            .max()
+            .unwrap_or(0);
+        if open_room > 0 {
+            let elsewhere: Vec<Rc<Ticket>> = self
+                .worker
+                .queue
+                .borrow()
+                .items()
+                .skip(1)
+                .filter(|t| !t.claim_active.get())
+                .inspect(|t| t.reprice(&self.worker, rt))
+                .filter(|t| t.priced.borrow().reserve_bytes() <= open_room)
+                .take(BACKFILL_TRIES)
+                .cloned()
+                .collect();
+            self.try_behind(elsewhere, |t| t.attempt_plain(&self.worker, rt));
+        }
         // Behind a front that waits, a request expected to be done before the front could
         // start goes ahead of it (a backfill, see the ledger), where the bytes the line holds
         // would cover it at all. The others keep their places: a refused try changes nothing.
@@ -409,13 +437,25 @@ impl Root {
             .filter(|(run_ms, _)| *run_ms > 0)
             .collect();
         behind.sort_by_key(|(run_ms, _)| *run_ms);
-        for (_, ticket) in behind.into_iter().take(BACKFILL_TRIES) {
+        self.try_behind(
+            behind.into_iter().take(BACKFILL_TRIES).map(|(_, t)| t),
+            |t| t.attempt_backfill(&self.worker, rt),
+        );
+    }
+
+    /// Try queued requests behind the front, each with `attempt` (a try whose refusal changes
+    /// nothing): those admitted leave the queue and go on, as do those whose stream is gone.
+    fn try_behind(
+        &self,
+        tickets: impl IntoIterator<Item = Rc<Ticket>>,
+        attempt: impl Fn(&Rc<Ticket>) -> Attempt,
+    ) {
+        for ticket in tickets {
             if hostcalls::set_effective_context(ticket.context_id).is_err() {
-                // Its stream is gone.
                 self.worker.unqueue(ticket.context_id);
                 continue;
             }
-            if let Attempt::Admitted { ready } = ticket.attempt_backfill(&self.worker, rt) {
+            if let Attempt::Admitted { ready } = attempt(&ticket) {
                 if ready {
                     let _ = hostcalls::resume_http_request();
                 }

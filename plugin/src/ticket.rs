@@ -83,13 +83,29 @@ pub enum Attempt {
     Rejected(ApiError),
 }
 
+/// How a ticket is tried: the whole policy, or (for a queued request behind the front) only
+/// as a backfill or only where it simply fits, refusals changing nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Try {
+    Full,
+    Backfill,
+    Plain,
+}
+
 impl Ticket {
     /// Decide and reserve (one CAS on the chosen endpoint's ledger; see `kvgate_core::fleet`).
     /// On admission the body is rewritten with the granted cap, the endpoint is named to Envoy's
     /// load balancer, and the preempted leases are cancelled at that endpoint. The effective
     /// context must be this ticket's stream.
     pub fn attempt(self: &Rc<Self>, worker: &Worker, rt: &Runtime) -> Attempt {
-        self.try_admit(worker, rt, false)
+        self.try_admit(worker, rt, Try::Full)
+    }
+
+    /// Try a queued request that is not at the front where it simply fits (the plain pass
+    /// alone): for an endpoint where nobody is in line, which the front is not waiting for. A
+    /// refusal changes nothing, as a backfill's. No degrade, no preemption.
+    pub fn attempt_plain(self: &Rc<Self>, worker: &Worker, rt: &Runtime) -> Attempt {
+        self.try_admit(worker, rt, Try::Plain)
     }
 
     /// Try a queued request that is not at the front as a backfill: admitted only where the
@@ -98,7 +114,7 @@ impl Ticket {
     /// activated, no refusal counted or logged), since its turn comes at the front. No degrade,
     /// no preemption.
     pub fn attempt_backfill(self: &Rc<Self>, worker: &Worker, rt: &Runtime) -> Attempt {
-        self.try_admit(worker, rt, true)
+        self.try_admit(worker, rt, Try::Backfill)
     }
 
     /// How long this request is expected to decode once admitted (0: unknown, or backfills
@@ -140,7 +156,10 @@ impl Ticket {
         *self.priced.borrow_mut() = priced;
     }
 
-    fn try_admit(self: &Rc<Self>, worker: &Worker, rt: &Runtime, backfill: bool) -> Attempt {
+    fn try_admit(self: &Rc<Self>, worker: &Worker, rt: &Runtime, mode: Try) -> Attempt {
+        let backfill = mode == Try::Backfill;
+        // A try that must change nothing when refused.
+        let side = mode != Try::Full;
         self.reprice(worker, rt);
         let priced = self.priced.borrow().clone();
         let now = host::now_ms();
@@ -212,11 +231,10 @@ impl Ticket {
                     }
                 }
             },
-            |l| {
-                if backfill {
-                    return probe(l);
-                }
-                decide(l, &rt.cfg, &self.class, &priced, holder, now, seed)
+            |l| match mode {
+                Try::Backfill => probe(l),
+                Try::Plain => Decision::Rejected(not_ahead()),
+                Try::Full => decide(l, &rt.cfg, &self.class, &priced, holder, now, seed),
             },
         );
         for (e, v) in endpoints.iter().zip(&views) {
@@ -225,7 +243,7 @@ impl Ticket {
                 ..*v
             });
         }
-        if backfill
+        if side
             && !matches!(
                 decided,
                 Ok(Placed::At {
@@ -236,7 +254,7 @@ impl Ticket {
         {
             if let Err((_, e)) = &decided {
                 worker.metrics.ledger_errors.inc();
-                host::warn(&format!("kvgate: backfill try: {e}"));
+                host::warn(&format!("kvgate: {mode:?} try from the queue: {e}"));
             }
             return Attempt::Rejected(not_ahead());
         }

@@ -721,3 +721,48 @@ fn drift_totals_every_endpoint_and_another_gateways_leases_are_not_drift() {
     vm.finish(s);
     assert_eq!(ledger_at(A).committed() + ledger_at(B).committed(), 0);
 }
+
+/// A queued request behind a front that fits nowhere goes to an endpoint that has room for it
+/// and nobody in line there, as a newcomer would, rather than wait out its `max_wait_ms`.
+#[test]
+fn a_queued_request_behind_a_waiting_front_goes_to_another_endpoint_with_room() {
+    let mut config = fleet(&[A, B], json!({}));
+    config["fair_retry_patience_ms"] = 0.into();
+    config["policy"] = json!({"default_class": "q", "classes": {"q": {
+        "action": "queue", "max_wait_ms": 60_000, "max_depth": 8}}});
+    let mut vm = start(10_000, config);
+    let admit = |vm: &mut Vm, cap: u64, at: &str| {
+        let (s, a) = vm.post("/v1/completions", &[], &completion(100, Some(cap)));
+        assert_eq!((a, routed_to(s).as_deref()), (Action::Continue, Some(at)));
+        s
+    };
+    let on_a = admit(&mut vm, 8_900, A); // A: 1,000 free
+    let on_b = admit(&mut vm, 4_400, B);
+    let on_b2 = admit(&mut vm, 4_900, B); // B: 500 free
+                                          // The front needs 6,000 and the one behind it 1,200: neither fits.
+    let (front, a) = vm.post("/v1/completions", &[], &completion(100, Some(5_900)));
+    assert_eq!(a, Action::Pause, "queued");
+    let (behind, a) = vm.post("/v1/completions", &[], &completion(100, Some(1_100)));
+    assert_eq!(a, Action::Pause, "queued");
+    // B frees 4,500: room for the one behind, not for the front.
+    vm.respond_from(on_b, 200, B);
+    vm.finish(on_b);
+    vm.advance_ms(100);
+    vm.tick();
+    assert_eq!(routed_to(behind).as_deref(), Some(B), "went where it fits");
+    assert!(ledger_at(B).lease(lease_of(behind)).is_some());
+    assert_eq!(Vm::metric("kvgate.queued"), 1, "the front still waits");
+    assert!(routed_to(front).is_none());
+    // A frees its 9,000: the front goes there.
+    vm.respond_from(on_a, 200, A);
+    vm.finish(on_a);
+    vm.advance_ms(100);
+    vm.tick();
+    assert_eq!(routed_to(front).as_deref(), Some(A));
+    assert_eq!(Vm::metric("kvgate.queued"), 0);
+    for (s, at) in [(on_b2, B), (front, A), (behind, B)] {
+        vm.respond_from(s, 200, at);
+        vm.finish(s);
+    }
+    assert_eq!(ledger_at(A).committed() + ledger_at(B).committed(), 0);
+}
