@@ -299,10 +299,20 @@ impl Root {
     /// waiting for its preemption demotions), answered with another refusal, or its stream is gone
     /// — it leaves the queue.
     fn retry_queued(&self, ticket: &Rc<Ticket>, rt: &Runtime) -> Retried {
+        self.retry_queued_with(ticket, rt, |t| t.attempt(&self.worker, rt))
+    }
+
+    /// [`Self::retry_queued`] with another kind of try (`attempt`).
+    fn retry_queued_with(
+        &self,
+        ticket: &Rc<Ticket>,
+        rt: &Runtime,
+        attempt: impl Fn(&Rc<Ticket>) -> Attempt,
+    ) -> Retried {
         if hostcalls::set_effective_context(ticket.context_id).is_err() {
             return Retried::Done;
         }
-        match ticket.attempt(&self.worker, rt) {
+        match attempt(ticket) {
             Attempt::Admitted { ready } => {
                 if ready {
                     let _ = hostcalls::resume_http_request();
@@ -406,7 +416,7 @@ impl Root {
                 .take(BACKFILL_TRIES)
                 .cloned()
                 .collect();
-            self.try_behind(elsewhere, |t| t.attempt_plain(&self.worker, rt));
+            self.try_behind(elsewhere, rt, |t| t.attempt_plain(&self.worker, rt));
         }
         // Behind a front that waits, a request expected to be done before the front could
         // start goes ahead of it (a backfill, see the ledger), where the bytes the line holds
@@ -439,26 +449,23 @@ impl Root {
         behind.sort_by_key(|(run_ms, _)| *run_ms);
         self.try_behind(
             behind.into_iter().take(BACKFILL_TRIES).map(|(_, t)| t),
+            rt,
             |t| t.attempt_backfill(&self.worker, rt),
         );
     }
 
-    /// Try queued requests behind the front, each with `attempt` (a try whose refusal changes
-    /// nothing): those admitted leave the queue and go on, as do those whose stream is gone.
+    /// Try queued requests behind the front, each with `attempt` (a try whose refusal for
+    /// room changes nothing): those admitted leave the queue and go on, those refused for
+    /// another reason (a body that grew past the limit when written again) are answered and
+    /// leave it, as do those whose stream is gone.
     fn try_behind(
         &self,
         tickets: impl IntoIterator<Item = Rc<Ticket>>,
+        rt: &Runtime,
         attempt: impl Fn(&Rc<Ticket>) -> Attempt,
     ) {
         for ticket in tickets {
-            if hostcalls::set_effective_context(ticket.context_id).is_err() {
-                self.worker.unqueue(ticket.context_id);
-                continue;
-            }
-            if let Attempt::Admitted { ready } = attempt(&ticket) {
-                if ready {
-                    let _ = hostcalls::resume_http_request();
-                }
+            if let Retried::Done = self.retry_queued_with(&ticket, rt, &attempt) {
                 self.worker.unqueue(ticket.context_id);
             }
         }

@@ -728,6 +728,7 @@ fn drift_totals_every_endpoint_and_another_gateways_leases_are_not_drift() {
 fn a_queued_request_behind_a_waiting_front_goes_to_another_endpoint_with_room() {
     let mut config = fleet(&[A, B], json!({}));
     config["fair_retry_patience_ms"] = 0.into();
+    config["max_body_bytes"] = 4_000.into();
     config["policy"] = json!({"default_class": "q", "classes": {"q": {
         "action": "queue", "max_wait_ms": 60_000, "max_depth": 8}}});
     let mut vm = start(10_000, config);
@@ -744,14 +745,26 @@ fn a_queued_request_behind_a_waiting_front_goes_to_another_endpoint_with_room() 
     assert_eq!(a, Action::Pause, "queued");
     let (behind, a) = vm.post("/v1/completions", &[], &completion(100, Some(1_100)));
     assert_eq!(a, Action::Pause, "queued");
-    // B frees 4,500: room for the one behind, not for the front.
+    // And one whose body grows past the limit when written again (`1e15` is written out).
+    let pad = vec!["1e15"; 600].join(",");
+    let grows = format!(r#"{{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1100, "pad": [{pad}]}}"#);
+    let (grown, a) = vm.post("/v1/completions", &[], &grows);
+    assert_eq!(a, Action::Pause, "queued");
+    // B frees 4,500: room for the two behind, not for the front.
     vm.respond_from(on_b, 200, B);
     vm.finish(on_b);
     vm.advance_ms(100);
     vm.tick();
     assert_eq!(routed_to(behind).as_deref(), Some(B), "went where it fits");
     assert!(ledger_at(B).lease(lease_of(behind)).is_some());
+    // Refused after its admission, for good: answered at once, not tried again every tick.
+    let replies = Vm::replies(grown);
+    assert_eq!(replies.len(), 1, "{replies:?}");
+    assert_eq!(replies[0].status, 413);
+    assert_eq!(replies[0].json()["error"]["code"], "request_body_too_large");
     assert_eq!(Vm::metric("kvgate.queued"), 1, "the front still waits");
+    assert_eq!(ledger_at(B).leases().len(), 2, "the refused one keeps nothing");
+    vm.finish(grown);
     assert!(routed_to(front).is_none());
     // A frees its 9,000: the front goes there.
     vm.respond_from(on_a, 200, A);
