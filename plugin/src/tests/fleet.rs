@@ -747,7 +747,8 @@ fn a_queued_request_behind_a_waiting_front_goes_to_another_endpoint_with_room() 
     assert_eq!(a, Action::Pause, "queued");
     // And one whose body grows past the limit when written again (`1e15` is written out).
     let pad = vec!["1e15"; 600].join(",");
-    let grows = format!(r#"{{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1100, "pad": [{pad}]}}"#);
+    let grows =
+        format!(r#"{{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1100, "pad": [{pad}]}}"#);
     let (grown, a) = vm.post("/v1/completions", &[], &grows);
     assert_eq!(a, Action::Pause, "queued");
     // B frees 4,500: room for the two behind, not for the front.
@@ -763,7 +764,11 @@ fn a_queued_request_behind_a_waiting_front_goes_to_another_endpoint_with_room() 
     assert_eq!(replies[0].status, 413);
     assert_eq!(replies[0].json()["error"]["code"], "request_body_too_large");
     assert_eq!(Vm::metric("kvgate.queued"), 1, "the front still waits");
-    assert_eq!(ledger_at(B).leases().len(), 2, "the refused one keeps nothing");
+    assert_eq!(
+        ledger_at(B).leases().len(),
+        2,
+        "the refused one keeps nothing"
+    );
     vm.finish(grown);
     assert!(routed_to(front).is_none());
     // A frees its 9,000: the front goes there.
