@@ -396,13 +396,16 @@ impl Root {
         // order: trying the requests behind the front in spare room there was measured to
         // raise p99 latency (BENCHMARKS.md, "A queued request behind the front").
         let endpoints = self.worker.endpoints();
-        let open_room = endpoints
-            .iter()
-            .map(|e| e.view.get())
-            .filter(|v| endpoints.len() > 1 && v.eligible && v.claims == 0)
-            .map(|v| v.room)
-            .max()
-            .unwrap_or(0);
+        let open_room = match endpoints.len() {
+            0 | 1 => 0,
+            _ => endpoints
+                .iter()
+                .map(|e| e.view.get())
+                .filter(|v| v.eligible && v.claims == 0)
+                .map(|v| v.room)
+                .max()
+                .unwrap_or(0),
+        };
         if open_room > 0 {
             let elsewhere: Vec<Rc<Ticket>> = self
                 .worker

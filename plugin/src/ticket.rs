@@ -157,9 +157,6 @@ impl Ticket {
     }
 
     fn try_admit(self: &Rc<Self>, worker: &Worker, rt: &Runtime, mode: Try) -> Attempt {
-        let backfill = mode == Try::Backfill;
-        // A try that must change nothing when refused.
-        let side = mode != Try::Full;
         self.reprice(worker, rt);
         let priced = self.priced.borrow().clone();
         let now = host::now_ms();
@@ -212,7 +209,7 @@ impl Ticket {
             claim_key,
             CAS_ATTEMPTS,
             |l| {
-                if backfill {
+                if mode == Try::Backfill {
                     return match probe(l) {
                         d @ Decision::Admitted { .. } => Some(d),
                         Decision::Rejected(_) => None,
@@ -243,7 +240,8 @@ impl Ticket {
                 ..*v
             });
         }
-        if side
+        // A try from behind the front: a refusal changes nothing.
+        if mode != Try::Full
             && !matches!(
                 decided,
                 Ok(Placed::At {
