@@ -466,7 +466,8 @@ def test_model_descriptor_from_the_backend_makes_counts_exact(stack):
     # blocks of 32 tokens, and the gateway is configured with no margin: the descriptor's margin
     # (one such block) applies.
     gw, b = stack(600, {"model": "from_backend", "fallback_model": spec, "kv_budget_bytes": 10 * BLOCK_BYTES,
-                        "fallback_token_multiplier": 1.5, "scratch_margin_bytes": 0}, "--block-size", "32",
+                        "fallback_token_multiplier": 1.5, "tokenizer": {"encoding": "cl100k_base"},
+                        "scratch_margin_bytes": 0}, "--block-size", "32",
                   ecds=True)
     s = gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
     pool = int(600 * BLOCK_BYTES * 0.9)

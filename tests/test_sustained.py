@@ -79,6 +79,7 @@ def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False, hea
     blocks = 160  # 2,560 tokens: a few long prompts at once
     gw, b = stack(blocks, {
         "model": "from_backend", "fallback_model": SPEC, "fallback_token_multiplier": 1.5,
+        "tokenizer": {"encoding": "cl100k_base"},  # the fallback's pad, not the shipped one's
         "tick_ms": 100,
         "lease_ttl": {"base_ms": 1000, "per_output_token_ms": 0, "max_ms": 1000},
         "backend": {"poll_ms": 200, "timeout_ms": 1000, "lost_grace_ms": 400, "down_after_failures": 5},

@@ -24,8 +24,10 @@ pub struct RawConfig {
     pub model: serde_json::Value,
     #[serde(default)]
     pub fallback_model: Option<ModelSpec>,
-    #[serde(default = "d_multiplier")]
-    pub fallback_token_multiplier: f64,
+    /// Default 1.25 with `"from_backend"`; not with `tokenizer.multiplier` (one pad, not two
+    /// that silently override each other).
+    #[serde(default)]
+    pub fallback_token_multiplier: Option<f64>,
     pub kv_budget_bytes: u64,
     #[serde(default = "d_safety")]
     pub safety_fraction: f64,
@@ -432,26 +434,35 @@ impl TryFrom<RawConfig> for Config {
                 ))
             }
         };
-        if !(1.0..=4.0).contains(&raw.fallback_token_multiplier) {
-            return Err(ConfigError::new(
-                "fallback_token_multiplier",
-                raw.fallback_token_multiplier,
-                "must be in [1, 4]",
-            ));
+        for (field, m) in [
+            ("fallback_token_multiplier", raw.fallback_token_multiplier),
+            ("tokenizer.multiplier", raw.tokenizer.multiplier),
+        ] {
+            if let Some(m) = m.filter(|m| !(1.0..=4.0).contains(m)) {
+                return Err(ConfigError::new(field, m, "must be in [1, 4]"));
+            }
         }
-        // The configured tokenizer's own pad wins; with "from_backend" it applies only until the
-        // descriptor's (exact) tokenizer arrives.
-        let token_multiplier = match raw.tokenizer.multiplier {
-            Some(m) if !(1.0..=4.0).contains(&m) => {
+        // One pad for the configured tokenizer's counts; with "from_backend" it applies only
+        // until the descriptor's (exact) tokenizer arrives.
+        let token_multiplier = match (raw.tokenizer.multiplier, raw.fallback_token_multiplier) {
+            (Some(_), Some(f)) => {
                 return Err(ConfigError::new(
-                    "tokenizer.multiplier",
-                    m,
-                    "must be in [1, 4]",
+                    "fallback_token_multiplier",
+                    f,
+                    "set it or tokenizer.multiplier, not both (both pad the configured \
+                     tokenizer's counts)",
                 ))
             }
-            Some(m) => m,
-            None if from_backend => raw.fallback_token_multiplier,
-            None => 1.0,
+            (None, Some(f)) if !from_backend => {
+                return Err(ConfigError::new(
+                    "fallback_token_multiplier",
+                    f,
+                    "applies only with model \"from_backend\"; use tokenizer.multiplier",
+                ))
+            }
+            (Some(m), None) | (None, Some(m)) => m,
+            (None, None) if from_backend => d_multiplier(),
+            (None, None) => 1.0,
         };
         let pricing = Pricing::new(
             spec,
@@ -1082,11 +1093,27 @@ mod tests {
         }
         // With "from_backend" it pads the fallback tokenizer's counts in place of
         // fallback_token_multiplier.
-        let fallback = Config::from_json(
-            br#"{"model":"from_backend","fallback_model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},"kv_budget_bytes":1073741824,"backend":{},"tokenizer":{"multiplier":1.5},"fallback_token_multiplier":1.1}"#,
-        )
-        .unwrap();
+        let from_backend = |extra: &str| {
+            Config::from_json(
+                format!(r#"{{"model":"from_backend","fallback_model":{{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192}},"kv_budget_bytes":1073741824,"backend":{{}}{extra}}}"#)
+                    .as_bytes(),
+            )
+        };
+        let fallback = from_backend(r#","tokenizer":{"multiplier":1.5}"#).unwrap();
         assert_eq!(fallback.token_multiplier, 1.5);
+        // Two pads of the same counts: a configuration error, not one silently ignored.
+        let e = from_backend(r#","tokenizer":{"multiplier":1.5},"fallback_token_multiplier":1.1"#)
+            .unwrap_err();
+        assert_eq!(e.field, "fallback_token_multiplier");
+        assert!(e.to_string().contains("not both"), "{e}");
+        // A fallback pad without "from_backend" would never apply.
+        let e =
+            inline(r#"{"encoding":"cl100k_base"},"fallback_token_multiplier":1.5"#).unwrap_err();
+        assert_eq!(e.field, "fallback_token_multiplier");
+        for bad in ["0.9", "4.5"] {
+            let e = from_backend(&format!(r#","fallback_token_multiplier":{bad}"#)).unwrap_err();
+            assert_eq!(e.field, "fallback_token_multiplier");
+        }
     }
 
     #[test]

@@ -90,6 +90,10 @@ error_kinds! {
     KvCacheExhausted,
     /// An internal failure (a host call failed). Nothing was reserved.
     Internal,
+    /// The lease id drawn for a request is already live in the ledger: nothing was reserved
+    /// or recorded (503, retry). A kind of its own, so that shadow mode tells "not recorded" from
+    /// every other refusal by its kind.
+    LeaseIdTaken,
 }
 
 impl ErrorKind {
@@ -111,6 +115,7 @@ impl ErrorKind {
             ErrorKind::NotFound => "not_found",
             ErrorKind::KvCacheExhausted => "kv_cache_exhausted",
             ErrorKind::Internal => "kvgate_internal_error",
+            ErrorKind::LeaseIdTaken => "kvgate_lease_id_conflict",
         }
     }
 
@@ -132,7 +137,8 @@ impl ErrorKind {
             | ErrorKind::LedgerUnavailable
             | ErrorKind::BackendUnavailable
             | ErrorKind::KvCacheExhausted
-            | ErrorKind::Internal => "server_error",
+            | ErrorKind::Internal
+            | ErrorKind::LeaseIdTaken => "server_error",
         }
     }
 
@@ -146,7 +152,8 @@ impl ErrorKind {
             ErrorKind::Preempted
             | ErrorKind::LedgerUnavailable
             | ErrorKind::BackendUnavailable
-            | ErrorKind::KvCacheExhausted => 503,
+            | ErrorKind::KvCacheExhausted
+            | ErrorKind::LeaseIdTaken => 503,
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::Unauthorized => 401,
             ErrorKind::ModelNotFound | ErrorKind::NotFound => 404,

@@ -391,10 +391,9 @@ fn rejection(
             ),
         ),
         RejectReason::DuplicateId => ApiError::new(
-            ErrorKind::Internal,
+            ErrorKind::LeaseIdTaken,
             "kvgate drew a lease id that is already live; nothing was reserved. Retry.",
-        )
-        .with_status(503),
+        ),
         RejectReason::InsufficientCapacity => ApiError::new(
             ErrorKind::KvCapacityExceeded,
             format!(
@@ -482,7 +481,8 @@ mod tests {
         let Decision::Rejected(e) = shadow(&mut l, &c, &class, &p, holder(2), 5, 1) else {
             panic!("a live id is not recorded twice")
         };
-        assert_eq!((e.kind, e.status), (ErrorKind::Internal, 503));
+        assert_eq!((e.kind, e.status), (ErrorKind::LeaseIdTaken, 503));
+        assert_eq!(e.kind.code(), "kvgate_lease_id_conflict");
         assert_eq!(l.committed(), 2 * p.price.bytes);
         assert_eq!(l.leases().len(), 2);
         assert_eq!(

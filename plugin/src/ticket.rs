@@ -294,7 +294,7 @@ impl Ticket {
             return match decision {
                 // Not recorded (its lease id was live): through without the lease, which is
                 // another request's and must not end with this one.
-                Decision::Rejected(err) if err.kind == ErrorKind::Internal => {
+                Decision::Rejected(err) if err.kind == ErrorKind::LeaseIdTaken => {
                     Attempt::Rejected(err)
                 }
                 d => self.let_through(worker, &endpoint, &d),

@@ -27,6 +27,14 @@ thread_local! {
     static UNRELEASED: RefCell<Vec<(Rc<Endpoint>, u64)>> = const { RefCell::new(Vec::new()) };
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Tests only: lease ids handed out, first to last, before any is drawn (so that a test
+    /// can make two requests draw the same id).
+    pub static FORCED_LEASE_IDS: RefCell<std::collections::VecDeque<u64>> =
+        const { RefCell::new(std::collections::VecDeque::new()) };
+}
+
 /// What a request needs from the configuration; replaced whole on reconfiguration.
 pub struct Runtime {
     pub cfg: Config,
@@ -533,6 +541,10 @@ impl Worker {
     /// `gateway_id` never draw the same one), then a per-VM random seed stepped through
     /// SplitMix64. A collision among live leases is a ~n²/2^44 event, and the ledger refuses it.
     pub fn next_lease_id(&self) -> u64 {
+        #[cfg(test)]
+        if let Some(id) = FORCED_LEASE_IDS.with(|f| f.borrow_mut().pop_front()) {
+            return id;
+        }
         let n = self.lease_counter.get().wrapping_add(1);
         self.lease_counter.set(n);
         let r = splitmix64(self.lease_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 21;

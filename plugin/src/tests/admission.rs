@@ -581,3 +581,54 @@ fn shadow_mode_counts_what_enforce_would_do_and_lets_everything_through_unchange
     vm.finish(d2);
     assert_eq!(ledger().committed(), 0);
 }
+
+#[test]
+fn a_lease_id_drawn_twice_never_ends_the_live_lease_that_holds_it() {
+    for mode in ["enforce", "shadow"] {
+        let mut vm = start(1_000, json!({"mode": mode}));
+        let (first, a) = vm.post("/v1/completions", &[], &completion(100, Some(200)));
+        assert_eq!(a, Action::Continue);
+        let id = lease_of(first);
+        let held = ledger()
+            .lease(id)
+            .cloned()
+            .expect("the first request's lease");
+        // The next request draws the same id (a ~n²/2^44 event, forced here).
+        crate::worker::FORCED_LEASE_IDS.with(|f| f.borrow_mut().push_back(id));
+        let body = completion(50, Some(100));
+        let (second, a) = vm.post("/v1/completions", &[], &body);
+        if mode == "shadow" {
+            // Let through as every shadow request is, but not under the other request's lease.
+            assert_eq!(a, Action::Continue, "{mode}");
+            assert!(Vm::replies(second).is_empty(), "{mode}");
+            assert_eq!(
+                Vm::body(second),
+                body.as_bytes(),
+                "{mode}: forwarded unchanged"
+            );
+            assert_eq!(Vm::request_header(second, "x-kvgate-lease"), None, "{mode}");
+            assert_eq!(
+                Vm::request_header(second, "x-kvgate-secret"),
+                None,
+                "{mode}"
+            );
+            vm.respond(second);
+        } else {
+            let replies = Vm::replies(second);
+            let [reply] = replies.as_slice() else {
+                panic!("{mode}: one local reply, got {replies:?}")
+            };
+            assert_eq!(reply.status, 503, "{mode}");
+            let err: Value = serde_json::from_slice(&reply.body).unwrap();
+            assert_eq!(err["error"]["code"], "kvgate_lease_id_conflict", "{mode}");
+        }
+        // Nothing recorded for the second, and its end leaves the first's lease as it was.
+        assert_eq!(ledger().leases().len(), 1, "{mode}");
+        vm.finish(second);
+        assert_eq!(ledger().lease(id), Some(&held), "{mode}");
+        assert_eq!(ledger().committed(), 300 * PER_TOKEN, "{mode}");
+        vm.finish(first);
+        assert_eq!(ledger().committed(), 0, "{mode}");
+        assert!(ledger().leases().is_empty(), "{mode}");
+    }
+}
