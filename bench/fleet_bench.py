@@ -17,12 +17,19 @@ Measured per run: peak admitted requests in flight (the gateways' live leases, s
 gateway admitted: two gateways raced for its last blocks) as a share of admissions, upstream
 mismatches and mid-decode KV OOMs (both must be 0). Both backends share this machine's cores.
 
+With `--queue MS`, the default class queues (`max_wait_ms` MS) instead of answering 429, and
+with `--max-tokens A,B,...` the requests' caps cycle through the list (client i's j-th request
+takes entry i + j): a big request at the front of the queue then waits for room while small ones
+behind it could fit. Each row adds the latency of a served request, from its first try to its
+last byte (p50 / p99), and the requests the queue timed out.
+
 Usage: .venv/bin/python bench/fleet_bench.py [--blocks 64] [--clients 24] [--requests 2]
-       [--max-tokens 64] [--step-delay-ms 30] [--poll-ms 500] [--wasm PATH]
+       [--max-tokens 64[,N...]] [--step-delay-ms 30] [--poll-ms 500] [--queue MS] [--wasm PATH]
 """
 
 import argparse
 import json
+import math
 import platform
 import subprocess
 import sys
@@ -55,6 +62,10 @@ def start_fleet(workdir, n_backends, n_gateways, a):
             cfg = fleet_plugin_config()
             cfg.update({"kv_budget_bytes": a.blocks * BLOCK_BYTES, "scratch_margin_bytes": BLOCK_BYTES,
                         "gateway_id": j + 1})
+            if a.queue:
+                policy = cfg["policy"]
+                policy["classes"][policy["default_class"]] = {
+                    "action": "queue", "max_wait_ms": a.queue, "max_depth": 256, "priority": 1}
             cfg["backend"] = {**cfg["backend"], "poll_ms": a.poll_ms, "endpoints": [b.address for b in bs],
                               "secret": secret}
             d = Path(workdir) / f"gw{j}"
@@ -83,7 +94,8 @@ def run(name, n_backends, n_gateways, a):
 
 def measure(name, gws, bs, a):
     lock = threading.Lock()
-    out = {"ok": 0, "gateway_429": 0, "backend_429_seen": 0, "errors": 0, "tokens": 0, "backend_429_at": []}
+    out = {"ok": 0, "gateway_429": 0, "backend_429_seen": 0, "errors": 0, "tokens": 0, "backend_429_at": [],
+           "latencies": [], "queue_timeouts": 0}
     stop, peak = threading.Event(), {"in_flight": 0}
 
     def watch():
@@ -97,14 +109,17 @@ def measure(name, gws, bs, a):
 
     def client(i):
         gw = gws[i % len(gws)]
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": a.max_tokens, "temperature": 0}
-        for _ in range(a.requests):
+        for j in range(a.requests):
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": a.caps[(i + j) % len(a.caps)],
+                    "temperature": 0}
+            first = time.monotonic()
             for _ in range(500):
                 r = requests.post(gw.url + "/v1/completions", json=body, timeout=600)
                 if r.status_code == 200:
                     with lock:
                         out["ok"] += 1
                         out["tokens"] += r.json()["usage"]["completion_tokens"]
+                        out["latencies"].append(time.monotonic() - first)
                     break
                 if r.status_code != 429:
                     with lock:
@@ -117,6 +132,7 @@ def measure(name, gws, bs, a):
                         out["backend_429_at"].append(time.time() - t0)
                     else:
                         out["gateway_429"] += 1
+                        out["queue_timeouts"] += "kv_queue_timeout" in r.text
                 time.sleep(min(int(r.headers.get("retry-after-ms", "1000")) / 1000, 2.0))
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -149,24 +165,34 @@ def measure(name, gws, bs, a):
         "kv_oom": int(sum(m["kvgate_backend_kv_oom_total"] for m in metrics)),
         "served_per_backend": [int(m["kvgate_backend_requests_total"]) for m in metrics],
         "errors": out["errors"],
+        "lat_p50": round(quantile(out["latencies"], 0.5), 2),
+        "lat_p99": round(quantile(out["latencies"], 0.99), 2),
+        "queue_timeouts": out["queue_timeouts"],
     }
     print(json.dumps(row), flush=True)
     return row
+
+
+def quantile(xs, q):
+    """The q-quantile of xs, nearest rank (0 for none)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))] if xs else 0.0
 
 
 def table(rows, a):
     one = rows[0]
     lines = [
         f"Burst: {a.clients} clients x {a.requests} completions of `{PROMPT}` running to {a.max_tokens} tokens "
-        f"(each retries a 429 after its Retry-After, at most 2 s); every backend `--admission reserve`, "
+        f"(each retries a 429 after its Retry-After, at most 2 s"
+        f"{f'; the default class queues, max_wait_ms {a.queue}' if a.queue else ''}); every backend `--admission reserve`, "
         f"`--kv-cache-bytes` {a.blocks} blocks ({a.blocks * BLOCK_BYTES / 2**20:.1f} MiB), "
         f"`--step-delay-ms {a.step_delay_ms}`; gateways Envoy 1.40 `--concurrency 2`, envoy/fleet.yaml + "
         f"envoy/fleet-filter.yaml, poll {a.poll_ms} ms.",
         "",
         "| run | gateways → backends | served | peak in flight | vs one backend | wall s | tokens/s | vs one backend "
         "| gateway 429s | backend 429s (in the first poll / later) | backend 429s / admissions | served per backend "
-        "| mismatches | KV OOMs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mismatches | KV OOMs | latency p50 / p99 s | queue timeouts |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
@@ -175,7 +201,8 @@ def table(rows, a):
             f"{r['tokens_per_s'] / max(one['tokens_per_s'], 1e-9):.2f}× | {r['gateway_429']} | {r['backend_429']} "
             f"({r['backend_429_first_poll']} / {r['backend_429_later']}) | "
             f"{100 * r['backend_429_share']:.1f} % ({r['backend_429']}/{r['admitted']}) | "
-            f"{' / '.join(map(str, r['served_per_backend']))} | {r['upstream_mismatch']} | {r['kv_oom']} |")
+            f"{' / '.join(map(str, r['served_per_backend']))} | {r['upstream_mismatch']} | {r['kv_oom']} | "
+            f"{r['lat_p50']} / {r['lat_p99']} | {r['queue_timeouts']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -184,14 +211,17 @@ def main():
     ap.add_argument("--blocks", type=int, default=64, help="KV blocks per backend (16 tokens each)")
     ap.add_argument("--clients", type=int, default=24)
     ap.add_argument("--requests", type=int, default=2, help="completions per client")
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", default="64", help="a cap, or caps to cycle through (comma-separated)")
     ap.add_argument("--step-delay-ms", type=int, default=30)
     ap.add_argument("--poll-ms", type=int, default=500)
+    ap.add_argument("--queue", type=int, default=0, metavar="MS",
+                    help="the default class queues with this max_wait_ms (0: it answers 429)")
     ap.add_argument("--wasm", help="the filter to load (default: the `make wasm` build)")
     ap.add_argument("--only", choices=["one-backend", "two-backends", "two-gateways"], action="append",
                     help="run only these (repeatable); ratios are against the first run listed")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "fleet.md"))
     a = ap.parse_args()
+    a.caps = [int(c) for c in a.max_tokens.split(",")]
     if a.wasm:
         harness.WASM = Path(a.wasm).resolve()
     for p in (harness.WASM, harness.BACKEND, harness.MODEL):
