@@ -413,6 +413,10 @@ impl Ticket {
                         format!("kvgate could not forward the admitted request ({s:?})."),
                     ));
                 }
+                if mode == Try::Plain {
+                    // Counted once it goes on (not when refused after its admission).
+                    worker.metrics.passed_in_queue.inc();
+                }
                 self.pending_demotions.set(demotions);
                 Attempt::Admitted {
                     ready: demotions == 0,

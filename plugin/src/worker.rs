@@ -877,6 +877,8 @@ pub struct Metrics {
     /// Clients gone from the queue while their place in line held bytes (given to the places
     /// behind at once).
     pub left_line_holding: Metric,
+    /// Queued requests behind a waiting front admitted where nobody is in line (fleets).
+    pub passed_in_queue: Metric,
 }
 
 impl Metrics {
@@ -925,6 +927,7 @@ impl Metrics {
             backfill_overrun_ms: Metric::counter("kvgate.backfill_overrun_ms"),
             grown_bytes: Metric::gauge("kvgate.grown_bytes"),
             left_line_holding: Metric::counter("kvgate.left_line_holding"),
+            passed_in_queue: Metric::counter("kvgate.passed_in_queue"),
         }
     }
 

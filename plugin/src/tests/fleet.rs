@@ -758,6 +758,11 @@ fn a_queued_request_behind_a_waiting_front_goes_to_another_endpoint_with_room() 
     vm.tick();
     assert_eq!(routed_to(behind).as_deref(), Some(B), "went where it fits");
     assert!(ledger_at(B).lease(lease_of(behind)).is_some());
+    assert_eq!(
+        Vm::metric("kvgate.passed_in_queue"),
+        1,
+        "counted; the grown body is not"
+    );
     // Refused after its admission, for good: answered at once, not tried again every tick.
     let replies = Vm::replies(grown);
     assert_eq!(replies.len(), 1, "{replies:?}");
@@ -778,6 +783,7 @@ fn a_queued_request_behind_a_waiting_front_goes_to_another_endpoint_with_room() 
     vm.tick();
     assert_eq!(routed_to(front).as_deref(), Some(A));
     assert_eq!(Vm::metric("kvgate.queued"), 0);
+    assert_eq!(Vm::metric("kvgate.passed_in_queue"), 1, "the front is not");
     for (s, at) in [(on_b2, B), (front, A), (behind, B)] {
         vm.respond_from(s, 200, at);
         vm.finish(s);
