@@ -166,14 +166,17 @@ def test_a_hung_backend_gets_no_new_requests_keeps_its_streams_leases_and_comes_
 
 def test_full_budget_429_then_client_retry_succeeds(stack):
     # 32 blocks: 460 tokens usable. The stream holds about 327; the same request beside it does not fit.
-    gw, b = stack(32, {"retry_after": {"min_ms": 500, "max_ms": 3000, "jitter": 0.1, "default_lease_ms": 2000}})
+    # A step delay keeps the stream going for 9 s at least: on an idle machine it could otherwise
+    # end before the second request arrives, which would then be admitted.
+    gw, b = stack(32, {"retry_after": {"min_ms": 500, "max_ms": 3000, "jitter": 0.1, "default_lease_ms": 2000}},
+                  "--step-delay-ms", "30")
     t, res = long_stream(gw, 300)
     gw.wait_for(lambda s: s["leases"] == 1)
     req = {"model": MODEL, "prompt": COUNTING, "max_tokens": 300, "temperature": 0}
     r = requests.post(gw.url + "/v1/completions", timeout=30, json=req)
-    assert r.status_code == 429
+    assert r.status_code == 429, r.text
     assert r.json()["error"]["code"] == "kv_capacity_exceeded"
-    assert 500 <= int(r.headers["retry-after-ms"]) <= 3000
+    assert 500 <= int(r.headers["retry-after-ms"]) <= 3000, dict(r.headers)
     assert b.metrics()["kvgate_backend_requests_total"] == 1, "the rejected request never reached the backend"
     # The client honours Retry-After and tries again: admitted once the stream has ended.
     for _ in range(60):
