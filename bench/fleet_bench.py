@@ -168,7 +168,7 @@ def measure(name, gws, bs, a):
         "lat_p50": round(quantile(out["latencies"], 0.5), 2),
         "lat_p99": round(quantile(out["latencies"], 0.99), 2),
         "queue_timeouts": out["queue_timeouts"],
-        # Queued requests admitted from behind a waiting front onto an endpoint with nobody in line.
+        # Queued requests admitted from behind a waiting front (tried while an endpoint has nobody in line).
         "passed_in_queue": sum(s.get("kvgate.passed_in_queue", 0) for s in stats),
     }
     print(json.dumps(row), flush=True)
@@ -184,7 +184,7 @@ def quantile(xs, q):
 def table(rows, a):
     one = rows[0]
     lines = [
-        f"Burst: {a.clients} clients x {a.requests} completions of `{PROMPT}` running to {a.max_tokens} tokens "
+        f"Burst: {a.clients} clients x {a.requests} completions of `{PROMPT}` running to their caps ({a.max_tokens} tokens) "
         f"(each retries a 429 after its Retry-After, at most 2 s"
         f"{f'; the default class queues, max_wait_ms {a.queue}' if a.queue else ''}); every backend `--admission reserve`, "
         f"`--kv-cache-bytes` {a.blocks} blocks ({a.blocks * BLOCK_BYTES / 2**20:.1f} MiB), "
@@ -193,7 +193,7 @@ def table(rows, a):
         "",
         "| run | gateways → backends | served | peak in flight | vs one backend | wall s | tokens/s | vs one backend "
         "| gateway 429s | backend 429s (in the first poll / later) | backend 429s / admissions | served per backend "
-        "| mismatches | KV OOMs | latency p50 / p99 s | queue timeouts | passed in the queue |",
+        "| mismatches | KV OOMs | latency p50 / p99 s (nearest rank) | queue timeouts | passed in the queue |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

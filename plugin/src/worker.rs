@@ -877,7 +877,8 @@ pub struct Metrics {
     /// Clients gone from the queue while their place in line held bytes (given to the places
     /// behind at once).
     pub left_line_holding: Metric,
-    /// Queued requests behind a waiting front admitted where nobody is in line (fleets).
+    /// Queued requests behind a waiting front admitted where they fit at once, tried while some
+    /// endpoint has nobody in line (fleets).
     pub passed_in_queue: Metric,
 }
 

@@ -60,6 +60,8 @@ impl Vm {
             };
             prepare(h);
         });
+        // No lease id forced by an earlier test on this thread is left for this one.
+        crate::worker::FORCED_LEASE_IDS.with(|f| f.borrow_mut().clear());
         proxy_wasm::set_root_context(|_| -> Box<dyn proxy_wasm::traits::RootContext> {
             Box::new(crate::root::Root::new())
         });

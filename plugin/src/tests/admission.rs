@@ -593,10 +593,14 @@ fn a_lease_id_drawn_twice_never_ends_the_live_lease_that_holds_it() {
             .lease(id)
             .cloned()
             .expect("the first request's lease");
-        // The next request draws the same id (a ~n²/2^44 event, forced here).
+        // The next request draws the same id (about n/2^43 with n leases live; forced here).
         crate::worker::FORCED_LEASE_IDS.with(|f| f.borrow_mut().push_back(id));
         let body = completion(50, Some(100));
         let (second, a) = vm.post("/v1/completions", &[], &body);
+        assert!(
+            crate::worker::FORCED_LEASE_IDS.with(|f| f.borrow().is_empty()),
+            "{mode}: the second request drew the forced id"
+        );
         if mode == "shadow" {
             // Let through as every shadow request is, but not under the other request's lease.
             assert_eq!(a, Action::Continue, "{mode}");
@@ -608,11 +612,16 @@ fn a_lease_id_drawn_twice_never_ends_the_live_lease_that_holds_it() {
             );
             assert_eq!(Vm::request_header(second, "x-kvgate-lease"), None, "{mode}");
             assert_eq!(
-                Vm::request_header(second, "x-kvgate-secret"),
-                None,
+                Vm::metric("kvgate.shadow.would_reject.kvgate_lease_id_conflict"),
+                1,
                 "{mode}"
             );
             vm.respond(second);
+            assert_eq!(
+                Vm::response_header(second, "x-kvgate-shadow").as_deref(),
+                Some("would_reject=kvgate_lease_id_conflict"),
+                "{mode}"
+            );
         } else {
             let replies = Vm::replies(second);
             let [reply] = replies.as_slice() else {
@@ -621,6 +630,11 @@ fn a_lease_id_drawn_twice_never_ends_the_live_lease_that_holds_it() {
             assert_eq!(reply.status, 503, "{mode}");
             let err: Value = serde_json::from_slice(&reply.body).unwrap();
             assert_eq!(err["error"]["code"], "kvgate_lease_id_conflict", "{mode}");
+            assert_eq!(
+                Vm::metric("kvgate.rejected.kvgate_lease_id_conflict"),
+                1,
+                "{mode}"
+            );
         }
         // Nothing recorded for the second, and its end leaves the first's lease as it was.
         assert_eq!(ledger().leases().len(), 1, "{mode}");
