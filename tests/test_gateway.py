@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 
+import pytest
 import requests
 
 from harness import http_connection_manager, shipped_bootstrap, shipped_plugin_config
@@ -678,11 +679,16 @@ def test_level_and_stats_are_exported(gateway):
     gw.assert_drained()
 
 
-def test_invalid_config_is_refused_naming_the_field(gateway):
-    import pytest
+@pytest.mark.parametrize("bad, says", [
+    ({"safety_fraction": 1.5}, "field `safety_fraction` = 1.5: must be in (0, 1]"),
+    # The shipped config pads its tokenizer already (tokenizer.multiplier): a second pad of the
+    # same counts is refused, not silently ignored.
+    ({"fallback_token_multiplier": 1.3}, "field `fallback_token_multiplier` = 1.3: set it or tokenizer.multiplier, not both"),
+])
+def test_invalid_config_is_refused_naming_the_field(gateway, bad, says):
     with pytest.raises(RuntimeError) as e:
-        gateway({"safety_fraction": 1.5})
-    assert "field `safety_fraction` = 1.5: must be in (0, 1]" in str(e.value)
+        gateway(bad)
+    assert says in str(e.value)
 
 
 def test_reconfiguration_keeps_the_ledger_and_its_leases(gateway):
