@@ -547,6 +547,7 @@ fn filter_config(
                            "kv_dtype_bytes": dtype, "context_tokens": p.context()}),
     );
     o.remove("fallback_model");
+    o.remove("fallback_token_multiplier");
     // `backend` stays: classes that preempt need it (the simulated backend demotes their
     // victims); nothing here reads its callout settings.
     // As bench/admission_bench.py's filter_config: the budget is the pool, one block of margin.
