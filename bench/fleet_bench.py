@@ -96,15 +96,16 @@ def measure(name, gws, bs, a):
     lock = threading.Lock()
     out = {"ok": 0, "gateway_429": 0, "backend_429_seen": 0, "errors": 0, "tokens": 0, "backend_429_at": [],
            "latencies": [], "queue_timeouts": 0}
-    stop, peak = threading.Event(), {"in_flight": 0}
+    stop, peak = threading.Event(), {"in_flight": 0, "queued": 0}
 
     def watch():
         while not stop.is_set():
             try:
-                n = sum(gw.status()["leases"] for gw in gws)
+                st = [gw.status() for gw in gws]
             except requests.RequestException:
                 continue
-            peak["in_flight"] = max(peak["in_flight"], n)
+            peak["in_flight"] = max(peak["in_flight"], sum(x["leases"] for x in st))
+            peak["queued"] = max(peak["queued"], sum(x.get("queued", 0) for x in st))
             time.sleep(0.05)
 
     def client(i):
@@ -170,6 +171,7 @@ def measure(name, gws, bs, a):
         "queue_timeouts": out["queue_timeouts"],
         # Queued requests admitted from behind a waiting front (tried while an endpoint has nobody in line).
         "passed_in_queue": sum(s.get("kvgate.passed_in_queue", 0) for s in stats),
+        "peak_queued": peak["queued"],
     }
     print(json.dumps(row), flush=True)
     return row
