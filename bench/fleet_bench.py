@@ -29,7 +29,6 @@ Usage: .venv/bin/python bench/fleet_bench.py [--blocks 64] [--clients 24] [--req
 
 import argparse
 import json
-import math
 import platform
 import subprocess
 import sys
@@ -43,6 +42,7 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import harness  # noqa: E402
+from admission_bench import pct  # noqa: E402
 from harness import BLOCK_BYTES, Backend, Envoy, fleet_bootstrap, fleet_plugin_config  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -166,8 +166,8 @@ def measure(name, gws, bs, a):
         "kv_oom": int(sum(m["kvgate_backend_kv_oom_total"] for m in metrics)),
         "served_per_backend": [int(m["kvgate_backend_requests_total"]) for m in metrics],
         "errors": out["errors"],
-        "lat_p50": round(quantile(out["latencies"], 0.5), 2),
-        "lat_p99": round(quantile(out["latencies"], 0.99), 2),
+        "lat_p50": round(pct(out["latencies"], 50), 2),
+        "lat_p99": round(pct(out["latencies"], 99), 2),
         "queue_timeouts": out["queue_timeouts"],
         # Queued requests admitted from behind a waiting front (tried while an endpoint has nobody in line).
         "passed_in_queue": sum(s.get("kvgate.passed_in_queue", 0) for s in stats),
@@ -175,12 +175,6 @@ def measure(name, gws, bs, a):
     }
     print(json.dumps(row), flush=True)
     return row
-
-
-def quantile(xs, q):
-    """The q-quantile of xs, nearest rank (0 for none)."""
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))] if xs else 0.0
 
 
 def table(rows, a):

@@ -266,8 +266,8 @@ pub fn backfill(
 /// Shadow mode: what [`decide`] would do, decided on a copy of the ledger; the ledger itself
 /// records the request at its full worst case whatever the decision (it goes through
 /// unchanged, so that is what the backend may come to hold). A lease id that is already live
-/// records nothing: the answer is then the duplicate-id refusal (`ErrorKind::LeaseIdTaken`), and the
-/// request must go through without the lease, which is another request's.
+/// records nothing: the answer is then the duplicate-id refusal (`ErrorKind::LeaseIdTaken`),
+/// and the request must go through without the lease, which is another request's.
 pub fn shadow(
     ledger: &mut Ledger,
     cfg: &Config,
