@@ -82,7 +82,11 @@ def test_an_approximate_tokenizer_pads_text_prompts_by_its_multiplier(gateway, u
     assert mult > 1
     gw = gateway(budget(20_000))
     text = " ".join(["hello"] * 100)  # 100 cl100k tokens: "hello", then " hello" 99 times
+    # Runs the approximation merges and SmolLM2 does not are padded apart: 300 digits are 100
+    # cl100k tokens ("777" is one) and 300 of SmolLM2's; 2,900 newlines 96 and 725.
     for body, prompt in [({"prompt": text, "max_tokens": 10}, math.ceil(100 * mult)),
+                         ({"prompt": "7" * 300, "max_tokens": 10}, math.ceil(100 * mult) + 200),
+                         ({"prompt": "\n" * 2900, "max_tokens": 10}, math.ceil(96 * mult) + 725 - 1),
                          ({"prompt": tokens(100), "max_tokens": 10}, 100)]:
         t, res = stream_in_background(gw, body)
         s = gw.wait_for(lambda s: s["leases"] == 1, what="the lease to appear")
@@ -90,6 +94,15 @@ def test_an_approximate_tokenizer_pads_text_prompts_by_its_multiplier(gateway, u
         t.join()
         assert res["status"] == 200
         gw.assert_drained()
+    # 9,000 digits: 3,000 cl100k tokens, padded past the 8,192-token context SmolLM2 would fill
+    # with them. Refused, not forwarded.
+    r = requests.post(gw.url + "/v1/completions", json={"prompt": "7" * 9000, "max_tokens": 10}, timeout=10)
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded"
+    assert "approximation of the model's tokenizer" in err["message"], err  # and says why
+    assert len(upstream.requests()) == 4
+    gw.assert_drained()
 
 
 def test_chat_cap_field_is_rewritten(gateway, upstream):

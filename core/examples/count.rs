@@ -1,16 +1,18 @@
 //! Native token counting of a file's text, for side-by-side comparison with the filter's
-//! per-request cost in bench/gateway_bench.py: `count <encoding> <file> <iterations>` prints
-//! the token count and the mean microseconds per count.
+//! per-request cost in bench/gateway_bench.py: `count <encoding> <file> <iterations>
+//! [multiplier]` prints the token count and the mean microseconds per count, and with a
+//! multiplier the count the filter pads it to (`tokenizer.multiplier`: bench/tokenizer_ratio.py).
 #![allow(clippy::expect_used)]
 
 use std::time::Instant;
 
+use kvgate_core::tokenize::padded_count;
 use kvgate_core::{Encoding, TokenCounter, TokenizerSpec};
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let (Some(enc), Some(file), Some(iters)) = (args.get(1), args.get(2), args.get(3)) else {
-        eprintln!("usage: count <encoding> <file> <iterations>");
+        eprintln!("usage: count <encoding> <file> <iterations> [multiplier]");
         std::process::exit(2);
     };
     let enc = Encoding::from_name(enc).expect("unknown encoding");
@@ -23,5 +25,12 @@ fn main() {
         std::hint::black_box(counter.count_text(std::hint::black_box(&text)));
     }
     let us = start.elapsed().as_secs_f64() * 1e6 / f64::from(iters);
-    println!("{tokens} {us:.1}");
+    match args.get(4) {
+        Some(m) => {
+            let m: f64 = m.parse().expect("multiplier");
+            let padded = padded_count(tokens, m, [text.as_str()]);
+            println!("{tokens} {us:.1} {padded}");
+        }
+        None => println!("{tokens} {us:.1}"),
+    }
 }

@@ -7,8 +7,8 @@ use crate::config::Config;
 use crate::error::{ApiError, ErrorKind};
 use crate::ledger::{AdmitOutcome, AdmitRequest, Lease, Ledger, RejectReason};
 use crate::policy::{Action, ClassPolicy};
-use crate::request::ParsedRequest;
-use crate::tokenize::TokenCounter;
+use crate::request::{Input, ParsedRequest, PromptItem};
+use crate::tokenize::{padded_count, TokenCounter};
 
 /// A request priced and ready for the ledger.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,6 +58,11 @@ impl Priced {
     }
 }
 
+/// What a refusal over the context adds when text was counted by an approximation.
+pub const APPROXIMATE_COUNT: &str = "This gateway counts text with an approximation of the \
+    model's tokenizer, padded to stay above the model's own count; a prompt sent as token ids \
+    is counted exactly.";
+
 /// Count and price a request. Errors are final (400/413) and reserve nothing.
 pub fn price(
     cfg: &Config,
@@ -68,35 +73,53 @@ pub fn price(
     // counting a multi-megabyte prompt to the end would stall the worker. A count within the
     // context is padded below and may still reach it (refused with its exact count).
     let context = cfg.pricing.spec.context_tokens;
+    // Text counted by a tokenizer that is not the model's own: a refusal says so.
+    let approximate = cfg.token_multiplier > 1.0
+        && match &req.input {
+            Input::Prompts(items) => items.iter().any(|i| matches!(i, PromptItem::Text(_))),
+            Input::Chat(_) => true,
+        };
+    let over_context = |e: ApiError| {
+        let e = e
+            .with_status(cfg.context_error_status)
+            .with_param(req.prompt_field());
+        if approximate {
+            ApiError {
+                message: format!("{} {APPROXIMATE_COUNT}", e.message),
+                ..e
+            }
+        } else {
+            e
+        }
+    };
     let mut prompt_tokens = counter
         .count_input_capped(&req.input, context)
-        .map_err(|_| {
-            prompt_over_context(req.requested_cap(), context)
-                .with_status(cfg.context_error_status)
-                .with_param(req.prompt_field())
-        })?;
+        .map_err(|_| over_context(prompt_over_context(req.requested_cap(), context)))?;
     if cfg.token_multiplier > 1.0 {
-        // A fallback tokenizer only approximates the model's: pad text counts (token arrays
-        // are exact and stay as they are).
-        let exact: Vec<bool> = match &req.input {
-            crate::request::Input::Prompts(items) => items
-                .iter()
-                .map(|i| matches!(i, crate::request::PromptItem::Tokens(_)))
-                .collect(),
-            crate::request::Input::Chat(_) => vec![false],
-        };
-        for (t, exact) in prompt_tokens.iter_mut().zip(exact) {
-            if !exact {
-                *t = (*t as f64 * cfg.token_multiplier).ceil() as u64;
+        // A fallback tokenizer only approximates the model's: pad text counts, runs of digits
+        // apart (token arrays are exact and stay as they are).
+        match &req.input {
+            Input::Prompts(items) => {
+                for (t, item) in prompt_tokens.iter_mut().zip(items) {
+                    if let PromptItem::Text(text) = item {
+                        *t = padded_count(*t, cfg.token_multiplier, [text.as_str()]);
+                    }
+                }
+            }
+            Input::Chat(messages) => {
+                let texts = messages
+                    .iter()
+                    .flat_map(|m| [m.role.as_str(), m.content.as_str(), m.extra.as_str()]);
+                if let Some(t) = prompt_tokens.first_mut() {
+                    *t = padded_count(*t, cfg.token_multiplier, texts);
+                }
             }
         }
     }
     let choices = req.choices();
     let mut price = price_request(&cfg.pricing, &prompt_tokens, req.requested_cap(), choices)
         .map_err(|e| match e.kind {
-            ErrorKind::ContextLengthExceeded => e
-                .with_status(cfg.context_error_status)
-                .with_param(req.prompt_field()),
+            ErrorKind::ContextLengthExceeded => over_context(e),
             _ => e,
         })?;
     // Priced from the backend's descriptor (or its padded fallback until it comes), the count
@@ -447,6 +470,47 @@ mod tests {
     fn priced(c: &Config, body: &str) -> Priced {
         let (req, _) = parse_request(Endpoint::Completions, body.as_bytes()).unwrap();
         price(c, &counter(), &req).unwrap()
+    }
+
+    #[test]
+    fn an_approximate_tokenizer_pads_text_and_digits_and_leaves_token_arrays_exact() {
+        let c = Config::from_json(
+            br#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},
+                "kv_budget_bytes":1000000000,"tokenizer":{"encoding":"cl100k_base","multiplier":1.5}}"#,
+        )
+        .unwrap();
+        let cl = counter();
+        let digits = "2026 12 06 314159265";
+        let counted = cl.count_text(digits);
+        // Runs of 4, 2, 2 and 9 digits: 2 + 1 + 1 + 6 past cl100k_base's chunks of three.
+        let padded = (counted as f64 * 1.5).ceil() as u64 + 10;
+        let body = format!(r#"{{"prompt":[{digits:?},[1,2,3]],"max_tokens":5}}"#);
+        assert_eq!(priced(&c, &body).prompt_tokens, vec![padded, 3]);
+        // A chat: the digits of every message's content, and of its other fields, are padded.
+        let chat = format!(
+            r#"{{"messages":[{{"role":"user","content":{digits:?},"name":"u42"}}],"max_tokens":5}}"#
+        );
+        let (req, _) = parse_request(Endpoint::ChatCompletions, chat.as_bytes()).unwrap();
+        let unpadded = cl.count_input(&req.input);
+        assert_eq!(
+            price(&c, &cl, &req).unwrap().prompt_tokens,
+            vec![(unpadded[0] as f64 * 1.5).ceil() as u64 + 10 + 1]
+        );
+        // A run of digits long enough is refused over the context it would fill once served a
+        // token a digit, not admitted at a third of it.
+        let long = format!(r#"{{"prompt":"{}","max_tokens":5}}"#, "7".repeat(9000));
+        let (req, _) = parse_request(Endpoint::Completions, long.as_bytes()).unwrap();
+        assert_eq!(cl.count_input(&req.input), vec![3000]);
+        let e = price(&c, &cl, &req).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ContextLengthExceeded);
+        // The refusal says the count is the gateway's approximation (and one of token ids
+        // does not).
+        assert!(e.message.ends_with(APPROXIMATE_COUNT), "{}", e.message);
+        let ids = format!(r#"{{"prompt":{:?},"max_tokens":5}}"#, vec![1; 9000]);
+        let (req, _) = parse_request(Endpoint::Completions, ids.as_bytes()).unwrap();
+        let e = price(&c, &cl, &req).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ContextLengthExceeded);
+        assert!(!e.message.contains(APPROXIMATE_COUNT), "{}", e.message);
     }
 
     #[test]
