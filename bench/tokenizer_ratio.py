@@ -78,7 +78,7 @@ def approximate(encoding, multiplier, text, scratch):
     """(the encoding's count, the filter's padded count) of one chunk."""
     scratch.write_text(text)
     out = subprocess.check_output([str(COUNT), encoding, str(scratch), "1", str(multiplier)], text=True)
-    counted, _, padded = out.split()
+    counted, _, padded, _ = out.split()
     return int(counted), int(padded)
 
 

@@ -697,6 +697,9 @@ def test_level_and_stats_are_exported(gateway):
     # The shipped config pads its tokenizer already (tokenizer.multiplier): a second pad of the
     # same counts is refused, not silently ignored.
     ({"fallback_token_multiplier": 1.3}, "field `fallback_token_multiplier` = 1.3: set it or tokenizer.multiplier, not both"),
+    # A run pad for a tokenizer the configuration calls exact would never apply.
+    ({"tokenizer": {"encoding": "cl100k_base", "pad_runs": False}},
+     "field `tokenizer.pad_runs` = false: applies only to an approximate tokenizer"),
 ])
 def test_invalid_config_is_refused_naming_the_field(gateway, bad, says):
     with pytest.raises(RuntimeError) as e:

@@ -201,6 +201,9 @@ pub struct RawTokenizer {
     /// model's own. With `"from_backend"`, until the descriptor's exact tokenizer arrives (in
     /// place of `fallback_token_multiplier`).
     pub multiplier: Option<f64>,
+    /// With a multiplier (or `"from_backend"`'s fallback): also pad the runs this tokenizer
+    /// merges and the model may not (`tokenize::approximation_excess`). Default true.
+    pub pad_runs: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -285,6 +288,9 @@ pub struct Config {
     /// Counted prompt tokens are multiplied by this (above 1 while pricing with a fallback
     /// tokenizer; exactly 1 with the model's own).
     pub token_multiplier: f64,
+    /// With `token_multiplier` above 1: runs the tokenizer merges are padded too
+    /// (`tokenizer.pad_runs`).
+    pub pad_runs: bool,
     pub tokenizer: TokenizerSpec,
     pub levels: LevelThresholds,
     pub retry_after: RetryAfterConfig,
@@ -463,6 +469,17 @@ impl TryFrom<RawConfig> for Config {
             (Some(m), None) | (None, Some(m)) => m,
             (None, None) if from_backend => d_multiplier(),
             (None, None) => 1.0,
+        };
+        let pad_runs = match raw.tokenizer.pad_runs {
+            Some(p) if token_multiplier <= 1.0 => {
+                return Err(ConfigError::new(
+                    "tokenizer.pad_runs",
+                    p,
+                    "applies only to an approximate tokenizer: with tokenizer.multiplier, or \
+                     with model \"from_backend\" until its descriptor arrives",
+                ))
+            }
+            p => p.unwrap_or(true),
         };
         let pricing = Pricing::new(
             spec,
@@ -647,6 +664,7 @@ impl TryFrom<RawConfig> for Config {
             pricing,
             from_backend,
             token_multiplier,
+            pad_runs,
             tokenizer,
             levels: LevelThresholds {
                 amber: l.amber,
@@ -1101,6 +1119,19 @@ mod tests {
         };
         let fallback = from_backend(r#","tokenizer":{"multiplier":1.5}"#).unwrap();
         assert_eq!(fallback.token_multiplier, 1.5);
+        // Runs are padded too unless turned off; turning them off where nothing is
+        // approximated is an error, not a no-op.
+        assert!(ok.pad_runs && fallback.pad_runs);
+        assert!(from_backend("").unwrap().pad_runs);
+        let off = inline(r#"{"encoding":"cl100k_base","multiplier":1.5,"pad_runs":false}"#);
+        assert!(!off.unwrap().pad_runs);
+        assert!(
+            !from_backend(r#","tokenizer":{"pad_runs":false}"#)
+                .unwrap()
+                .pad_runs
+        );
+        let e = inline(r#"{"encoding":"cl100k_base","pad_runs":true}"#).unwrap_err();
+        assert_eq!(e.field, "tokenizer.pad_runs");
         // Two pads of the same counts: a configuration error, not one silently ignored.
         let e = from_backend(r#","tokenizer":{"multiplier":1.5},"fallback_token_multiplier":1.1"#)
             .unwrap_err();

@@ -60,8 +60,8 @@ impl Priced {
 
 /// What a refusal over the context adds when text was counted by an approximation.
 pub const APPROXIMATE_COUNT: &str = "This gateway counts text with an approximation of the \
-    model's tokenizer, padded to stay above the model's own count; a prompt sent as token ids \
-    is counted exactly.";
+    model's tokenizer, padded, which may differ from the model's own count; a prompt sent as \
+    token ids is counted exactly.";
 
 /// Count and price a request. Errors are final (400/413) and reserve nothing.
 pub fn price(
@@ -71,7 +71,7 @@ pub fn price(
 ) -> Result<Priced, ApiError> {
     // Count no further than the context: past it the request is refused whatever its length, and
     // counting a multi-megabyte prompt to the end would stall the worker. A count within the
-    // context is padded below and may still reach it (refused with its exact count).
+    // context is padded below and may still reach it (refused with the padded count).
     let context = cfg.pricing.spec.context_tokens;
     // Text counted by a tokenizer that is not the model's own: a refusal says so.
     let approximate = cfg.token_multiplier > 1.0
@@ -96,19 +96,21 @@ pub fn price(
         .count_input_capped(&req.input, context)
         .map_err(|_| over_context(prompt_over_context(req.requested_cap(), context)))?;
     if cfg.token_multiplier > 1.0 {
-        // A fallback tokenizer only approximates the model's: pad text counts, runs of digits
-        // apart (token arrays are exact and stay as they are).
+        // A fallback tokenizer only approximates the model's: pad text counts, and the runs it
+        // merges apart (`tokenizer.pad_runs`; token arrays are exact and stay as they are).
         match &req.input {
             Input::Prompts(items) => {
                 for (t, item) in prompt_tokens.iter_mut().zip(items) {
                     if let PromptItem::Text(text) = item {
-                        *t = padded_count(*t, cfg.token_multiplier, [text.as_str()]);
+                        let runs = Some(text.as_str()).filter(|_| cfg.pad_runs);
+                        *t = padded_count(*t, cfg.token_multiplier, runs);
                     }
                 }
             }
             Input::Chat(messages) => {
                 let texts = messages
                     .iter()
+                    .filter(|_| cfg.pad_runs)
                     .flat_map(|m| [m.role.as_str(), m.content.as_str(), m.extra.as_str()]);
                 if let Some(t) = prompt_tokens.first_mut() {
                     *t = padded_count(*t, cfg.token_multiplier, texts);
@@ -511,6 +513,42 @@ mod tests {
         let e = price(&c, &cl, &req).unwrap_err();
         assert_eq!(e.kind, ErrorKind::ContextLengthExceeded);
         assert!(!e.message.contains(APPROXIMATE_COUNT), "{}", e.message);
+    }
+
+    #[test]
+    fn from_backend_pads_its_fallback_until_the_descriptor_and_runs_only_when_asked() {
+        let spec =
+            r#"{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192}"#;
+        let with = |extra: &str| {
+            Config::from_json(
+                format!(r#"{{"model":"from_backend","fallback_model":{spec},"kv_budget_bytes":1000000000,"backend":{{}}{extra}}}"#)
+                    .as_bytes(),
+            )
+            .unwrap()
+        };
+        let cl = counter();
+        let text = format!("{}\n\n\n\n\n\n\n\n", "1".repeat(30));
+        let body = format!(r#"{{"prompt":{text:?},"max_tokens":5}}"#);
+        let counted = cl.count_text(&text);
+        let scaled = (counted as f64 * 1.25).ceil() as u64;
+        // Before the descriptor: the default fallback pad (1.25) and the runs (30 digits: 20;
+        // 8 newlines: 1).
+        let c = with("");
+        assert_eq!(priced(&c, &body).prompt_tokens, vec![scaled + 21]);
+        // Runs turned off: the multiplier alone.
+        let off = with(r#","tokenizer":{"pad_runs":false}"#);
+        assert_eq!(priced(&off, &body).prompt_tokens, vec![scaled]);
+        // Once the descriptor's tokenizer (the model's own) is in, the count is exact.
+        let d = crate::reconcile::Descriptor {
+            spec: c.pricing.spec,
+            fingerprint: String::new(),
+            kv_capacity_bytes: 1_000_000_000,
+            scratch_margin_bytes: 0,
+            tokenizer: c.tokenizer.clone(),
+            served: c.served.clone(),
+        };
+        let exact = c.with_descriptor(d).unwrap();
+        assert_eq!(priced(&exact, &body).prompt_tokens, vec![counted]);
     }
 
     #[test]
