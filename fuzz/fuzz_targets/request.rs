@@ -8,7 +8,8 @@
 //!   exactly as tiktoken when no piece can be long, and its capped form stops exactly past
 //!   the limit;
 //! - a priced request fits its context: every prompt + cap ≤ context, cap ≥ 1, and it was priced
-//!   at no fewer prompt tokens than counted.
+//!   at no fewer prompt tokens than counted (its text at no fewer than the multiplier's pad;
+//!   token arrays, and text with an exact tokenizer, at exactly the count).
 #![no_main]
 
 use std::sync::OnceLock;
@@ -23,11 +24,12 @@ use kvgate_core::{
 };
 use libfuzzer_sys::fuzz_target;
 
-/// The shipped filter configuration (envoy/envoy.yaml), small context so pricing errors are
-/// reachable too.
+/// The shipped filter configuration (envoy/envoy.yaml: an approximate tokenizer, its counts
+/// padded by the multiplier and the runs it merges), and an exact one with a small context so
+/// pricing errors are reachable too.
 const CONFIGS: [&str; 2] = [
     r#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},
-        "kv_budget_bytes":1073741824,"tokenizer":{"encoding":"cl100k_base"}}"#,
+        "kv_budget_bytes":1073741824,"tokenizer":{"encoding":"cl100k_base","multiplier":1.6}}"#,
     r#"{"model":{"layers":1,"kv_heads":1,"head_dim":1,"kv_dtype_bytes":1,"context_tokens":64},
         "kv_budget_bytes":100000,"safety_fraction":1.0}"#,
 ];
@@ -182,8 +184,23 @@ fn check_price(
     assert_eq!(p.choices, req.choices());
     let counted = counter.count_input(&req.input);
     assert_eq!(p.prompt_tokens.len(), counted.len());
-    for (&priced, &n) in p.prompt_tokens.iter().zip(&counted) {
+    // Text counted by an approximation is priced at its padded count at least; token arrays
+    // exactly.
+    let text: Vec<bool> = match &req.input {
+        Input::Prompts(items) => items
+            .iter()
+            .map(|i| matches!(i, PromptItem::Text(_)))
+            .collect(),
+        Input::Chat(_) => vec![true],
+    };
+    for ((&priced, &n), text) in p.prompt_tokens.iter().zip(&counted).zip(text) {
         assert!(priced >= n, "priced {priced} prompt tokens, counted {n}");
+        if text && cfg.token_multiplier > 1.0 {
+            let padded = (n as f64 * cfg.token_multiplier).ceil() as u64;
+            assert!(priced >= padded, "priced {priced}, padded {padded}");
+        } else {
+            assert_eq!(priced, n, "an exact count padded");
+        }
         assert!(
             priced.saturating_add(cap) <= context,
             "prompt {priced} + cap {cap} past the context {context}"
