@@ -470,17 +470,17 @@ impl TryFrom<RawConfig> for Config {
             (None, None) if from_backend => d_multiplier(),
             (None, None) => 1.0,
         };
-        let pad_runs = match raw.tokenizer.pad_runs {
-            Some(p) if token_multiplier <= 1.0 => {
-                return Err(ConfigError::new(
+        let pad_runs =
+            match raw.tokenizer.pad_runs {
+                Some(p) if token_multiplier <= 1.0 => return Err(ConfigError::new(
                     "tokenizer.pad_runs",
                     p,
-                    "applies only to an approximate tokenizer: with tokenizer.multiplier, or \
-                     with model \"from_backend\" until its descriptor arrives",
-                ))
-            }
-            p => p.unwrap_or(true),
-        };
+                    "applies only to an approximate tokenizer, one whose counts are multiplied \
+                     by more than 1 (tokenizer.multiplier, or fallback_token_multiplier with \
+                     model \"from_backend\")",
+                )),
+                p => p.unwrap_or(true),
+            };
         let pricing = Pricing::new(
             spec,
             raw.kv_budget_bytes,

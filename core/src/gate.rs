@@ -60,8 +60,10 @@ impl Priced {
 
 /// What a refusal over the context adds when text was counted by an approximation.
 pub const APPROXIMATE_COUNT: &str = "This gateway counts text with an approximation of the \
-    model's tokenizer, padded, which may differ from the model's own count; a prompt sent as \
-    token ids is counted exactly.";
+    model's tokenizer, padded, which may differ from the model's own count.";
+
+/// And for a completions request, which may send its prompt as token ids instead.
+pub const TOKEN_IDS_EXACT: &str = "A prompt sent as token ids is counted exactly.";
 
 /// Count and price a request. Errors are final (400/413) and reserve nothing.
 pub fn price(
@@ -83,9 +85,13 @@ pub fn price(
         let e = e
             .with_status(cfg.context_error_status)
             .with_param(req.prompt_field());
+        let ids = match &req.input {
+            Input::Prompts(_) => format!(" {TOKEN_IDS_EXACT}"),
+            Input::Chat(_) => String::new(),
+        };
         if approximate {
             ApiError {
-                message: format!("{} {APPROXIMATE_COUNT}", e.message),
+                message: format!("{} {APPROXIMATE_COUNT}{ids}", e.message),
                 ..e
             }
         } else {
@@ -124,9 +130,10 @@ pub fn price(
             ErrorKind::ContextLengthExceeded => over_context(e),
             _ => e,
         })?;
-    // Priced from the backend's descriptor (or its padded fallback until it comes), the count
-    // is the backend's own or above it: the written cap fits, and it also bounds an endpoint
-    // serving a longer context than the one priced. Left out only with an inline model.
+    // Priced from the backend's descriptor, the count is the backend's own: the written cap
+    // fits, and it also bounds an endpoint serving a longer context than the one priced (the
+    // padded fallback, for the requests before the descriptor comes, only approximates that
+    // count and may fall short of it). Left out only with an inline model.
     price.cap_from_context &= !cfg.from_backend;
     Ok(Priced {
         prompt_tokens,
@@ -507,12 +514,21 @@ mod tests {
         assert_eq!(e.kind, ErrorKind::ContextLengthExceeded);
         // The refusal says the count is the gateway's approximation (and one of token ids
         // does not).
-        assert!(e.message.ends_with(APPROXIMATE_COUNT), "{}", e.message);
+        let said = format!("{APPROXIMATE_COUNT} {TOKEN_IDS_EXACT}");
+        assert!(e.message.ends_with(&said), "{}", e.message);
         let ids = format!(r#"{{"prompt":{:?},"max_tokens":5}}"#, vec![1; 9000]);
         let (req, _) = parse_request(Endpoint::Completions, ids.as_bytes()).unwrap();
         let e = price(&c, &cl, &req).unwrap_err();
         assert_eq!(e.kind, ErrorKind::ContextLengthExceeded);
         assert!(!e.message.contains(APPROXIMATE_COUNT), "{}", e.message);
+        // A chat has no token ids to offer instead.
+        let chat = format!(
+            r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "7".repeat(9000)
+        );
+        let (req, _) = parse_request(Endpoint::ChatCompletions, chat.as_bytes()).unwrap();
+        let e = price(&c, &cl, &req).unwrap_err();
+        assert!(e.message.ends_with(APPROXIMATE_COUNT), "{}", e.message);
     }
 
     #[test]

@@ -8,8 +8,9 @@
 //!   exactly as tiktoken when no piece can be long, and its capped form stops exactly past
 //!   the limit;
 //! - a priced request fits its context: every prompt + cap ≤ context, cap ≥ 1, and it was priced
-//!   at no fewer prompt tokens than counted (its text at no fewer than the multiplier's pad;
-//!   token arrays, and text with an exact tokenizer, at exactly the count).
+//!   at no fewer prompt tokens than counted: text at its padded count (`padded_count`: the
+//!   multiplier, and the runs unless `pad_runs` is off; the count itself with an exact
+//!   tokenizer), token arrays at their length.
 #![no_main]
 
 use std::sync::OnceLock;
@@ -17,7 +18,7 @@ use std::sync::OnceLock;
 use kvgate_core::config::Config;
 use kvgate_core::gate::price;
 use kvgate_core::request::{Input, PromptItem};
-use kvgate_core::tokenize::{Capped, LONG_PIECE_BYTES};
+use kvgate_core::tokenize::{padded_count, Capped, LONG_PIECE_BYTES};
 use kvgate_core::{
     parse_request, validate, write_cap, Encoding, Endpoint, ParsedRequest, Served, TokenCounter,
     TokenizerSpec,
@@ -25,11 +26,14 @@ use kvgate_core::{
 use libfuzzer_sys::fuzz_target;
 
 /// The shipped filter configuration (envoy/envoy.yaml: an approximate tokenizer, its counts
-/// padded by the multiplier and the runs it merges), and an exact one with a small context so
-/// pricing errors are reachable too.
-const CONFIGS: [&str; 2] = [
+/// padded by the multiplier and the runs it merges), one padded by its multiplier alone, and an
+/// exact one with a small context so pricing errors are reachable too.
+const CONFIGS: [&str; 3] = [
     r#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},
         "kv_budget_bytes":1073741824,"tokenizer":{"encoding":"cl100k_base","multiplier":1.6}}"#,
+    r#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},
+        "kv_budget_bytes":1073741824,
+        "tokenizer":{"encoding":"cl100k_base","multiplier":1.25,"pad_runs":false}}"#,
     r#"{"model":{"layers":1,"kv_heads":1,"head_dim":1,"kv_dtype_bytes":1,"context_tokens":64},
         "kv_budget_bytes":100000,"safety_fraction":1.0}"#,
 ];
@@ -184,23 +188,34 @@ fn check_price(
     assert_eq!(p.choices, req.choices());
     let counted = counter.count_input(&req.input);
     assert_eq!(p.prompt_tokens.len(), counted.len());
-    // Text counted by an approximation is priced at its padded count at least; token arrays
-    // exactly.
-    let text: Vec<bool> = match &req.input {
+    // Text is priced at its padded count (exactly the count with an exact tokenizer); token
+    // arrays at their length.
+    let m = cfg.token_multiplier;
+    let expected: Vec<u64> = match &req.input {
         Input::Prompts(items) => items
             .iter()
-            .map(|i| matches!(i, PromptItem::Text(_)))
+            .zip(&counted)
+            .map(|(i, &n)| match i {
+                PromptItem::Text(t) => {
+                    padded_count(n, m, Some(t.as_str()).filter(|_| cfg.pad_runs))
+                }
+                PromptItem::Tokens(_) => n,
+            })
             .collect(),
-        Input::Chat(_) => vec![true],
-    };
-    for ((&priced, &n), text) in p.prompt_tokens.iter().zip(&counted).zip(text) {
-        assert!(priced >= n, "priced {priced} prompt tokens, counted {n}");
-        if text && cfg.token_multiplier > 1.0 {
-            let padded = (n as f64 * cfg.token_multiplier).ceil() as u64;
-            assert!(priced >= padded, "priced {priced}, padded {padded}");
-        } else {
-            assert_eq!(priced, n, "an exact count padded");
+        Input::Chat(messages) => {
+            let texts = messages
+                .iter()
+                .filter(|_| cfg.pad_runs)
+                .flat_map(|x| [x.role.as_str(), x.content.as_str(), x.extra.as_str()]);
+            counted
+                .iter()
+                .map(|&n| padded_count(n, m, texts.clone()))
+                .collect()
         }
+    };
+    assert_eq!(p.prompt_tokens, expected, "priced against padded");
+    for (&priced, &n) in p.prompt_tokens.iter().zip(&counted) {
+        assert!(priced >= n, "priced {priced} prompt tokens, counted {n}");
         assert!(
             priced.saturating_add(cap) <= context,
             "prompt {priced} + cap {cap} past the context {context}"
