@@ -83,10 +83,11 @@ def test_an_approximate_tokenizer_pads_text_prompts_by_its_multiplier(gateway, u
     gw = gateway(budget(20_000))
     text = " ".join(["hello"] * 100)  # 100 cl100k tokens: "hello", then " hello" 99 times
     # Runs the approximation merges and SmolLM2 does not are padded apart: 300 digits are 100
-    # cl100k tokens ("777" is one) and 300 of SmolLM2's; 2,900 newlines 96 and 725.
+    # cl100k tokens ("777" is one), padded by 300 - 100; 2,900 newlines are 96 (SmolLM2: 725),
+    # padded by what they cost at 4 a token less the one counted.
     for body, prompt in [({"prompt": text, "max_tokens": 10}, math.ceil(100 * mult)),
-                         ({"prompt": "7" * 300, "max_tokens": 10}, math.ceil(100 * mult) + 200),
-                         ({"prompt": "\n" * 2900, "max_tokens": 10}, math.ceil(96 * mult) + 725 - 1),
+                         ({"prompt": "7" * 300, "max_tokens": 10}, math.ceil(100 * mult) + 300 - 100),
+                         ({"prompt": "\n" * 2900, "max_tokens": 10}, math.ceil(96 * mult) + math.ceil(2900 / 4) - 1),
                          ({"prompt": tokens(100), "max_tokens": 10}, 100)]:
         t, res = stream_in_background(gw, body)
         s = gw.wait_for(lambda s: s["leases"] == 1, what="the lease to appear")

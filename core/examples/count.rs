@@ -21,22 +21,22 @@ fn main() {
     let text = std::fs::read_to_string(file).expect("read file");
     let counter = TokenCounter::new(&TokenizerSpec::Builtin(enc)).expect("tokenizer");
     let tokens = counter.count_text(&text);
-    let start = Instant::now();
-    for _ in 0..iters {
-        std::hint::black_box(counter.count_text(std::hint::black_box(&text)));
-    }
-    let us = start.elapsed().as_secs_f64() * 1e6 / f64::from(iters);
+    let us = mean_us(iters, || counter.count_text(std::hint::black_box(&text)));
     match args.get(4) {
         Some(m) => {
             let m: f64 = m.parse().expect("multiplier");
-            let padded = padded_count(tokens, m, [text.as_str()]);
-            let start = Instant::now();
-            for _ in 0..iters {
-                std::hint::black_box(padded_count(tokens, m, [std::hint::black_box(&*text)]));
-            }
-            let pad_us = start.elapsed().as_secs_f64() * 1e6 / f64::from(iters);
-            println!("{tokens} {us:.1} {padded} {pad_us:.1}");
+            let pad = || padded_count(tokens, m, true, [std::hint::black_box(&*text)]);
+            println!("{tokens} {us:.1} {} {:.1}", pad(), mean_us(iters, pad));
         }
         None => println!("{tokens} {us:.1}"),
     }
+}
+
+/// The mean microseconds of `iters` calls of `f`.
+fn mean_us<T>(iters: u32, f: impl Fn() -> T) -> f64 {
+    let start = Instant::now();
+    for _ in 0..iters {
+        std::hint::black_box(f());
+    }
+    start.elapsed().as_secs_f64() * 1e6 / f64::from(iters)
 }

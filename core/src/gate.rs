@@ -85,17 +85,16 @@ pub fn price(
         let e = e
             .with_status(cfg.context_error_status)
             .with_param(req.prompt_field());
+        if !approximate {
+            return e;
+        }
         let ids = match &req.input {
             Input::Prompts(_) => format!(" {TOKEN_IDS_EXACT}"),
             Input::Chat(_) => String::new(),
         };
-        if approximate {
-            ApiError {
-                message: format!("{} {APPROXIMATE_COUNT}{ids}", e.message),
-                ..e
-            }
-        } else {
-            e
+        ApiError {
+            message: format!("{} {APPROXIMATE_COUNT}{ids}", e.message),
+            ..e
         }
     };
     let mut prompt_tokens = counter
@@ -104,22 +103,21 @@ pub fn price(
     if cfg.token_multiplier > 1.0 {
         // A fallback tokenizer only approximates the model's: pad text counts, and the runs it
         // merges apart (`tokenizer.pad_runs`; token arrays are exact and stay as they are).
+        let (m, runs) = (cfg.token_multiplier, cfg.pad_runs);
         match &req.input {
             Input::Prompts(items) => {
                 for (t, item) in prompt_tokens.iter_mut().zip(items) {
                     if let PromptItem::Text(text) = item {
-                        let runs = Some(text.as_str()).filter(|_| cfg.pad_runs);
-                        *t = padded_count(*t, cfg.token_multiplier, runs);
+                        *t = padded_count(*t, m, runs, [text.as_str()]);
                     }
                 }
             }
             Input::Chat(messages) => {
                 let texts = messages
                     .iter()
-                    .filter(|_| cfg.pad_runs)
                     .flat_map(|m| [m.role.as_str(), m.content.as_str(), m.extra.as_str()]);
                 if let Some(t) = prompt_tokens.first_mut() {
-                    *t = padded_count(*t, cfg.token_multiplier, texts);
+                    *t = padded_count(*t, m, runs, texts);
                 }
             }
         }

@@ -699,26 +699,63 @@ impl TokenCounter {
 }
 
 /// A text count by an approximate tokenizer, padded toward the model's (`multiplier` > 1 says
-/// the configured tokenizer is not the model's own): the count times `multiplier`, plus
-/// [`approximation_excess`] of each text counted (a chat's roles, contents and other fields).
+/// the configured tokenizer is not the model's own): the count times `multiplier`, plus, with
+/// `runs` (`tokenizer.pad_runs`), [`approximation_excess`] of each text counted (a chat's
+/// roles, contents and other fields).
 pub fn padded_count<'a>(
     count: u64,
     multiplier: f64,
+    runs: bool,
     texts: impl IntoIterator<Item = &'a str>,
 ) -> u64 {
     if multiplier <= 1.0 {
         return count;
     }
     let scaled = (count as f64 * multiplier).ceil() as u64;
+    if !runs {
+        return scaled;
+    }
     texts.into_iter().fold(scaled, |n, text| {
         n.saturating_add(approximation_excess(text))
     })
 }
 
+/// A maximal run [`approximation_excess`] prices: numeric characters, or one other character
+/// repeated.
+#[derive(Clone, Copy, PartialEq)]
+enum Run {
+    Digits,
+    Same(char),
+}
+
+impl Run {
+    fn of(c: char) -> Run {
+        if c.is_numeric() {
+            Run::Digits
+        } else {
+            Run::Same(c)
+        }
+    }
+
+    /// What a run of `n` costs the model past what the approximation surely counted.
+    fn excess(self, n: u64) -> u64 {
+        let priced = match self {
+            // Chunks of three were counted.
+            Run::Digits => return n - n.div_ceil(3),
+            Run::Same(' ') => n.div_ceil(16),
+            Run::Same(c) if c.is_ascii() => n.div_ceil(4),
+            Run::Same(c) if n >= 3 => n.saturating_mul(c.len_utf8() as u64),
+            Run::Same(_) => 1,
+        };
+        // At least one token was counted.
+        priced.saturating_sub(1)
+    }
+}
+
 /// What a model's tokenizer may count in `text` past an approximation, where no multiplier of
 /// a few covers the difference (measured with SmolLM2 against cl100k_base in BENCHMARKS.md,
-/// "An approximate tokenizer"): the approximation merges long runs the model's vocabulary
-/// does not. One pass over the text, as the count made. Per maximal run:
+/// "Runs the approximation merges, padded apart"): the approximation merges long runs the
+/// model's vocabulary does not. One pass over the text, as the count made. Per maximal run:
 /// - of `L` numeric characters (`\p{N}`): `L - ceil(L/3)`. Every built-in encoding but the
 ///   GPT-2 ones chunks digits by three (`\p{N}{1,3}`); SmolLM2's, Qwen2's and Llama 2's
 ///   tokenizers give each digit its own token.
@@ -731,40 +768,19 @@ pub fn padded_count<'a>(
 ///   as in Chinese 人人, costs nothing).
 pub fn approximation_excess(text: &str) -> u64 {
     let mut excess = 0u64;
-    let mut digits = 0u64;
-    let mut same: Option<(char, u64)> = None;
-    let run = |c: char, n: u64| -> u64 {
-        let priced = match c {
-            ' ' => n.div_ceil(16),
-            c if c.is_ascii() => n.div_ceil(4),
-            c if n >= 3 => n.saturating_mul(c.len_utf8() as u64),
-            _ => 1,
-        };
-        priced.saturating_sub(1)
-    };
+    let mut current: Option<(Run, u64)> = None;
     for c in text.chars() {
-        if c.is_numeric() {
-            digits += 1;
-        } else if digits > 0 {
-            excess = excess.saturating_add(digits - digits.div_ceil(3));
-            digits = 0;
-        }
-        same = match same {
-            Some((p, n)) if p == c => Some((p, n + 1)),
-            Some((p, n)) => {
-                if !p.is_numeric() {
-                    excess = excess.saturating_add(run(p, n));
+        let run = Run::of(c);
+        match &mut current {
+            Some((r, n)) if *r == run => *n += 1,
+            _ => {
+                if let Some((r, n)) = current.replace((run, 1)) {
+                    excess = excess.saturating_add(r.excess(n));
                 }
-                Some((c, 1))
             }
-            None => Some((c, 1)),
-        };
+        }
     }
-    excess = excess.saturating_add(digits - digits.div_ceil(3));
-    if let Some((p, n)) = same.filter(|(p, _)| !p.is_numeric()) {
-        excess = excess.saturating_add(run(p, n));
-    }
-    excess
+    current.map_or(excess, |(r, n)| excess.saturating_add(r.excess(n)))
 }
 
 /// One regex matching every special token, longest first so that one special that is a prefix of
@@ -902,42 +918,64 @@ mod tests {
         // far short of it, the digits' own pad does not.
         let served = 1200 * 9 + 1199;
         assert!(((counted as f64) * 1.6) < served as f64);
-        let padded = padded_count(counted, 1.6, [numbers.as_str()]);
+        let padded = padded_count(counted, 1.6, true, [numbers.as_str()]);
         assert_eq!(padded, (counted as f64 * 1.6).ceil() as u64 + 1200 * 6);
         assert!(padded >= served);
         // Text without digits is padded by the multiplier alone.
         let prose = "The quick brown fox jumps over the lazy dog.";
         let n = cl.count_text(prose);
         assert_eq!(
-            padded_count(n, 1.5, [prose]),
+            padded_count(n, 1.5, true, [prose]),
             (n as f64 * 1.5).ceil() as u64
         );
         // Runs end at any other character; a run of one or two digits is at most one token
         // past its chunk; every numeric character counts (here Arabic-Indic digits); each text
         // of a chat adds its own.
-        assert_eq!(padded_count(0, 1.1, ["12a34 5"]), 2);
-        assert_eq!(padded_count(0, 1.1, ["\u{661}\u{662}\u{663}\u{664}"]), 2);
-        assert_eq!(padded_count(0, 1.1, ["1234", "", "12"]), 3);
+        assert_eq!(padded_count(0, 1.1, true, ["12a34 5"]), 2);
+        assert_eq!(
+            padded_count(0, 1.1, true, ["\u{661}\u{662}\u{663}\u{664}"]),
+            2
+        );
+        assert_eq!(padded_count(0, 1.1, true, ["1234", "", "12"]), 3);
         // A run of one repeated character, past what the approximation surely gave it (one
         // token): a space at 16 a token, another ASCII character at 4, a character outside
         // ASCII at its bytes. Runs of up to 4 (16 spaces), pairs outside ASCII and single
         // characters cost nothing.
-        assert_eq!(padded_count(0, 1.1, ["\n".repeat(2900).as_str()]), 725 - 1);
-        assert_eq!(padded_count(0, 1.1, [" ".repeat(2900).as_str()]), 182 - 1);
         assert_eq!(
-            padded_count(0, 1.1, ["\u{200b}".repeat(900).as_str()]),
+            padded_count(0, 1.1, true, ["\n".repeat(2900).as_str()]),
+            725 - 1
+        );
+        assert_eq!(
+            padded_count(0, 1.1, true, [" ".repeat(2900).as_str()]),
+            182 - 1
+        );
+        assert_eq!(
+            padded_count(0, 1.1, true, ["\u{200b}".repeat(900).as_str()]),
             2700 - 1
         );
         assert_eq!(
-            padded_count(0, 1.1, ["a\n\n\n\nb                c  d\u{4eba}\u{4eba}"]),
+            padded_count(
+                0,
+                1.1,
+                true,
+                ["a\n\n\n\nb                c  d\u{4eba}\u{4eba}"]
+            ),
             0
         );
         // SmolLM2 counts 725 tokens for 2,900 newlines, cl100k_base 96: priced above the model.
         let newlines = "\n".repeat(2900);
         assert_eq!(cl.count_text(&newlines), 96);
-        assert!(padded_count(96, 1.6, [newlines.as_str()]) >= 725);
+        assert!(padded_count(96, 1.6, true, [newlines.as_str()]) >= 725);
         // A count the configuration calls exact (multiplier 1) is never padded.
-        assert_eq!(padded_count(counted, 1.0, [numbers.as_str()]), counted);
+        assert_eq!(
+            padded_count(counted, 1.0, true, [numbers.as_str()]),
+            counted
+        );
+        // Runs not padded (`tokenizer.pad_runs: false`): the multiplier alone.
+        assert_eq!(
+            padded_count(counted, 1.6, false, [numbers.as_str()]),
+            (counted as f64 * 1.6).ceil() as u64
+        );
     }
 
     #[test]

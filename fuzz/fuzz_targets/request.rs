@@ -196,20 +196,17 @@ fn check_price(
             .iter()
             .zip(&counted)
             .map(|(i, &n)| match i {
-                PromptItem::Text(t) => {
-                    padded_count(n, m, Some(t.as_str()).filter(|_| cfg.pad_runs))
-                }
+                PromptItem::Text(t) => padded_count(n, m, cfg.pad_runs, [t.as_str()]),
                 PromptItem::Tokens(_) => n,
             })
             .collect(),
         Input::Chat(messages) => {
             let texts = messages
                 .iter()
-                .filter(|_| cfg.pad_runs)
                 .flat_map(|x| [x.role.as_str(), x.content.as_str(), x.extra.as_str()]);
             counted
                 .iter()
-                .map(|&n| padded_count(n, m, texts.clone()))
+                .map(|&n| padded_count(n, m, cfg.pad_runs, texts.clone()))
                 .collect()
         }
     };
