@@ -40,6 +40,22 @@ def request_for(rng):
     return "/v1/completions", {"prompt": "1, 2, 3, 4,", "max_tokens": 300, "stream": True}, True, rng.randint(1, 8)
 
 
+def request_with_runs(rng):
+    """The mix, most of it prompts that cl100k_base counts far below SmolLM2: runs of newlines
+    (SmolLM2 counts one token per 4, cl100k_base one per ~30), of digits (one per digit against
+    one per 3) and of dots."""
+    kind = rng.random()
+    if kind < 0.4:
+        prompt = "\n" * rng.randint(1000, 2900)
+    elif kind < 0.55:
+        prompt = "7" * rng.randint(400, 1200)
+    elif kind < 0.65:
+        prompt = "." * rng.randint(1000, 2900)
+    else:
+        return request_for(rng)
+    return "/v1/completions", {"prompt": prompt, "max_tokens": rng.randint(4, 24)}, False, None
+
+
 def test_sustained_load_with_a_slow_backend_never_ooms_and_never_reclaims_a_live_lease(stack):
     sustained(stack, float(os.environ.get("SUSTAINED_SECONDS", "60")), {}, "--admission", "none")
 
@@ -75,17 +91,33 @@ def test_sustained_load_through_aged_queues_starves_no_class(stack):
     assert seen["served"].get("batch", 0) > 0 and seen["served"].get("vip", 0) > 0, seen
 
 
-def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False, headers=None):
+def test_sustained_load_of_runs_an_approximate_tokenizer_merges_never_ooms(stack):
+    """The shipped inline configuration (cl100k_base for SmolLM2, its counts padded) under the
+    mix with prompts made of runs, in front of a backend that admits everything (`--admission
+    none`): priced below the model's count, such prompts would take more KV than reserved and
+    run the backend out mid-decode. The pad for the runs keeps every reservation above it."""
+    sustained(stack, float(os.environ.get("RUNS_SUSTAINED_SECONDS", "40")), {}, "--admission", "none",
+              mix=request_with_runs, inline=True)
+
+
+def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False, headers=None,
+              mix=request_for, inline=False):
     blocks = 160  # 2,560 tokens: a few long prompts at once
-    gw, b = stack(blocks, {
+    # The model from the backend's descriptor (exact counts once it is in), or, inline, the
+    # shipped configuration's: cl100k_base, padded, throughout.
+    pricing = {} if inline else {
         "model": "from_backend", "fallback_model": SPEC, "fallback_token_multiplier": 1.5,
         "tokenizer": {"encoding": "cl100k_base"},  # the fallback's pad, not the shipped one's
+    }
+    gw, b = stack(blocks, {
+        **pricing,
         "tick_ms": 100,
         "lease_ttl": {"base_ms": 1000, "per_output_token_ms": 0, "max_ms": 1000},
         "backend": {"poll_ms": 200, "timeout_ms": 1000, "lost_grace_ms": 400, "down_after_failures": 5},
         **overrides,
     }, *backend_flags, "--step-delay-ms", "150", concurrency=2)
-    gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
+    if not inline:
+        gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
     if wait_elastic:
         gw.wait_for(lambda s: s["elastic"]["default"]["active"], 10, "the backend known to lend")
         time.sleep(1.0)  # every worker has polled
@@ -117,7 +149,7 @@ def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False, hea
         rng = random.Random(seed)
         h = headers(seed) if headers else {}
         while time.time() < deadline:
-            path, body, stream, abort_after = request_for(rng)
+            path, body, stream, abort_after = mix(rng)
             body = {"model": MODEL, "temperature": 0, **body}
             r = requests.post(gw.url + path, json=body, stream=stream, timeout=300, headers=h)
             if r.status_code == 429:
