@@ -715,9 +715,13 @@ pub fn padded_count<'a>(
     if !runs {
         return scaled;
     }
-    texts.into_iter().fold(scaled, |n, text| {
-        n.saturating_add(approximation_excess(text))
-    })
+    let (padded, floor) = texts.into_iter().fold((scaled, 0u64), |(n, floor), text| {
+        (
+            n.saturating_add(approximation_excess(text)),
+            floor.saturating_add(pretokens(text)),
+        )
+    });
+    padded.max(floor)
 }
 
 /// A maximal run [`approximation_excess`] prices: numeric characters, or one other character
@@ -769,18 +773,122 @@ impl Run {
 pub fn approximation_excess(text: &str) -> u64 {
     let mut excess = 0u64;
     let mut current: Option<(Run, u64)> = None;
+    // Spaces or symbols of more than one kind in a row, and how often the character changed.
+    let mut mixed: Option<(Class, u64)> = None;
     for c in text.chars() {
         let run = Run::of(c);
         match &mut current {
             Some((r, n)) if *r == run => *n += 1,
-            _ => {
+            Some(_) | None => {
                 if let Some((r, n)) = current.replace((run, 1)) {
                     excess = excess.saturating_add(r.excess(n));
+                }
+                let class = Class::of(c);
+                match &mut mixed {
+                    Some((k, changes)) if *k == class => *changes += 1,
+                    Some(_) | None => {
+                        let kept =
+                            matches!(class, Class::Space | Class::Other).then_some((class, 0));
+                        if let Some((_, changes)) = std::mem::replace(&mut mixed, kept) {
+                            excess = excess.saturating_add(mixed_excess(changes));
+                        }
+                    }
                 }
             }
         }
     }
+    let excess = mixed.map_or(excess, |(_, changes)| {
+        excess.saturating_add(mixed_excess(changes))
+    });
     current.map_or(excess, |(r, n)| excess.saturating_add(r.excess(n)))
+}
+
+/// What a run of spaces or symbols costs past its approximation when its character changes
+/// `changes` times: SmolLM2 gives `\n ` and `\n\t` a token a pair, ` \t` and `-_` one a
+/// character, where cl100k_base merges them by 4 to 16. A line break and its indentation, a
+/// blank line that keeps its indentation, or `();`, change three times or less and cost nothing.
+fn mixed_excess(changes: u64) -> u64 {
+    changes.saturating_sub(3) / 2
+}
+
+/// Where a piece of text starts, by its first character: the classes of a GPT-2-style
+/// pre-tokenizer's pattern.
+#[derive(Clone, Copy, PartialEq)]
+enum Class {
+    Letter,
+    Number,
+    Space,
+    Other,
+}
+
+impl Class {
+    fn of(c: char) -> Class {
+        if c.is_numeric() {
+            Class::Number
+        } else if c.is_alphabetic() {
+            Class::Letter
+        } else if c.is_whitespace() {
+            Class::Space
+        } else {
+            Class::Other
+        }
+    }
+}
+
+/// How many pieces SmolLM2's pre-tokenizer cuts `text` into before its BPE merges anything, so
+/// at least as many tokens as the model counts (each piece is one token or more). Its pattern
+/// (GPT-2's, with each digit its own piece; FACTS.md):
+/// `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+`,
+/// matched by hand in one pass. An approximation like cl100k_base merges one punctuation
+/// character into the word after it (`/b`), where this pattern cuts them apart: a path `a/b/c/`
+/// is a token a character to SmolLM2 and one per two to cl100k_base. Letters are Rust's
+/// alphabetic characters, a superset of `\p{L}` (combining marks join the letters around them),
+/// so the count is never above the pattern's.
+pub fn pretokens(text: &str) -> u64 {
+    let mut pieces = 0u64;
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        pieces += 1;
+        let class = Class::of(c);
+        match (class, chars.peek().map(|&n| Class::of(n))) {
+            (Class::Number, _) => {}
+            // A contraction: an apostrophe and `s`, `t`, `re`, `ve`, `m`, `ll` or `d`.
+            (Class::Other, Some(Class::Letter)) if c == '\'' => {
+                let mut ahead = chars.clone();
+                let take = match (ahead.next(), ahead.next()) {
+                    (Some('s' | 't' | 'm' | 'd'), _) => 1,
+                    (Some('r' | 'v'), Some('e')) | (Some('l'), Some('l')) => 2,
+                    _ => 0,
+                };
+                for _ in 0..take {
+                    chars.next();
+                }
+            }
+            (Class::Letter | Class::Other, _) => {
+                while chars.next_if(|&n| Class::of(n) == class).is_some() {}
+            }
+            // One space joins the letters or symbols after it.
+            (Class::Space, Some(word @ (Class::Letter | Class::Other))) if c == ' ' => {
+                while chars.next_if(|&n| Class::of(n) == word).is_some() {}
+            }
+            (Class::Space, _) => {
+                let (mut len, mut last) = (1u64, c);
+                while let Some(n) = chars.next_if(|n| n.is_whitespace()) {
+                    (len, last) = (len + 1, n);
+                }
+                // Before a letter or symbol the run leaves its last character out: a space joins
+                // the piece after it, anything else is a piece of its own.
+                let before_word = matches!(
+                    chars.peek().map(|&n| Class::of(n)),
+                    Some(Class::Letter | Class::Other)
+                );
+                if len > 1 && last != ' ' && before_word {
+                    pieces += 1;
+                }
+            }
+        }
+    }
+    pieces
 }
 
 /// One regex matching every special token, longest first so that one special that is a prefix of
@@ -906,6 +1014,11 @@ mod tests {
         }
     }
 
+    /// The run pad of the texts of one request.
+    fn excess(texts: &[&str]) -> u64 {
+        texts.iter().map(|t| approximation_excess(t)).sum()
+    }
+
     #[test]
     fn an_approximate_count_is_padded_by_its_multiplier_digits_and_runs() {
         let cl = TokenCounter::new(&TokenizerSpec::Builtin(Encoding::Cl100kBase)).unwrap();
@@ -931,37 +1044,27 @@ mod tests {
         // Runs end at any other character; a run of one or two digits is at most one token
         // past its chunk; every numeric character counts (here Arabic-Indic digits); each text
         // of a chat adds its own.
-        assert_eq!(padded_count(0, 1.1, true, ["12a34 5"]), 2);
-        assert_eq!(
-            padded_count(0, 1.1, true, ["\u{661}\u{662}\u{663}\u{664}"]),
-            2
-        );
-        assert_eq!(padded_count(0, 1.1, true, ["1234", "", "12"]), 3);
+        assert_eq!(excess(&["12a34 5"]), 2);
+        assert_eq!(excess(&["\u{661}\u{662}\u{663}\u{664}"]), 2);
+        assert_eq!(excess(&["1234", "", "12"]), 3);
         // A run of one repeated character, past what the approximation surely gave it (one
         // token): a space at 16 a token, another ASCII character at 4, a character outside
         // ASCII at its bytes. Runs of up to 4 (16 spaces), pairs outside ASCII and single
         // characters cost nothing.
+        assert_eq!(excess(&["\n".repeat(2900).as_str()]), 725 - 1);
+        assert_eq!(excess(&[" ".repeat(2900).as_str()]), 182 - 1);
+        assert_eq!(excess(&["\u{200b}".repeat(900).as_str()]), 2700 - 1);
         assert_eq!(
-            padded_count(0, 1.1, true, ["\n".repeat(2900).as_str()]),
-            725 - 1
-        );
-        assert_eq!(
-            padded_count(0, 1.1, true, [" ".repeat(2900).as_str()]),
-            182 - 1
-        );
-        assert_eq!(
-            padded_count(0, 1.1, true, ["\u{200b}".repeat(900).as_str()]),
-            2700 - 1
-        );
-        assert_eq!(
-            padded_count(
-                0,
-                1.1,
-                true,
-                ["a\n\n\n\nb                c  d\u{4eba}\u{4eba}"]
-            ),
+            excess(&["a\n\n\n\nb                c  d\u{4eba}\u{4eba}"]),
             0
         );
+        // Spaces or symbols of several kinds in a row: half a token each time the character
+        // changes, past the third change. A line break with its indentation, a blank line
+        // that keeps it and `();` cost nothing.
+        assert_eq!(excess(&["\n ".repeat(1000).as_str()]), 998);
+        assert_eq!(excess(&["-_".repeat(1000).as_str()]), 998);
+        assert_eq!(excess(&["a\n    \n  b();\n"]), 0);
+        assert_eq!(excess(&["x \t \t \ty"]), 1);
         // SmolLM2 counts 725 tokens for 2,900 newlines, cl100k_base 96: priced above the model.
         let newlines = "\n".repeat(2900);
         assert_eq!(cl.count_text(&newlines), 96);
@@ -1151,6 +1254,73 @@ mod tests {
             repeated,
             random_bytes,
         ]
+    }
+
+    /// SmolLM2's pre-tokenizer pattern (FACTS.md), which [`pretokens`] matches by hand.
+    const SMOLLM2_PATTERN: &str =
+        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+";
+
+    fn pattern_pieces(text: &str) -> u64 {
+        let re = fancy_regex::Regex::new(SMOLLM2_PATTERN).unwrap();
+        re.find_iter(text).map(|m| m.unwrap()).count() as u64
+    }
+
+    #[test]
+    fn pretokens_are_the_pieces_of_smollm2s_pattern_and_floor_an_approximate_count() {
+        for (text, pieces) in [
+            // A path: cl100k_base merges each slash into the letter after it, SmolLM2 does not.
+            ("a/b/c/d/", 8),
+            ("don't stop", 3),
+            ("  hello", 2),
+            ("\n\nhello", 3),
+            ("x  \n  y", 3),
+            (" 12", 3),
+            ("", 0),
+        ] {
+            assert_eq!(pattern_pieces(text), pieces, "{text:?}");
+            assert_eq!(pretokens(text), pieces, "{text:?}");
+        }
+        // Contractions and apostrophes that are none.
+        for text in ["'hello", "it's", "we'll've'd", "'r'l'", "'s's"] {
+            assert_eq!(pretokens(text), pattern_pieces(text), "{text:?}");
+        }
+        // A path priced by cl100k_base at 1.6 falls short of SmolLM2's count (a token a
+        // character, BENCHMARKS.md); its pieces floor the price.
+        let cl = TokenCounter::new(&TokenizerSpec::Builtin(Encoding::Cl100kBase)).unwrap();
+        let path = "a/b/c/d/".repeat(250);
+        let counted = cl.count_text(&path);
+        assert!(((counted as f64) * 1.6) < 2000.0, "{counted}");
+        assert_eq!(padded_count(counted, 1.6, true, [path.as_str()]), 2000);
+        // Prose is priced by its multiplier, far above its pieces.
+        let prose = "The quick brown fox jumps over the lazy dog.";
+        assert_eq!(pretokens(prose), 10);
+        let n = cl.count_text(prose);
+        assert_eq!(
+            padded_count(n, 1.5, true, [prose]),
+            (n as f64 * 1.5).ceil() as u64
+        );
+        // The pieces of every text of a request add up; without the run pad, no floor.
+        assert_eq!(padded_count(0, 1.1, true, ["a/b", "c/d"]), 6);
+        assert_eq!(padded_count(0, 1.1, false, ["a/b", "c/d"]), 0);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        /// [`pretokens`] counts what the pattern matches, and never more: exactly without
+        /// combining marks, at most as many with them.
+        #[test]
+        fn pretokens_match_smollm2s_pattern(
+            t in proptest::collection::vec(proptest::sample::select(
+                &['a', 'Z', 'é', '中', '1', '\u{661}', ' ', ' ', '\n', '\t', '\u{a0}', '/', '.', '😀', '\u{200b}', '\'', 's', 'r', 'e', 'l'][..]), 0..60),
+            marks in proptest::collection::vec(proptest::sample::select(
+                &['a', ' ', '\'', 's', 'l', '\u{301}', '\u{94d}', 'क', '.', '\n'][..]), 0..60),
+        ) {
+            let t: String = t.into_iter().collect();
+            prop_assert_eq!(pretokens(&t), pattern_pieces(&t), "{:?}", t);
+            let m: String = marks.into_iter().collect();
+            prop_assert!(pretokens(&m) <= pattern_pieces(&m), "{:?}", m);
+        }
     }
 
     proptest! {
