@@ -54,6 +54,11 @@ HOSTILE = {
     "hostile: indented code": "\n" + " " * 16 + "x = 1",
     "hostile: newline, space": "\n ",
     "hostile: path": "a/b/c/d/",
+    "hostile: newline, tab": "\n\t",
+    "hostile: space, tab": " \t",
+    "hostile: dash, underscore": "-_",
+    "hostile: apostrophe, letter": "'a",
+    "hostile: comment opener": "/**\n",
 }
 
 

@@ -84,10 +84,15 @@ def test_an_approximate_tokenizer_pads_text_prompts_by_its_multiplier(gateway, u
     text = " ".join(["hello"] * 100)  # 100 cl100k tokens: "hello", then " hello" 99 times
     # Runs the approximation merges and SmolLM2 does not are padded apart: 300 digits are 100
     # cl100k tokens ("777" is one), padded by 300 - 100; 2,900 newlines are 96 (SmolLM2: 725),
-    # padded by what they cost at 4 a token less the one counted.
+    # padded by what they cost at 4 a token less the one counted. A path "a/b/c/d/" is a token
+    # a character to SmolLM2 and 401 cl100k tokens for 800 characters: priced at least at the
+    # 800 pieces SmolLM2's pre-tokenizer cuts it into. "\n\t" repeated 500 times is 127: padded
+    # by half a token for each change of character past the third.
     for body, prompt in [({"prompt": text, "max_tokens": 10}, math.ceil(100 * mult)),
                          ({"prompt": "7" * 300, "max_tokens": 10}, math.ceil(100 * mult) + 300 - 100),
                          ({"prompt": "\n" * 2900, "max_tokens": 10}, math.ceil(96 * mult) + math.ceil(2900 / 4) - 1),
+                         ({"prompt": "a/b/c/d/" * 100, "max_tokens": 10}, 800),
+                         ({"prompt": "\n\t" * 500, "max_tokens": 10}, math.ceil(127 * mult) + (999 - 3) // 2),
                          ({"prompt": tokens(100), "max_tokens": 10}, 100)]:
         t, res = stream_in_background(gw, body)
         s = gw.wait_for(lambda s: s["leases"] == 1, what="the lease to appear")
@@ -102,7 +107,7 @@ def test_an_approximate_tokenizer_pads_text_prompts_by_its_multiplier(gateway, u
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded"
     assert "approximation of the model's tokenizer" in err["message"], err  # and says why
-    assert len(upstream.requests()) == 4
+    assert len(upstream.requests()) == 6
     gw.assert_drained()
 
 

@@ -202,7 +202,9 @@ pub struct RawTokenizer {
     /// place of `fallback_token_multiplier`).
     pub multiplier: Option<f64>,
     /// With a multiplier (or `"from_backend"`'s fallback): also pad the runs this tokenizer
-    /// merges and the model may not (`tokenize::approximation_excess`). Default true.
+    /// merges and the model may not (`tokenize::approximation_excess`), and price no text
+    /// below the pieces the model's pre-tokenizer cuts it into (`tokenize::pretokens`).
+    /// Default true.
     pub pad_runs: Option<bool>,
 }
 

@@ -701,7 +701,8 @@ impl TokenCounter {
 /// A text count by an approximate tokenizer, padded toward the model's (`multiplier` > 1 says
 /// the configured tokenizer is not the model's own): the count times `multiplier`, plus, with
 /// `runs` (`tokenizer.pad_runs`), [`approximation_excess`] of each text counted (a chat's
-/// roles, contents and other fields).
+/// roles, contents and other fields), and never below the [`pretokens`] of those texts (what
+/// SmolLM2's pre-tokenizer cuts them into, each a token at least).
 pub fn padded_count<'a>(
     count: u64,
     multiplier: f64,
@@ -733,14 +734,6 @@ enum Run {
 }
 
 impl Run {
-    fn of(c: char) -> Run {
-        if c.is_numeric() {
-            Run::Digits
-        } else {
-            Run::Same(c)
-        }
-    }
-
     /// What a run of `n` costs the model past what the approximation surely counted.
     fn excess(self, n: u64) -> u64 {
         let priced = match self {
@@ -770,69 +763,10 @@ impl Run {
 ///   and a character outside ASCII repeated 3 times or more, its UTF-8 bytes (the most a
 ///   byte-level tokenizer makes of it: SmolLM2 gives a zero-width space two tokens; a pair,
 ///   as in Chinese 人人, costs nothing).
+/// - of spaces, or of symbols, of more than one kind: half a token for each change of character
+///   past the third (`mixed_excess`).
 pub fn approximation_excess(text: &str) -> u64 {
-    let mut excess = 0u64;
-    let mut current: Option<(Run, u64)> = None;
-    // Spaces or symbols of more than one kind in a row, and how often the character changed.
-    let mut mixed: Option<(Class, u64)> = None;
-    for c in text.chars() {
-        let run = Run::of(c);
-        match &mut current {
-            Some((r, n)) if *r == run => *n += 1,
-            Some(_) | None => {
-                if let Some((r, n)) = current.replace((run, 1)) {
-                    excess = excess.saturating_add(r.excess(n));
-                }
-                let class = Class::of(c);
-                match &mut mixed {
-                    Some((k, changes)) if *k == class => *changes += 1,
-                    Some(_) | None => {
-                        let kept =
-                            matches!(class, Class::Space | Class::Other).then_some((class, 0));
-                        if let Some((_, changes)) = std::mem::replace(&mut mixed, kept) {
-                            excess = excess.saturating_add(mixed_excess(changes));
-                        }
-                    }
-                }
-            }
-        }
-    }
-    let excess = mixed.map_or(excess, |(_, changes)| {
-        excess.saturating_add(mixed_excess(changes))
-    });
-    current.map_or(excess, |(r, n)| excess.saturating_add(r.excess(n)))
-}
-
-/// What a run of spaces or symbols costs past its approximation when its character changes
-/// `changes` times: SmolLM2 gives `\n ` and `\n\t` a token a pair, ` \t` and `-_` one a
-/// character, where cl100k_base merges them by 4 to 16. A line break and its indentation, a
-/// blank line that keeps its indentation, or `();`, change three times or less and cost nothing.
-fn mixed_excess(changes: u64) -> u64 {
-    changes.saturating_sub(3) / 2
-}
-
-/// Where a piece of text starts, by its first character: the classes of a GPT-2-style
-/// pre-tokenizer's pattern.
-#[derive(Clone, Copy, PartialEq)]
-enum Class {
-    Letter,
-    Number,
-    Space,
-    Other,
-}
-
-impl Class {
-    fn of(c: char) -> Class {
-        if c.is_numeric() {
-            Class::Number
-        } else if c.is_alphabetic() {
-            Class::Letter
-        } else if c.is_whitespace() {
-            Class::Space
-        } else {
-            Class::Other
-        }
-    }
+    pad(text).excess
 }
 
 /// How many pieces SmolLM2's pre-tokenizer cuts `text` into before its BPE merges anything, so
@@ -845,50 +779,183 @@ impl Class {
 /// alphabetic characters, a superset of `\p{L}` (combining marks join the letters around them),
 /// so the count is never above the pattern's.
 pub fn pretokens(text: &str) -> u64 {
-    let mut pieces = 0u64;
-    let mut chars = text.chars().peekable();
-    while let Some(c) = chars.next() {
-        pieces += 1;
+    pad(text).pieces
+}
+
+/// What a run of spaces or symbols costs past its approximation when its character changes
+/// `changes` times: SmolLM2 gives `\n ` and `\n\t` a token a pair, ` \t` and `-_` one a
+/// character, where cl100k_base merges them by 4 to 16. A line break and its indentation, a
+/// blank line that keeps its indentation, or `();`, change three times or less and cost nothing.
+fn mixed_excess(changes: u64) -> u64 {
+    changes.saturating_sub(3) / 2
+}
+
+/// A character's class in a GPT-2-style pre-tokenizer's pattern.
+#[derive(Clone, Copy, PartialEq)]
+enum Class {
+    Letter,
+    Number,
+    Space,
+    Other,
+}
+
+impl Class {
+    fn of(c: char) -> Class {
+        match u8::try_from(c) {
+            Ok(b) if b.is_ascii() => ASCII_CLASSES[usize::from(b)],
+            _ if c.is_numeric() => Class::Number,
+            _ if c.is_alphabetic() => Class::Letter,
+            _ if c.is_whitespace() => Class::Space,
+            _ => Class::Other,
+        }
+    }
+}
+
+/// [`Class::of`] each ASCII character, looked up (`char::is_whitespace`'s ASCII set).
+const ASCII_CLASSES: [Class; 128] = {
+    let mut classes = [Class::Other; 128];
+    let mut b = 0;
+    while b < 128 {
+        classes[b] = match b as u8 {
+            b'0'..=b'9' => Class::Number,
+            b'a'..=b'z' | b'A'..=b'Z' => Class::Letter,
+            b'\t'..=b'\r' | b' ' => Class::Space,
+            _ => Class::Other,
+        };
+        b += 1;
+    }
+    classes
+};
+
+/// What one text adds to an approximate count: [`approximation_excess`] and [`pretokens`].
+#[derive(Default)]
+struct Pad {
+    excess: u64,
+    pieces: u64,
+}
+
+/// A letter run right after an apostrophe that began a piece: a contraction (`'s`, `'t`, `'re`,
+/// `'ve`, `'m`, `'ll`, `'d`) if it ends exactly there, where the pattern cuts one piece of the
+/// apostrophe and those letters.
+fn contraction(letters: &[char]) -> bool {
+    matches!(
+        letters,
+        ['s' | 't' | 'm' | 'd'] | ['r' | 'v', 'e'] | ['l', 'l']
+    )
+}
+
+/// [`approximation_excess`] and [`pretokens`] of `text`, in one pass over its characters, each
+/// classed once; most of the work is done where the character or its class changes.
+fn pad(text: &str) -> Pad {
+    let mut pad = Pad::default();
+    let (mut prev, mut prev_class) = ('\0', None);
+    // The run of one character (or of digits) being priced, and its length.
+    let mut run = 0u64;
+    // How often the character changed in a row of spaces, or of symbols.
+    let mut changes = 0u64;
+    // The whitespace run before this character: its length and last character.
+    let (mut spaces, mut last_space) = (0u64, ' ');
+    // An apostrophe that began a piece just before; the letters (up to three) of a run that
+    // followed one.
+    let mut apostrophe = false;
+    let mut after_apostrophe: Option<([char; 3], usize)> = None;
+    for c in text.chars() {
         let class = Class::of(c);
-        match (class, chars.peek().map(|&n| Class::of(n))) {
-            (Class::Number, _) => {}
-            // A contraction: an apostrophe and `s`, `t`, `re`, `ve`, `m`, `ll` or `d`.
-            (Class::Other, Some(Class::Letter)) if c == '\'' => {
-                let mut ahead = chars.clone();
-                let take = match (ahead.next(), ahead.next()) {
-                    (Some('s' | 't' | 'm' | 'd'), _) => 1,
-                    (Some('r' | 'v'), Some('e')) | (Some('l'), Some('l')) => 2,
-                    _ => 0,
+        let same_class = prev_class == Some(class);
+        if c == prev || (same_class && class == Class::Number) {
+            run += 1;
+        } else {
+            if run > 1 {
+                let r = match prev_class {
+                    Some(Class::Number) => Run::Digits,
+                    _ => Run::Same(prev),
                 };
-                for _ in 0..take {
-                    chars.next();
+                pad.excess = pad.excess.saturating_add(r.excess(run));
+            }
+            run = 1;
+            if same_class && matches!(class, Class::Space | Class::Other) {
+                changes += 1;
+            }
+        }
+        if same_class {
+            match class {
+                Class::Space => (spaces, last_space) = (spaces + 1, c),
+                Class::Letter => {
+                    if let Some((letters, n)) = &mut after_apostrophe {
+                        if *n < 3 {
+                            letters[*n] = c;
+                        }
+                        *n = (*n + 1).min(3);
+                    }
+                }
+                // Each digit is a piece.
+                Class::Number => pad.pieces += 1,
+                // The apostrophe began a run of symbols, not a contraction.
+                Class::Other => apostrophe = false,
+            }
+            prev = c;
+            continue;
+        }
+        // The class changed: close what the previous class began.
+        pad.excess = pad.excess.saturating_add(mixed_excess(changes));
+        changes = 0;
+        let began_apostrophe = std::mem::take(&mut apostrophe);
+        match prev_class {
+            Some(Class::Space) => {
+                pad.pieces += match class {
+                    Class::Letter | Class::Other => {
+                        u64::from(spaces > 1) + u64::from(last_space != ' ')
+                    }
+                    _ => 1,
+                };
+            }
+            Some(Class::Letter) => {
+                if let Some((letters, n)) = after_apostrophe.take() {
+                    if n <= 2 && contraction(&letters[..n]) {
+                        pad.pieces = pad.pieces.saturating_sub(1);
+                    }
                 }
             }
-            (Class::Letter | Class::Other, _) => {
-                while chars.next_if(|&n| Class::of(n) == class).is_some() {}
-            }
-            // One space joins the letters or symbols after it.
-            (Class::Space, Some(word @ (Class::Letter | Class::Other))) if c == ' ' => {
-                while chars.next_if(|&n| Class::of(n) == word).is_some() {}
-            }
-            (Class::Space, _) => {
-                let (mut len, mut last) = (1u64, c);
-                while let Some(n) = chars.next_if(|n| n.is_whitespace()) {
-                    (len, last) = (len + 1, n);
+            _ => {}
+        }
+        match class {
+            Class::Space => (spaces, last_space) = (1, c),
+            Class::Letter => {
+                pad.pieces += 1;
+                if began_apostrophe {
+                    after_apostrophe = Some(([c, ' ', ' '], 1));
                 }
-                // Before a letter or symbol the run leaves its last character out: a space joins
-                // the piece after it, anything else is a piece of its own.
-                let before_word = matches!(
-                    chars.peek().map(|&n| Class::of(n)),
-                    Some(Class::Letter | Class::Other)
-                );
-                if len > 1 && last != ' ' && before_word {
-                    pieces += 1;
+            }
+            Class::Other => {
+                pad.pieces += 1;
+                // A space before it joined its piece: no contraction there.
+                let joined = prev_class == Some(Class::Space) && last_space == ' ';
+                apostrophe = c == '\'' && !joined;
+            }
+            Class::Number => pad.pieces += 1,
+        }
+        (prev, prev_class) = (c, Some(class));
+    }
+    if run > 1 {
+        let r = match prev_class {
+            Some(Class::Number) => Run::Digits,
+            _ => Run::Same(prev),
+        };
+        pad.excess = pad.excess.saturating_add(r.excess(run));
+    }
+    pad.excess = pad.excess.saturating_add(mixed_excess(changes));
+    match prev_class {
+        Some(Class::Space) => pad.pieces += 1,
+        Some(Class::Letter) => {
+            if let Some((letters, n)) = after_apostrophe {
+                if n <= 2 && contraction(&letters[..n]) {
+                    pad.pieces = pad.pieces.saturating_sub(1);
                 }
             }
         }
+        _ => {}
     }
-    pieces
+    pad
 }
 
 /// One regex matching every special token, longest first so that one special that is a prefix of
