@@ -5,7 +5,7 @@ count, per kind of text, and the count the filter prices after padding it (`toke
 and the runs the approximation merges that the model may not: `kvgate_core::tokenize::
 padded_count`). This is the figure behind `tokenizer.multiplier` in envoy/envoy.yaml.
 
-    .venv/bin/python bench/tokenizer_ratio.py [--encoding cl100k_base] [--multiplier 1.6]
+    .venv/bin/python bench/tokenizer_ratio.py [--encoding cl100k_base] [--multiplier 1.6] [--only NAME]
 
 Needs `make backend-build model` and `cargo build --release -p kvgate-core --example count`.
 The texts: files of this repository (prose, code, YAML), seeded JSON records and numbers, and
@@ -98,6 +98,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--encoding", default="cl100k_base")
     ap.add_argument("--multiplier", type=float, default=1.6, help="tokenizer.multiplier (envoy/envoy.yaml's)")
+    ap.add_argument("--only", action="append", default=[],
+                    help="measure only the texts whose name contains this (repeatable)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         backend = Backend(tmp)
@@ -108,6 +110,8 @@ def main():
             print(f"| text | model's tokens | {enc} tokens | model / {enc} | priced (x{m} + runs) | priced / model |")
             print("|---|---:|---:|---:|---:|---:|")
             for name, text in texts():
+                if args.only and not any(o in name for o in args.only):
+                    continue
                 text = text[:MAX_CHARS]
                 # The hostile texts in smaller chunks: the model counts up to 3 tokens a character.
                 size = CHUNK_CHARS if not name.startswith("hostile") else HOSTILE_CHUNK_CHARS
