@@ -101,8 +101,9 @@ pub fn price(
         .count_input_capped(&req.input, context)
         .map_err(|_| over_context(prompt_over_context(req.requested_cap(), context)))?;
     if cfg.token_multiplier > 1.0 {
-        // A fallback tokenizer only approximates the model's: pad text counts, and the runs it
-        // merges apart (`tokenizer.pad_runs`; token arrays are exact and stay as they are).
+        // A fallback tokenizer only approximates the model's: pad text counts, and with
+        // `tokenizer.pad_runs` the runs it merges, never below the pieces the model's
+        // pre-tokenizer cuts (`padded_count`; token arrays are exact and stay as they are).
         let (m, runs) = (cfg.token_multiplier, cfg.pad_runs);
         match &req.input {
             Input::Prompts(items) => {
