@@ -170,8 +170,10 @@ fn pad(text: &str) -> Pad {
     let (mut prev, mut prev_class) = ('\0', None);
     // The run of one character (or of digits) being priced, and its length.
     let mut run = 0u64;
-    // How often the character changed in a row of spaces, or of symbols.
-    let mut changes = 0u64;
+    // How often the character changed in a row of spaces, or of symbols, and the class of the
+    // previous character as [`Class::of`] gave it (a row of symbols ends at a letter outside
+    // ASCII even where its piece goes on).
+    let (mut changes, mut prev_raw) = (0u64, None);
     // The whitespace run before this character: its length and last character.
     let (mut spaces, mut last_space) = (0u64, ' ');
     // An apostrophe that began a piece just before; the letters (up to three) of a run that
@@ -179,7 +181,8 @@ fn pad(text: &str) -> Pad {
     let mut apostrophe = false;
     let mut after_apostrophe: Option<(char, char, u8)> = None;
     for c in text.chars() {
-        let class = match (Class::of(c), prev_class) {
+        let raw = Class::of(c);
+        let class = match (raw, prev_class) {
             // A contraction ends here, and the pattern's next piece begins at this character
             // (the piece counted for the contraction's letters is this one's).
             (Class::Alpha, Some(Class::Letter)) if after_apostrophe.is_some_and(contraction) => {
@@ -201,10 +204,14 @@ fn pad(text: &str) -> Pad {
         } else {
             pad.run(prev, prev_class, run);
             run = 1;
-            if same_class && matches!(class, Class::Space | Class::Other) {
+            if prev_raw != Some(raw) {
+                pad.excess = pad.excess.saturating_add(mixed_excess(changes));
+                changes = 0;
+            } else if matches!(raw, Class::Space | Class::Other) {
                 changes += 1;
             }
         }
+        prev_raw = Some(raw);
         if same_class {
             match class {
                 Class::Space => (spaces, last_space) = (spaces + 1, c),
@@ -226,8 +233,6 @@ fn pad(text: &str) -> Pad {
             continue;
         }
         // The class changed: close what the previous class began.
-        pad.excess = pad.excess.saturating_add(mixed_excess(changes));
-        changes = 0;
         let began_apostrophe = std::mem::take(&mut apostrophe);
         match prev_class {
             Some(Class::Space) => {
@@ -391,6 +396,19 @@ mod tests {
         let counted = cl.count_text(&path);
         assert!(((counted as f64) * 1.6) < 2000.0, "{counted}");
         assert_eq!(padded_count(counted, 1.6, true, [path.as_str()]), 2000);
+        // Prose in other scripts is priced by its multiplier alone: letters outside ASCII
+        // between punctuation of their own script are no run of symbols.
+        for prose in [
+            "人人生而自由，在尊严和权利上一律平等。他们赋有理性和良心，并应以兄弟关系的精神相对待。",
+            "Все люди рождаются свободными и равными в своем достоинстве и правах. «Они» — братья.",
+            "Die Würde des Menschen ist unantastbar. Sie zu achten und zu schützen ist Pflicht.",
+        ] {
+            let prose = prose.repeat(20);
+            assert_eq!(approximation_excess(&prose), 0, "{prose}");
+            let n = cl.count_text(&prose);
+            assert!(pretokens(&prose) < n, "{prose}");
+            assert_eq!(padded_count(n, 1.6, true, [prose.as_str()]), (n as f64 * 1.6).ceil() as u64);
+        }
         // Prose is priced by its multiplier, far above its pieces.
         let prose = "The quick brown fox jumps over the lazy dog.";
         assert_eq!(pretokens(prose), 10);
