@@ -180,7 +180,38 @@ fn pad(text: &str) -> Pad {
     // followed one.
     let mut apostrophe = false;
     let mut after_apostrophe: Option<(char, char, u8)> = None;
-    for c in text.chars() {
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while let Some(&b) = bytes.get(i) {
+        // The letters of an ASCII word after its first, each unlike the one before: all they
+        // change is the run of one character (most of a text, so taken apart).
+        if prev_class == Some(Class::Letter)
+            && after_apostrophe.is_none()
+            && b.is_ascii_alphabetic()
+            && char::from(b) != prev
+        {
+            pad.run(prev, prev_class, run);
+            run = 1;
+            prev = char::from(b);
+            i += 1;
+            while let Some(&b) = bytes.get(i) {
+                if !b.is_ascii_alphabetic() || char::from(b) == prev {
+                    break;
+                }
+                prev = char::from(b);
+                i += 1;
+            }
+            prev_raw = Some(Class::Letter);
+            continue;
+        }
+        let c = match b {
+            0..=0x7f => char::from(b),
+            _ => match text.get(i..).and_then(|t| t.chars().next()) {
+                Some(c) => c,
+                None => break,
+            },
+        };
+        i += c.len_utf8();
         let raw = Class::of(c);
         let class = match (raw, prev_class) {
             // A contraction ends here, and the pattern's next piece begins at this character
