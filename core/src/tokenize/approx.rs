@@ -215,6 +215,35 @@ fn pad(text: &str) -> Pad {
             prev_raw = Some(Class::Letter);
             continue;
         }
+        // More ASCII digits (each a piece), or the same space or symbol again: all they change
+        // is a count.
+        let same = |b: u8| char::from(b) == prev;
+        let repeat = match prev_class {
+            Some(Class::Number) if b.is_ascii_digit() => Some(Class::Number),
+            Some(k @ (Class::Space | Class::Other)) if same(b) => Some(k),
+            _ => None,
+        };
+        if let Some(k) = repeat {
+            let start = i;
+            while bytes.get(i).is_some_and(|&b| match k {
+                Class::Number => b.is_ascii_digit(),
+                _ => same(b),
+            }) {
+                i += 1;
+            }
+            let n = (i - start) as u64;
+            run += n;
+            match k {
+                Class::Number => pad.pieces += n,
+                Class::Space => spaces += n,
+                _ => apostrophe = false,
+            }
+            if let Some(&last) = bytes.get(i - 1) {
+                prev = char::from(last);
+            }
+            prev_raw = Some(k);
+            continue;
+        }
         let c = match b {
             0..=0x7f => char::from(b),
             _ => match text.get(i..).and_then(|t| t.chars().next()) {
