@@ -21,12 +21,13 @@ pub fn padded_count<'a>(
     if !runs {
         return scaled;
     }
-    let (padded, floor) = texts.into_iter().fold((scaled, 0u64), |(n, floor), text| {
-        (
-            n.saturating_add(approximation_excess(text)),
-            floor.saturating_add(pretokens(text)),
-        )
-    });
+    // One pass over each text gives both its pad and its pieces.
+    let (padded, floor) = texts
+        .into_iter()
+        .map(pad)
+        .fold((scaled, 0u64), |(n, floor), p| {
+            (n.saturating_add(p.excess), floor.saturating_add(p.pieces))
+        });
     padded.max(floor)
 }
 
