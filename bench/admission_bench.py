@@ -82,9 +82,7 @@ backend's `--lazy-blocks true` (a reservation is a promise of blocks, taken as t
 grows; the backend's default since 2026-12-03), arms ending in `+eager` with `--lazy-blocks false`
 (blocks taken at admission): `--arms queued,queued+eager,vllm`. Arms ending in `+line` run with the filter's
 `fair_retry_max_line` at `--max-line` (default 0, no bound: the filter's default before
-2026-12-03, 0.5 since): `--arms kvgate,kvgate+line`. Arms ending in `+reclaim` run with the
-filter's `fair_retry_reclaim_after_ms` at `--reclaim-after-ms` (a request in line that long is lent
-what elastic sequences borrowed): `--arms queued-lean,queued-lean+reclaim`.
+2026-12-03, 0.5 since): `--arms kvgate,kvgate+line`.
 """
 
 import argparse
@@ -374,7 +372,7 @@ def join_with_progress(threads, progress):
 # ----- the arms ---------------------------------------------------------------------------------
 
 def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.9, aging_ms=None,
-                  safety=None, backfill=True, max_line=None, reclaim_after_ms=None):
+                  safety=None, backfill=True, max_line=None):
     """The shipped filter config (envoy/kvgate-filter.yaml: from_backend, the demo classes and
     keys) priced against this pool; with `elastic_prior`, every class reserves elastically; with
     `queue_ms`, every class waits in the gateway's queue up to that long instead of a 429."""
@@ -399,8 +397,6 @@ def filter_config(blocks, secret, elastic_prior=None, queue_ms=None, quantile=0.
         cfg["fair_retry_backfill"] = False
     if max_line is not None:
         cfg["fair_retry_max_line"] = max_line
-    if reclaim_after_ms is not None:
-        cfg["fair_retry_reclaim_after_ms"] = reclaim_after_ms
     return cfg
 
 
@@ -451,12 +447,10 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
     # `ARM+lazy`: ARM with the backend's --lazy-blocks (reservations are promises of blocks, the
     # default); `ARM+eager`: with --lazy-blocks false (blocks taken at admission).
     # `ARM+line`: ARM with the filter's fair_retry_max_line at --max-line.
-    # `ARM+reclaim`: ARM with the filter's fair_retry_reclaim_after_ms at --reclaim-after-ms.
     # `ARM+altb`: ARM with the backend built as --alt-backend (an A/B of two backend builds).
     suffixes = label.split("+")[1:]
     arm, alt = label.split("+")[0], "alt" in suffixes
     max_line = a.max_line if "line" in suffixes else None
-    reclaim = a.reclaim_after_ms if "reclaim" in suffixes else None
     d = Path(work) / f"{label}{rnd}"
     d.mkdir()
     flags = ["--kv-cache-bytes", a.blocks * BLOCK_BYTES, "--step-delay-ms", a.step_delay_ms]
@@ -485,7 +479,7 @@ def run_arm(label, rnd, workload, a, work, oracle_caps):
             aging = 0 if arm == "queued-strict" else None
             gw = Envoy(d, b.port, filter_config(a.blocks, b.secret, prior, queue_ms, quantile,
                                                 aging, a.safety_fraction, backfill=arm != "queued-nobf",
-                                                max_line=max_line, reclaim_after_ms=reclaim),
+                                                max_line=max_line),
                        wasm=a.alt_wasm if alt else None, concurrency=a.gateway_workers).start()
             gw.wait_for(lambda s: s.get("model", {}).get("tokenizer") == "custom", 60,
                         "the backend's descriptor in the filter")
@@ -829,8 +823,6 @@ def main():
                         "against 60 s of patience, requests sent back to retry gave up: BENCHMARKS.md, 2026-12-03)")
     p.add_argument("--max-line", type=float, default=0.0,
                    help="arms ending in +line: the filter's fair_retry_max_line (a fraction of the capacity)")
-    p.add_argument("--reclaim-after-ms", type=int, default=30000,
-                   help="arms ending in +reclaim: the filter's fair_retry_reclaim_after_ms")
     p.add_argument("--gateway-workers", type=int, default=2,
                    help="the gateway arms: Envoy's --concurrency (each worker keeps its own queue)")
     p.add_argument("--safety-fraction", type=float,

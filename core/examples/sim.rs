@@ -2130,17 +2130,7 @@ impl<'a> Sim<'a> {
                     .as_ref()
                     .filter(|p| p.warm())
                     .map_or(0.0, |p| p.tokens_per_s);
-                reconcile::reconcile_lending(
-                    ledger,
-                    &report,
-                    now_ms,
-                    30_000,
-                    progress.as_ref(),
-                    GATEWAY,
-                    reconcile::Lending {
-                        reclaim_after_ms: gw.cfg.fair_retry_reclaim_after_ms,
-                    },
-                );
+                reconcile::reconcile(ledger, &report, now_ms, 30_000, progress.as_ref(), GATEWAY);
                 let cap = ledger.capacity() as f64;
                 // Where the pool goes, for the line printed at the end (stderr).
                 let pool = be.total.max(1) as f64;

@@ -74,12 +74,6 @@ pub struct RawConfig {
     /// "Sustained overload with one patience for every arm").
     #[serde(default = "d_max_line")]
     pub fair_retry_max_line: f64,
-    /// A request that has waited in line this long (from its first refusal) is lent what
-    /// running elastic sequences borrowed past their reservations, as far as it and the older
-    /// requests in line lack: the backend takes those blocks back by preempting the borrowers.
-    /// 0 (default): the line waits for the borrowers to end.
-    #[serde(default)]
-    pub fair_retry_reclaim_after_ms: u64,
     /// `enforce` (default): admit, queue, degrade, preempt and refuse. `shadow`: decide exactly
     /// as `enforce` would and count it (`kvgate.shadow.*` stats, an `x-kvgate-shadow` response
     /// header), but let every request through unchanged; every forwarded request is reserved at
@@ -315,8 +309,6 @@ pub struct Config {
     pub fair_retry_patience_ms: u64,
     /// `fair_retry_max_line`, in thousandths of the capacity (0: no bound).
     pub fair_retry_max_line_permille: u32,
-    /// `fair_retry_reclaim_after_ms` (0: never): see [`crate::reconcile::Lending`].
-    pub fair_retry_reclaim_after_ms: u64,
     /// Backfills (`fair_retry_backfill`); off with fair retries off.
     pub backfill: bool,
     pub mode: Mode,
@@ -535,13 +527,6 @@ impl TryFrom<RawConfig> for Config {
                 "must be in [0, 1000] (a fraction of the capacity; 0: no bound)",
             ));
         }
-        if raw.fair_retry_reclaim_after_ms > 3_600_000 {
-            return Err(ConfigError::new(
-                "fair_retry_reclaim_after_ms",
-                raw.fair_retry_reclaim_after_ms,
-                "must be in 0..=3600000 (0: never)",
-            ));
-        }
         let t = raw.lease_ttl;
         if t.base_ms == 0 || t.max_ms < t.base_ms {
             return Err(ConfigError::new(
@@ -714,7 +699,6 @@ impl TryFrom<RawConfig> for Config {
                 f if f > 0.0 => ((f * 1000.0).round() as u32).max(1),
                 _ => 0,
             },
-            fair_retry_reclaim_after_ms: raw.fair_retry_reclaim_after_ms,
             backfill: raw.fair_retry_backfill && raw.mode != Mode::Shadow,
             mode: raw.mode,
             gateway_id: raw.gateway_id,
@@ -1006,20 +990,6 @@ mod tests {
                 .fair_retry_max_line_permille,
             0
         );
-        assert_eq!(
-            Config::from_json(MIN.as_bytes())
-                .unwrap()
-                .fair_retry_reclaim_after_ms,
-            0,
-            "the line waits for borrowers by default"
-        );
-        assert_eq!(
-            with(r#""fair_retry_reclaim_after_ms":30000"#)
-                .unwrap()
-                .fair_retry_reclaim_after_ms,
-            30_000
-        );
-        assert!(with(r#""fair_retry_reclaim_after_ms":3600001"#).is_err());
         let c = with(r#""fair_retry_max_line":0.5"#).unwrap();
         assert_eq!(c.fair_retry_max_line_permille, 500);
         let bound = |action| {

@@ -646,15 +646,6 @@ impl Reconciled {
     }
 }
 
-/// How the line may be lent what running elastic sequences borrowed (`fair_retry_reclaim_after_ms`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Lending {
-    /// A request that has waited in line this long since its first refusal is lent the
-    /// borrowers' growth, as far as it and the requests in line before it lack; 0: never (the
-    /// line waits for the borrowers to end).
-    pub reclaim_after_ms: u64,
-}
-
 /// Apply a backend report to the ledger. Pure: safe to re-run on a CAS retry. Never removes a
 /// lease the backend did not report finished.
 pub fn reconcile(
@@ -664,27 +655,6 @@ pub fn reconcile(
     grace_ms: u64,
     progress: Option<&Progress>,
     own_gateway: u64,
-) -> Reconciled {
-    reconcile_lending(
-        ledger,
-        report,
-        now_ms,
-        grace_ms,
-        progress,
-        own_gateway,
-        Lending::default(),
-    )
-}
-
-/// [`reconcile`], with the line lent the borrowers' growth as `lending` says.
-pub fn reconcile_lending(
-    ledger: &mut Ledger,
-    report: &BackendReport,
-    now_ms: u64,
-    grace_ms: u64,
-    progress: Option<&Progress>,
-    own_gateway: u64,
-    lending: Lending,
 ) -> Reconciled {
     let mut out = Reconciled::default();
     for id in &report.finished {
@@ -825,31 +795,7 @@ pub fn reconcile_lending(
     let resume_lent = resume.min(older_need.saturating_sub(ledger.unclaimed()));
     out.lendable = base.saturating_sub(firm_with(resume.saturating_sub(resume_lent)));
     ledger.set_lendable(out.lendable);
-    // Requests that have waited in line past `reclaim_after_ms` are lent the borrowers' growth
-    // too, as much as they lack beyond what is spare and what the resume room lends them: the
-    // backend takes the blocks back by preempting the borrowers. Claims are served oldest first,
-    // so what they are lent reaches no younger request.
-    let aged_need = match lending.reclaim_after_ms {
-        0 => 0,
-        after => ledger
-            .claims()
-            .iter()
-            .filter(|c| {
-                c.active && c.expires_ms > now_ms && c.first_ms.saturating_add(after) <= now_ms
-            })
-            .map(|c| c.bytes)
-            .fold(0u64, u64::saturating_add),
-    };
-    let growth_to_line = growth_lent.min(
-        aged_need
-            .saturating_sub(ledger.unclaimed())
-            .saturating_sub(resume_lent),
-    );
-    ledger.set_lendable_to_line(
-        out.lendable
-            .saturating_sub(growth_lent)
-            .saturating_add(growth_to_line),
-    );
+    ledger.set_lendable_to_line(out.lendable.saturating_sub(growth_lent));
     // What is lent to the line goes to the claims now, oldest first, before any other
     // admission can count it as room (`Ledger::admit_into_lent`).
     ledger.settle_claims(now_ms);
@@ -1151,67 +1097,6 @@ mod tests {
         let held: Vec<u64> = l.claims().iter().map(|c| c.held).collect();
         assert_eq!(held, vec![2_500]);
         assert!(try_in_line(&mut l, 3, 2_500, 33, 70), "X is admitted");
-    }
-
-    #[test]
-    fn a_request_in_line_past_reclaim_after_is_lent_the_growth_and_a_younger_one_is_not() {
-        // Lease 1 (elastic, 1,000) runs 6,000 past its reservation beside lease 2 (worst case,
-        // 2,000): 3,000 committed, 6,000 held back, 1,000 spare. X (3,500) is refused at t=10
-        // and Y (3,000) at t=8,000; both come back. With `reclaim_after_ms` 10,000, X is lent
-        // what it lacks of the growth once it has waited that long, and Y, younger, nothing.
-        let lending = Lending {
-            reclaim_after_ms: 10_000,
-        };
-        let mut l = Ledger::new(10_000, 1);
-        admit(&mut l, 1, 1_000, 0);
-        admit(&mut l, 2, 2_000, 0);
-        let report = BackendReport {
-            live: vec![1, 2],
-            used_bytes: 7_000 + 2_000,
-            entries: vec![
-                own_entry(1, 7_000, true, false),
-                own_entry(2, 2_000, false, false),
-            ],
-            ..Default::default()
-        };
-        let poll = |l: &mut Ledger, now: u64, lending: Lending| {
-            reconcile_lending(l, &report, now, 5_000, None, 0, lending)
-        };
-        let r = poll(&mut l, 5, lending);
-        assert_eq!(
-            (r.held_back, r.lendable, r.lendable_to_line),
-            (6_000, 6_000, 0)
-        );
-        assert!(!try_in_line(&mut l, 3, 3_500, 33, 10), "X does not fit");
-        assert!(!try_in_line(&mut l, 3, 3_500, 33, 1_000), "X, back");
-        assert!(!try_in_line(&mut l, 4, 3_000, 44, 8_000), "Y does not fit");
-        assert!(!try_in_line(&mut l, 4, 3_000, 44, 8_500), "Y, back");
-        let r = poll(&mut l, 9_000, lending);
-        assert_eq!(r.lendable_to_line, 0, "X has waited 8,990 ms: nothing lent");
-        assert!(!try_in_line(&mut l, 3, 3_500, 33, 9_500), "X waits");
-        // Without `reclaim_after_ms`, past it too: the line waits for lease 1 to end.
-        let mut off = l.clone();
-        let r = poll(&mut off, 10_500, Lending::default());
-        assert_eq!(r.lendable_to_line, 0);
-        assert!(
-            !try_in_line(&mut off, 3, 3_500, 33, 10_600),
-            "X still waits"
-        );
-        // With it, X is lent the 2,500 it lacks beyond the spare, and set aside for at once.
-        let r = poll(&mut l, 10_500, lending);
-        assert_eq!(
-            (r.held_back, r.lendable, r.lendable_to_line),
-            (6_000, 6_000, 2_500)
-        );
-        let held: Vec<u64> = l.claims().iter().map(|c| c.held).collect();
-        assert_eq!(held, vec![3_500, 0], "X holds all it needs, Y nothing");
-        assert!(
-            !try_in_line(&mut l, 4, 3_000, 44, 10_550),
-            "Y, younger, waits"
-        );
-        assert_eq!(l.free(), 0, "nothing for a newcomer");
-        assert!(try_in_line(&mut l, 3, 3_500, 33, 10_600), "X is admitted");
-        assert_eq!(l.committed(), 3_000 + 3_500);
     }
 
     #[test]

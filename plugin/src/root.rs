@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvgate_core::config::Config;
 use kvgate_core::reconcile::{
-    reconcile_lending, unexplained_drift, BackendReport, Descriptor, Lending, ProgressTracker,
+    reconcile, unexplained_drift, BackendReport, Descriptor, ProgressTracker,
 };
 use kvgate_core::spec::usable_capacity;
 use kvgate_core::store::{self, StoreError};
@@ -613,16 +613,13 @@ impl Root {
             if let Some(c) = capacity {
                 l.set_capacity(c);
             }
-            reconcile_lending(
+            reconcile(
                 l,
                 &report,
                 now,
                 b.lost_grace_ms,
                 progress.as_ref(),
                 self.worker.gateway(),
-                Lending {
-                    reclaim_after_ms: rt.cfg.fair_retry_reclaim_after_ms,
-                },
             )
         });
         let (rec, ledger) = match done {
