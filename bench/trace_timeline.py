@@ -11,8 +11,6 @@ to resume after a preemption, N: new).
 import argparse
 import json
 
-BLOCK_BYTES = 737280  # 16 tokens of SmolLM2-135M's f32 KV: the bench's pool unit
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -42,7 +40,7 @@ def main():
                 print(f"{s['t']:6.1f} gw q={g.get('queued')} com={g.get('committed_bytes', 0) / mb:5.1f} "
                       f"hb={g.get('held_back_bytes', 0) / mb:5.1f} lend={g.get('lendable_bytes', 0) / mb:4.1f} "
                       f"free={g.get('free_bytes', 0) / mb:4.1f} | be free={pool.get('blocks_free')} "
-                      f"prom={pool.get('promised_bytes', 0) / BLOCK_BYTES:4.1f} run={run} wait={wait}")
+                      f"prom={pool.get('promised_bytes', 0) / pool.get('block_bytes', 1):4.1f} run={run} wait={wait}")
 
 
 if __name__ == "__main__":
