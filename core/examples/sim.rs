@@ -71,7 +71,7 @@
 //! - `--preset cpu`: the live bench's backend (SmolLM2-135M, f32 KV 46,080 B/token, a pool of 40
 //!   blocks = 640 tokens, context served = the pool's 640 tokens, max batch 16, prefill budget
 //!   2,048). Step: a = 30 ms (the bench's `--step-delay-ms 10` plus ≈ 20 ms), b = 5 ms per
-//!   sequence, a fit to BENCHMARKS.md "Backend: decode throughput" (38.9 / 70.5 / 105.1 / 150.8
+//!   sequence, a fit to docs/lab/2026-12-benchmarks-history.md, "Backend: decode throughput" (38.9 / 70.5 / 105.1 / 150.8
 //!   tok/s at 1 / 4 / 8 / 16 streams = 25.7 / 56.7 / 76.1 / 106.1 ms per step; least squares
 //!   29.5 + 5.05 × n ms without the delay — the fit is rounded down to allow the delay: 35 ms at
 //!   1 stream vs 35.7 measured + delay, 70 ms at 8 vs 86, 110 ms at 16 vs 116). Prefill
@@ -133,9 +133,8 @@ use kvgate_core::{price_request, ErrorKind};
 type Res<T> = Result<T, String>;
 
 const BLOCK_TOKENS: u64 = 16;
-/// Lease ids carry gateway number 1 above bit 43, as the filter's do.
+/// Lease ids carry gateway number 1, as the filter's do (`kvgate_core::lease_id`).
 const GATEWAY: u64 = 1;
-const GATEWAY_SHIFT: u32 = 43;
 /// A true length for outputs that run to any cap.
 const TO_CAP: u64 = 1 << 40;
 
@@ -1210,7 +1209,12 @@ impl Gateway {
         let cap = cfg.pricing.capacity_bytes;
         let on = cfg.backfill;
         let ledgers: Vec<Ledger> = (0..backends)
-            .map(|i| Ledger::new(cap, ((i as u64 + 1) << 32) | (GATEWAY << GATEWAY_SHIFT)))
+            .map(|i| {
+                Ledger::new(
+                    cap,
+                    ((i as u64 + 1) << 32) | kvgate_core::lease_id::compose(GATEWAY, 0),
+                )
+            })
             .collect();
         let views = ledgers
             .iter()
@@ -1311,7 +1315,7 @@ impl Gateway {
         };
         let run_ms = self.run_ms_of(r);
         let cfg = &self.cfg;
-        let lease_id = (GATEWAY << GATEWAY_SHIFT) | self.next_lease;
+        let lease_id = kvgate_core::lease_id::compose(GATEWAY, self.next_lease);
         self.next_lease += 1;
         let claim = (cfg.fair_retry_patience_ms > 0).then(|| ClaimTicket {
             key: claim_key_of(&r.req),

@@ -11,6 +11,7 @@ pub mod elastic;
 pub mod error;
 pub mod fleet;
 pub mod gate;
+pub mod lease_id;
 pub mod ledger;
 pub mod policy;
 pub mod queue;

@@ -536,10 +536,8 @@ impl Worker {
         self.runtime.borrow().clone()
     }
 
-    /// Lease ids drawn without coordination between workers: the gateway's number in the top
-    /// 10 of 53 bits (so JSON clients read ids exactly, and two gateways with their own
-    /// `gateway_id` never draw the same one), then a per-VM random seed stepped through
-    /// SplitMix64. A collision among live leases is a ~n²/2^44 event, and the ledger refuses it.
+    /// Lease ids drawn without coordination between workers (`kvgate_core::lease_id`): the
+    /// gateway's number, then a per-VM random seed stepped through SplitMix64. A collision among live leases is a ~n²/2^44 event, and the ledger refuses it.
     pub fn next_lease_id(&self) -> u64 {
         #[cfg(test)]
         if let Some(id) = FORCED_LEASE_IDS.with(|f| f.borrow_mut().pop_front()) {
@@ -548,7 +546,7 @@ impl Worker {
         let n = self.lease_counter.get().wrapping_add(1);
         self.lease_counter.set(n);
         let r = splitmix64(self.lease_seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)) >> 21;
-        (u64::from(self.gateway.get()) << 43) | r.max(1)
+        kvgate_core::lease_id::compose(u64::from(self.gateway.get()), r)
     }
 
     /// This gateway's number, as its lease ids carry it.
