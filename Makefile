@@ -93,7 +93,7 @@ validate: wasm setup-venv
 
 # The filter in a real Envoy (tests/test_gateway.py), and a quick soak with client aborts.
 test-gateway: wasm setup-venv
-	cd tests && ../$(PY) -m pytest -q $(PYTEST_PAR) test_gateway.py test_soak.py
+	cd tests && ../$(PY) -m pytest -q $(PYTEST_PAR) test_gateway.py test_hostile.py test_soak.py
 
 # The full soak: 10,000 requests at concurrency 16, ~20 % abandoned by their clients.
 soak: wasm setup-venv

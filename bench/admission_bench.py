@@ -819,8 +819,8 @@ def main():
                    help="the queued-lean arm: output tokens reserved until a class has learned its outputs")
     p.add_argument("--queue-wait-ms", type=int,
                    help="the queued arms: how long a request may wait in the gateway's queue (default: twice "
-                        "the clients' patience, at most the filter's 600 s, as README advises; with 20 s "
-                        "against 60 s of patience, requests sent back to retry gave up: BENCHMARKS.md, 2026-12-03)")
+                        "the clients' patience, at most the filter's 600 s, as docs/configuration.md advises; with 20 s "
+                        "against 60 s of patience, requests sent back to retry gave up: docs/lab/2026-12-benchmarks-history.md, 2026-12-03)")
     p.add_argument("--max-line", type=float, default=0.0,
                    help="arms ending in +line: the filter's fair_retry_max_line (a fraction of the capacity)")
     p.add_argument("--gateway-workers", type=int, default=2,

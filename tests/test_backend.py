@@ -1,13 +1,16 @@
 """kvgate-backend as a running binary with the real model (SmolLM2-135M-Instruct on CPU)."""
 
 import json
+import os
 import socket
+import subprocess
 import threading
 import time
 
 import requests
 
-from harness import BLOCK_BYTES
+from harness import BACKEND, BLOCK_BYTES, free_port
+from harness import MODEL as MODEL_FILE
 
 MODEL = "smollm2-135m-instruct"
 
@@ -437,6 +440,22 @@ def test_the_admission_api_and_lease_headers_need_the_gateways_secret(backend):
     # Operators still read health and metrics on the backend's own port.
     assert requests.get(b.url + "/health", timeout=10).status_code == 200
     assert requests.get(b.url + "/metrics", timeout=10).status_code == 200
+
+
+def test_a_rotation_accepts_the_current_and_the_next_secret(backend):
+    b = backend("--kv-cache-bytes", 16 * BLOCK_BYTES, secret="current-secret,next-secret")
+    for secret, status in [("current-secret", 200), ("next-secret", 200), ("current-secret,next-secret", 401),
+                           ("old-secret", 401)]:
+        r = requests.get(b.url + "/v1/admission/leases", headers={"x-kvgate-secret": secret}, timeout=10)
+        assert r.status_code == status, secret
+
+
+def test_beyond_loopback_without_a_secret_it_refuses_to_start():
+    env = {k: v for k, v in os.environ.items() if k != "KVGATE_ADMISSION_SECRET"}
+    out = subprocess.run([str(BACKEND), "--model", str(MODEL_FILE), "--host", "0.0.0.0", "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode != 0
+    assert "no admission secret is set" in out.stderr, out.stderr[-500:]
 
 
 def test_bad_requests_get_openai_errors_and_allocate_nothing(backend):

@@ -1,12 +1,14 @@
 """Every configuration that ships is accepted by a real Envoy loading the real filter."""
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
-from harness import ENVOY, ROOT, WASM, Envoy, fleet_bootstrap, fleet_plugin_config, free_port
+from harness import ENVOY, ROOT, WASM, Envoy, api_key_entry, fleet_bootstrap, fleet_plugin_config, free_port
 
 SHIPPED_FILTERS = ["envoy/kvgate-filter.yaml", "envoy/compose/kvgate-filter.yaml", "envoy/fleet-filter.yaml"]
 
@@ -17,10 +19,53 @@ def plugin_json(path):
     return json.loads(cfg)
 
 
+DEPLOYABLE = ["envoy/compose/kvgate-filter.yaml", "envoy/compose/fleet-filter.yaml",
+              "envoy/istio/wasmplugin.yaml", "envoy/istio/fleet-wasmplugin.yaml"]
+
+
+def shipped_config(path):
+    if path.startswith("envoy/istio/"):
+        return yaml.safe_load((ROOT / path).read_text())["spec"]["pluginConfig"]
+    return plugin_json(path)
+
+
+def filled_in(cfg):
+    """A deployable sample as its operator fills it in: each placeholder API key replaced by the
+    digest of a key of their own, the placeholder secret by theirs."""
+    keys = cfg["policy"].get("api_keys", {})
+    cfg["policy"]["api_keys"] = {
+        (api_key_entry(f"own-key-{i}") if k.startswith("sha256:REPLACE") else k): c
+        for i, (k, c) in enumerate(keys.items())}
+    if cfg["backend"].get("secret", "").startswith("REPLACE"):
+        cfg["backend"]["secret"] = "an-operators-own-secret"
+    return cfg
+
+
+def test_deployable_samples_carry_no_credential_and_refuse_to_load_until_filled_in(tmp_path, wasm, upstream):
+    """The demo keys (vip preempts everyone) and a usable secret live only in the local configs
+    (`make up`): the compose and Istio samples carry placeholders the filter refuses, naming them."""
+    demo_digests = {api_key_entry(f"kvgate-demo-{c}") for c in ("batch", "interactive", "vip")}
+    for i, name in enumerate(DEPLOYABLE):
+        text = (ROOT / name).read_text()
+        assert not any(d.removeprefix("sha256:") in text for d in demo_digests), name
+        assert "kvgate-compose-demo-secret" not in text, name
+        cfg = shipped_config(name)
+        assert cfg["backend"]["secret"].startswith("REPLACE"), name
+        assert cfg.get("status_path", "") == "", f"{name}: the status page is off where clients reach the listener"
+        d = tmp_path / str(i)
+        d.mkdir()
+        gw = Envoy(d, upstream.port, cfg)
+        try:
+            with pytest.raises(RuntimeError) as e:
+                gw.start(timeout=20)
+        finally:
+            gw.stop()
+        assert "REPLACE" in str(e.value), name
+    assert "kvgate-compose-demo-secret" not in (ROOT / "docker-compose.yml").read_text()
+
+
 def test_each_shipped_plugin_configuration_is_accepted(tmp_path, wasm, upstream):
-    configs = {p: plugin_json(p) for p in SHIPPED_FILTERS}
-    for istio_file in ("envoy/istio/wasmplugin.yaml", "envoy/istio/fleet-wasmplugin.yaml"):
-        configs[istio_file] = yaml.safe_load((ROOT / istio_file).read_text())["spec"]["pluginConfig"]
+    configs = {p: filled_in(shipped_config(p)) for p in SHIPPED_FILTERS + DEPLOYABLE[2:]}
     status_off = []
     for i, (name, cfg) in enumerate(configs.items()):
         d = tmp_path / str(i)
@@ -45,7 +90,7 @@ def test_each_shipped_plugin_configuration_is_accepted(tmp_path, wasm, upstream)
             assert set(s["classes"]) == set(cfg["policy"]["classes"]), name
         finally:
             e.stop()
-    assert status_off == ["envoy/istio/wasmplugin.yaml", "envoy/istio/fleet-wasmplugin.yaml"]
+    assert status_off == DEPLOYABLE[:1] + DEPLOYABLE[2:]
 
 
 def test_fleet_gateway_starts_with_its_endpoints(tmp_path, wasm):
@@ -148,7 +193,8 @@ def test_istio_fleet_patches_are_the_verified_chain(tmp_path):
 
 def test_docker_compose_file_is_valid():
     out = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
-                         capture_output=True, text=True, cwd=ROOT)
+                         capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "KVGATE_ADMISSION_SECRET": "an-operators-own-secret"})
     assert out.returncode == 0, out.stderr
     doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     gpu = doc["services"]["backend"]["deploy"]["resources"]["reservations"]["devices"][0]
@@ -160,11 +206,15 @@ def test_docker_compose_file_is_valid():
     assert doc["services"]["backend-cpu"]["build"]["dockerfile"] == "backend/Dockerfile"
     assert Path(ROOT / "backend/Dockerfile.cuda").exists() and Path(ROOT / "backend/Dockerfile").exists()
     services = doc["services"]
-    # Every backend takes the secret the gateways' callouts carry: its admission API answers no one else.
-    secrets = {services[b]["environment"]["KVGATE_ADMISSION_SECRET"]
-               for b in ("backend", "backend-b", "backend-cpu", "backend-cpu-b")}
+    # Every backend takes the secret the gateways' callouts carry (its admission API answers no
+    # one else), from the operator's environment: compose refuses to start without it.
+    for b in ("backend", "backend-b", "backend-cpu", "backend-cpu-b"):
+        assert services[b]["environment"]["KVGATE_ADMISSION_SECRET"].startswith("${KVGATE_ADMISSION_SECRET:?"), b
+    unset = {k: v for k, v in os.environ.items() if k != "KVGATE_ADMISSION_SECRET"}
+    out = subprocess.run(["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "config", "-q"],
+                         capture_output=True, text=True, cwd=ROOT, env=unset)
+    assert out.returncode != 0 and "KVGATE_ADMISSION_SECRET" in out.stderr, out.stderr
     for f in ("envoy/compose/kvgate-filter.yaml", "envoy/compose/fleet-filter.yaml"):
-        assert {plugin_json(f)["backend"]["secret"]} == secrets, f
         assert plugin_json(f)["model"] == "from_backend", "priced with the backend's own tokenizer and template"
     # The filter configs are edited live by renaming a new file over the old one: the gateway
     # must mount their directory (a file mounted on its own keeps its old inode in the container).

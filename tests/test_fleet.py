@@ -13,7 +13,7 @@ from collections import Counter
 
 import requests
 
-from harness import BLOCK_BYTES
+from harness import BLOCK_BYTES, endpoint_address, free_port
 
 
 MODEL = "smollm2-135m-instruct"
@@ -253,3 +253,51 @@ def test_a_changed_endpoint_list_applies_live_and_keeps_the_leases_that_stay(fle
                 20, "the endpoint back in the list")
     drained(gws, bs)
     assert gw.stats()["kvgate.upstream_mismatch"] == 0
+
+
+def test_made_up_pollers_cannot_make_a_gateway_hold_back_the_pool(stack):
+    """1,023 polls of the lease report, each naming a made-up gateway instance (anyone could,
+    where the backend had no secret): the real gateway is told of at most one other gateway that
+    holds no lease, so it still admits on an empty pool (it held back all of it, and answered 429
+    to everything, before)."""
+    gw, be = stack(64)
+    for i in range(1023):
+        r = requests.get(be.url + f"/v1/admission/leases?since=0&gateway={i % 1024}"
+                         f"&instance={i + 4096:016x}&poll_ms=60000", headers=be.gateway_headers(), timeout=5)
+        assert r.status_code == 200
+    time.sleep(1)  # a few of the gateway's own polls (every 200 ms)
+    s = gw.status()
+    assert s["backend"]["other_gateways"] <= 1, s["backend"]
+    assert s["held_back_bytes"] <= s["capacity_bytes"] // 2 + BLOCK_BYTES, s
+    r = requests.post(gw.url + "/v1/chat/completions", json={**QUESTION, "max_tokens": 8}, timeout=120)
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_a_stale_endpoint_answered_by_another_backend_is_down_not_up_with_its_pool(fleet):
+    """An address in backend.endpoints that is not a host of the cluster: override_host falls
+    back to another host, whose report then answers that endpoint's polls. The report names the
+    address it was served at, so the stale endpoint is down (before, it was up with a pool of its
+    own, and what it admitted landed unreserved on the real backend). Behind it the backend
+    admits everything (--admission none): nothing runs out of KV."""
+    gws, bs = fleet(1, 1, 24, None, "--admission", "none", ecds=True)
+    (gw,), (b,) = gws, bs
+    wait_all_up(gw, bs)
+    stale = endpoint_address(free_port())
+    cfg = json.loads(json.dumps(gw.plugin_config))
+    cfg["backend"]["endpoints"] = [b.address, stale]
+    gw.write_filter_config(cfg)
+    gw.wait_for(lambda s: [e["address"] for e in s["endpoints"]] == [b.address, stale], 20, "the new list")
+    gw.wait_for(lambda s: gw.endpoint(stale, s)["polled"], 10, "the stale endpoint polled")
+    time.sleep(1.5)  # several polls of each
+    s = gw.status()
+    assert gw.endpoint(stale, s)["up"] is False, gw.endpoint(stale, s)
+    assert gw.endpoint(b.address, s)["up"] is True
+    assert gw.stats()["kvgate.upstream_mismatch"] >= 2
+    # Twice what the one real pool holds, at once: the gateway admits only into that pool.
+    results = [{} for _ in range(6)]
+    threads = [long_stream(gw, 120, r) for r in results]
+    for t in threads:
+        t.join()
+    assert any(r.get("status") == 200 for r in results), results
+    assert b.metrics()["kvgate_backend_kv_oom_total"] == 0, "an admitted request ran the backend out of KV"
+    drained(gws, bs)

@@ -334,8 +334,9 @@ def test_a_backend_silent_past_the_routes_idle_timeout_gets_an_openai_504(gatewa
     assert r.headers["content-type"] == "application/json"
     err = r.json()["error"]
     assert err["code"] == "backend_timeout" and err["type"] == "server_error", err
+    assert "param" in err, "the full OpenAI error shape"
     gw.assert_drained()
-    # It bounds a wait in a queue class too (README: keep it above max_wait_ms): nothing moves on
+    # It bounds a wait in a queue class too (docs/configuration.md: keep it above max_wait_ms): nothing moves on
     # a queued stream, and its place ends with it.
     gw = gateway(budget(1_000, policy={"default_class": "q",
                                        "classes": {"q": {"action": "queue", "max_wait_ms": 5000}}}),
@@ -387,6 +388,7 @@ def test_a_chunked_body_past_envoys_buffer_in_one_read_gets_an_openai_413(gatewa
     head, _, body = answer.partition(b"\r\n\r\n")
     assert b"content-type: application/json" in head.lower(), head
     assert json.loads(body)["error"]["code"] == "request_body_too_large", body[:300]
+    assert "param" in json.loads(body)["error"], "the full OpenAI error shape"
     assert upstream.requests() == []
     gw.assert_drained()
 
@@ -482,6 +484,7 @@ def test_requests_envoy_refuses_as_bad_http_get_openai_style_errors(gateway, ups
         assert b"content-type: application/json" in head.lower(), head
         err = json.loads(body)["error"]
         assert err["code"] == "invalid_request" and err["type"] == "invalid_request_error", err
+        assert "param" in err, "the full OpenAI error shape"
     assert upstream.requests() == [], "nothing reached the backend"
     gw.assert_drained()
 
@@ -623,7 +626,7 @@ def test_a_big_request_is_not_starved_by_small_ones(gateway):
     # With fair retries the freed bytes are set aside for the big request: it is admitted once the
     # small leases ahead of it end (1 s streams, a few rounds on a loaded machine), not when five
     # happen to end at once and no small client is quicker. (Without them it may wait for ever;
-    # that comparison is a benchmark's, BENCHMARKS.md "Queue aging and retries that keep their
+    # that comparison is a benchmark's, docs/lab/2026-12-benchmarks-history.md "Queue aging and retries that keep their
     # age", not a test's.)
     assert fair is not None and fair < 10.0, fair
     gw.assert_drained()

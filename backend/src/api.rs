@@ -39,8 +39,9 @@ pub struct AppState {
     pub model_name: String,
     pub spec: kvgate_core::ModelSpec,
     pub admission: Admission,
-    /// What the gateway sends as `x-kvgate-secret`; `None`: the admission API is open.
-    pub admission_secret: Option<String>,
+    /// What the gateway may send as `x-kvgate-secret` (the current one and the next, during a
+    /// rotation); empty: the admission API is open (the backend then listens on loopback only).
+    pub admission_secrets: Vec<String>,
     /// Published in the descriptor: the margin the gateway adds to every reservation (one KV
     /// block) and the bound on one prefill step's scratch memory.
     pub scratch_margin_bytes: u64,
@@ -59,20 +60,23 @@ impl AppState {
     /// Admission calls and lease headers come from the gateway only: with a secret configured,
     /// a request without it is refused (401).
     fn check_secret(&self, headers: &HeaderMap) -> Result<(), HttpError> {
-        let Some(want) = &self.admission_secret else {
+        if self.admission_secrets.is_empty() {
             return Ok(());
-        };
+        }
         let got = headers
             .get("x-kvgate-secret")
             .map(|v| v.as_bytes())
             .unwrap_or_default();
-        // Constant time in the secret's content (length is not secret).
-        let same = got.len() == want.len()
-            && got
-                .iter()
-                .zip(want.as_bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0;
+        // Constant time in each secret's content (length is not secret); every one compared.
+        let same = self.admission_secrets.iter().fold(false, |any, want| {
+            let this = got.len() == want.len()
+                && got
+                    .iter()
+                    .zip(want.as_bytes())
+                    .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                    == 0;
+            any | this
+        });
         if same {
             Ok(())
         } else {
@@ -88,6 +92,20 @@ impl AppState {
 }
 
 type Shared = State<Arc<AppState>>;
+
+/// The address a connection reached on this backend (its socket's local address): the lease
+/// report names it, so a gateway answered by another host than the one it named can tell.
+#[derive(Debug, Clone, Copy)]
+pub struct ServedAt(Option<std::net::SocketAddr>);
+
+impl
+    axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, tokio::net::TcpListener>>
+    for ServedAt
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, tokio::net::TcpListener>) -> Self {
+        ServedAt(stream.io().local_addr().ok())
+    }
+}
 
 pub fn router(state: Arc<AppState>) -> Router {
     let body_limit = axum::extract::DefaultBodyLimit::max(state.max_body_bytes);
@@ -181,15 +199,21 @@ impl LeasesQuery {
 async fn leases(
     State(st): Shared,
     headers: HeaderMap,
+    extensions: axum::http::Extensions,
     Query(q): Query<LeasesQuery>,
 ) -> Result<Json<LeaseReport>, HttpError> {
     st.check_secret(&headers)?;
+    let (pool, leases, finished, cursor) = st.engine.lease_report(q.since);
+    // The gateways that hold leases here: a poller that holds none counts for little.
+    let holding = leases
+        .iter()
+        .filter_map(|l| l.id.parse().ok().map(kvgate_core::lease_id::gateway_of))
+        .collect();
     let other_gateways = st
         .pollers
         .lock()
-        .map(|mut p| p.polled(q.poll(), Instant::now()))
+        .map(|mut p| p.polled(q.poll(), Instant::now(), &holding))
         .unwrap_or_default();
-    let (pool, leases, finished, cursor) = st.engine.lease_report(q.since);
     let tokenizer = TokenizerReport {
         kind: "tiktoken_bpe".into(),
         pattern: st.tok.bpe.pattern.clone(),
@@ -230,6 +254,10 @@ async fn leases(
         finished,
         cursor,
         other_gateways,
+        served_at: extensions
+            .get::<axum::extract::ConnectInfo<ServedAt>>()
+            .and_then(|c| c.0 .0)
+            .map(|a| a.to_string()),
     }))
 }
 
@@ -771,7 +799,7 @@ mod tests {
                 context_tokens: 64,
             },
             admission: Admission::Reserve,
-            admission_secret: None,
+            admission_secrets: Vec::new(),
             scratch_margin_bytes: 0,
             prefill_scratch_bytes: 0,
             decode_scratch_bytes: 0,

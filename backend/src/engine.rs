@@ -641,8 +641,8 @@ impl<M: Forward> Engine<M> {
                 // Lazy blocks: what its reservation promised and the pool lacks is borrowed;
                 // the youngest borrowers give it back now. Not first the blocks a waiting
                 // sequence holds idle, as `decode_step` does: tried (085a974), it recomputed
-                // 1.22x the tokens with 1.25x the preemptions over 6 live rounds (BENCHMARKS.md,
-                // "Idle caches on the prefill path"). A borrower preempted here keeps its
+                // 1.22x the tokens with 1.25x the preemptions over 6 live rounds (docs/design/
+                // 005-idle-caches-on-the-prefill-path.md). A borrower preempted here keeps its
                 // reservation's cache; an idle cache dropped is recomputed whole.
                 let (order, missing) = (front.order, blocks.saturating_sub(front.alloc.blocks()));
                 self.reclaim_borrowed(missing);

@@ -50,7 +50,7 @@ struct Args {
     kv_layout: KvLayout,
     /// Type of the projection weights and of the paged KV arena. `auto`: bf16 on CUDA, f32 on
     /// CPU (Q4_1 and half-precision weights drift into wrong text on CPU). On CPU, `bf16`
-    /// halves the bytes a decode step reads (about 1.8× one stream's tok/s, BENCHMARKS.md) at
+    /// halves the bytes a decode step reads (about 1.8× one stream's tok/s, docs/lab/) at
     /// the cost of that drift; f16 falls back to a slow path there. The host KV layout is always
     /// f32. The KV type sets `kv_dtype_bytes` in the descriptor, so the gateway
     /// prices what the arena really holds.
@@ -103,8 +103,9 @@ struct Args {
     #[arg(long, default_value_t = 4 * 1024 * 1024 + 64 * 1024)]
     max_body_bytes: usize,
     /// A file holding the secret the gateway sends (`x-kvgate-secret`) on admission calls and on
-    /// requests that carry a lease. Without it the admission API is open to anyone who can reach
-    /// this port (bind it to loopback or an internal network). `KVGATE_ADMISSION_SECRET` also works.
+    /// requests that carry a lease; one per line (or comma-separated), any of them accepted: the
+    /// current one and the next, so a rotation is no outage. `KVGATE_ADMISSION_SECRET` also
+    /// works. Required unless `--host` is a loopback address.
     #[arg(long)]
     admission_secret_file: Option<PathBuf>,
     /// Test only: sleep this many milliseconds in every busy scheduler step (a slow backend on
@@ -174,23 +175,50 @@ fn abort_on_panic() {
     }));
 }
 
-/// The admission secret, from `--admission-secret-file` or else `KVGATE_ADMISSION_SECRET`
-/// (`env`), trimmed either way: a secret mounted from a Kubernetes Secret or written by `echo`
-/// ends in a newline the gateway does not send. Empty once trimmed: none.
-fn admission_secret(file: Option<&Path>, env: Option<String>) -> Result<Option<String>> {
-    let secret = match file {
+/// The admission secrets, from `--admission-secret-file` or else `KVGATE_ADMISSION_SECRET`
+/// (`env`): one per line or comma-separated, each trimmed (a secret mounted from a Kubernetes
+/// Secret or written by `echo` ends in a newline the gateway does not send). None: empty.
+fn admission_secrets(file: Option<&Path>, env: Option<String>) -> Result<Vec<String>> {
+    let text = match file {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("reading the admission secret {}", path.display()))?,
         None => env.unwrap_or_default(),
     };
-    let secret = secret.trim();
-    Ok((!secret.is_empty()).then(|| secret.to_string()))
+    Ok(text
+        .split(['\n', ','])
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect())
+}
+
+/// Without a secret the admission API (lease report, cancel, demote) and the lease headers are
+/// open to whoever reaches the port: refused unless the backend listens on loopback only.
+fn check_exposure(host: &str, secrets: &[String]) -> Result<()> {
+    let loopback = host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    if secrets.is_empty() && !loopback {
+        bail!(
+            "--host {host} is reachable beyond this machine, and no admission secret is set: \
+             anyone reaching the port could read, cancel and forge leases. Set one with \
+             --admission-secret-file or KVGATE_ADMISSION_SECRET (e.g. `openssl rand -hex 32`), \
+             and give the gateway the same (`backend.secret`)"
+        );
+    }
+    Ok(())
 }
 
 #[tokio::main]
 async fn main() -> Result<()> {
     abort_on_panic();
     let args = Args::parse();
+    let admission_secrets = admission_secrets(
+        args.admission_secret_file.as_deref(),
+        std::env::var("KVGATE_ADMISSION_SECRET").ok(),
+    )?;
+    check_exposure(&args.host, &admission_secrets)?;
     let dev = device(&args.device)?;
     if args.block_size == 0 {
         bail!("--block-size must be at least 1");
@@ -295,14 +323,10 @@ async fn main() -> Result<()> {
         },
         metrics,
     );
-    let admission_secret = admission_secret(
-        args.admission_secret_file.as_deref(),
-        std::env::var("KVGATE_ADMISSION_SECRET").ok(),
-    )?;
-    if admission_secret.is_none() {
+    if admission_secrets.is_empty() {
         eprintln!(
             "warning: no admission secret (--admission-secret-file): the admission API and lease headers are \
-             accepted from anyone who can reach this port; keep it on loopback or an internal network"
+             accepted from anyone who can reach this port (loopback only)"
         );
     }
     let state = Arc::new(api::AppState {
@@ -311,7 +335,7 @@ async fn main() -> Result<()> {
         model_name: model_name.clone(),
         spec,
         admission: args.admission,
-        admission_secret,
+        admission_secrets,
         scratch_margin_bytes: stats.block_bytes,
         prefill_scratch_bytes: prefill_scratch,
         decode_scratch_bytes: decode_scratch,
@@ -352,7 +376,8 @@ async fn main() -> Result<()> {
         args.on_kv_exhaustion,
         started.elapsed().as_secs_f64(),
     );
-    axum::serve(listener, api::router(state))
+    let app = api::router(state).into_make_service_with_connect_info::<api::ServedAt>();
+    axum::serve(listener, app)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
         })
@@ -405,24 +430,41 @@ mod tests {
     }
 
     #[test]
-    fn the_admission_secret_is_trimmed_from_the_environment_as_from_a_file() {
-        let secret = |env: &str| super::admission_secret(None, Some(env.to_string())).unwrap();
-        assert_eq!(secret("s3cret\n"), Some("s3cret".to_string()));
-        assert_eq!(secret(" s3cret \r\n"), Some("s3cret".to_string()));
-        assert_eq!(secret(" \n"), None, "empty: none, as an empty file gives");
-        assert_eq!(super::admission_secret(None, None).unwrap(), None);
-        let dir = std::env::temp_dir().join(format!("kvgate-secret-{}", std::process::id()));
-        std::fs::write(&dir, "from-file\n").unwrap();
-        let from_file = super::admission_secret(Some(&dir), Some("env".into())).unwrap();
-        std::fs::write(&dir, "\n").unwrap();
-        let empty_file = super::admission_secret(Some(&dir), Some("env".into())).unwrap();
-        std::fs::remove_file(&dir).unwrap();
-        assert_eq!(from_file, Some("from-file".to_string()), "the file wins");
-        assert_eq!(empty_file, None);
+    fn the_admission_secrets_are_trimmed_from_the_environment_as_from_a_file() {
+        let secrets = |env: &str| super::admission_secrets(None, Some(env.to_string())).unwrap();
+        assert_eq!(secrets("s3cret\n"), ["s3cret"]);
+        assert_eq!(secrets(" s3cret \r\n"), ["s3cret"]);
+        assert_eq!(secrets("current, next"), ["current", "next"], "rotation");
         assert!(
-            super::admission_secret(Some(&dir), None).is_err(),
+            secrets(" \n").is_empty(),
+            "empty: none, as an empty file gives"
+        );
+        assert!(super::admission_secrets(None, None).unwrap().is_empty());
+        let dir = std::env::temp_dir().join(format!("kvgate-secret-{}", std::process::id()));
+        std::fs::write(&dir, "from-file\nnext\n").unwrap();
+        let from_file = super::admission_secrets(Some(&dir), Some("env".into())).unwrap();
+        std::fs::write(&dir, "\n").unwrap();
+        let empty_file = super::admission_secrets(Some(&dir), Some("env".into())).unwrap();
+        std::fs::remove_file(&dir).unwrap();
+        assert_eq!(from_file, ["from-file", "next"], "the file wins");
+        assert!(empty_file.is_empty());
+        assert!(
+            super::admission_secrets(Some(&dir), None).is_err(),
             "gone: an error"
         );
+    }
+
+    #[test]
+    fn without_a_secret_only_loopback_is_served() {
+        let none: &[String] = &[];
+        for host in ["127.0.0.1", "::1", "localhost", "127.0.0.2"] {
+            assert!(super::check_exposure(host, none).is_ok(), "{host}");
+        }
+        for host in ["0.0.0.0", "::", "10.0.0.5", "backend.local"] {
+            let e = super::check_exposure(host, none).unwrap_err().to_string();
+            assert!(e.contains("admission secret"), "{host}: {e}");
+            assert!(super::check_exposure(host, &["s".to_string()]).is_ok());
+        }
     }
 
     const CHILD: &str = "KVGATE_TEST_PANIC_CHILD";

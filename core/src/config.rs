@@ -70,8 +70,7 @@ pub struct RawConfig {
     /// lacks is at most this fraction of the capacity (its own need is not counted, so a big
     /// request is not kept out); past it, a plain 429 with nothing set aside for it. 0: no
     /// bound. Default 0.5: under sustained overload an unbounded line sets bytes aside for
-    /// clients who give up before their turn (BENCHMARKS.md, "A bound on the line",
-    /// "Sustained overload with one patience for every arm").
+    /// clients who give up before their turn (docs/design/012-a-bound-on-the-line.md).
     #[serde(default = "d_max_line")]
     pub fair_retry_max_line: f64,
     /// `enforce` (default): admit, queue, degrade, preempt and refuse. `shadow`: decide exactly
@@ -338,6 +337,15 @@ impl Config {
     pub fn guards(&self, path: &str) -> bool {
         let p = path.split('?').next().unwrap_or(path);
         self.guarded_paths.iter().any(|g| g == p)
+    }
+
+    /// Does `path`, not itself guarded, name a guarded path as a permissive server would route
+    /// it (percent-encoded, repeated slashes, `.` segments, another case)? Such a request is
+    /// refused rather than forwarded unpriced, whatever the routes do with it.
+    pub fn disguises_guarded(&self, path: &str) -> bool {
+        let raw = path.split(['?', '#']).next().unwrap_or(path);
+        let p = normalize_path(raw);
+        self.guarded_paths.iter().any(|g| normalize_path(g) == p)
     }
 
     /// Is `path` the backend's admission API (the shipped `/v1/admission/…`, or one of the
@@ -608,6 +616,14 @@ impl TryFrom<RawConfig> for Config {
                     "backend.cluster",
                     "\"\"",
                     "must name an Envoy cluster",
+                ));
+            }
+            if b.secret.starts_with("REPLACE") {
+                return Err(ConfigError::new(
+                    "backend.secret",
+                    format!("{:?}", b.secret),
+                    "is the sample's placeholder: set the backend's admission secret \
+                     (e.g. `openssl rand -hex 32`)",
                 ));
             }
             let per_lease = |p: &str| p.starts_with('/') && p.contains("{id}");
@@ -901,6 +917,39 @@ mod tests {
         assert!(!odd.is_internal("/v1/models"));
         assert!(odd.is_internal("/v1/completions/3/cancel"));
         assert!(odd.is_internal("/v1/3/demote"));
+    }
+
+    #[test]
+    fn a_placeholder_secret_refuses_to_load() {
+        let e = Config::from_json(
+            r#"{"model": {"layers": 2, "kv_heads": 1, "head_dim": 8, "kv_dtype_bytes": 2,
+                "context_tokens": 1024}, "kv_budget_bytes": 1000000,
+                "backend": {"cluster": "b", "secret": "REPLACE-WITH-YOUR-SECRET"}}"#
+                .as_bytes(),
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "backend.secret");
+        assert!(e.to_string().contains("placeholder"), "{e}");
+    }
+
+    #[test]
+    fn a_guarded_path_in_disguise_is_recognised() {
+        let cfg = Config::from_json(MIN.as_bytes()).unwrap();
+        for p in [
+            "/v1/%63hat/completions",
+            "/v1/chat/complet%69ons",
+            "//v1/chat/completions",
+            "/v1/./completions",
+            "/V1/Completions",
+            "/v1/models/../completions?x=1",
+            "/v1/chat/completions/",
+        ] {
+            assert!(!cfg.guards(p), "{p}");
+            assert!(cfg.disguises_guarded(p), "{p}");
+        }
+        for p in ["/v1/models", "/v1/chat", "/", "/v1/completionsx"] {
+            assert!(!cfg.disguises_guarded(p), "{p}");
+        }
     }
 
     const MIN: &str = r#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},"kv_budget_bytes":1073741824}"#;

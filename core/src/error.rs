@@ -264,6 +264,15 @@ impl fmt::Display for ApiError {
 
 impl std::error::Error for ApiError {}
 
+/// A client's value as an error message quotes it: at most 128 characters, then `…`. An error
+/// never echoes a huge field back in full.
+pub fn clip(value: &str) -> String {
+    match value.char_indices().nth(128) {
+        Some((at, _)) => format!("{}…", value.get(..at).unwrap_or_default()),
+        None => value.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

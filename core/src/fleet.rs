@@ -152,6 +152,28 @@ pub fn endpoint_name(address: &str) -> u64 {
     h.finish().max(1)
 }
 
+/// Did the host at `named` (an endpoint's `ip:port`) answer, if the backend's socket saw the
+/// connection reach `served_at`? The ports must agree, and the addresses too unless the
+/// backend saw a loopback or unspecified one (a sidecar in front of it forwards to localhost).
+/// An answer from elsewhere means the named host is not in the cluster (override_host fell
+/// back to another host): that endpoint is not up, whatever the answer says.
+pub fn same_host(named: &str, served_at: &str) -> bool {
+    let split = |a: &str| -> Option<(String, String)> {
+        let (ip, port) = a.rsplit_once(':')?;
+        let ip = ip.trim_start_matches('[').trim_end_matches(']');
+        Some((ip.to_ascii_lowercase(), port.to_string()))
+    };
+    match (split(named), split(served_at)) {
+        (Some((ip, port)), Some((at_ip, at_port))) => {
+            let local = at_ip
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|a| a.is_loopback() || a.is_unspecified());
+            port == at_port && (ip == at_ip || local)
+        }
+        _ => true,
+    }
+}
+
 /// The policy pass's endpoint when the request has no home: the most room among the eligible
 /// endpoints that could hold it at all, else the largest eligible one (it answers "too large").
 fn fallback(views: &[View], need: u64) -> Option<usize> {
@@ -238,6 +260,28 @@ pub fn admit<S: SharedStore + ?Sized, T>(
 mod tests {
     use super::*;
     use crate::ledger::{AdmitOutcome, AdmitRequest};
+
+    #[test]
+    fn an_answer_from_another_host_is_told_apart() {
+        assert!(same_host("127.0.0.1:8001", "127.0.0.1:8001"));
+        assert!(
+            !same_host("127.0.0.1:8009", "127.0.0.1:8000"),
+            "fell back to another port"
+        );
+        assert!(
+            !same_host("10.8.1.17:8000", "10.8.2.23:8000"),
+            "another pod"
+        );
+        assert!(
+            same_host("10.8.1.17:8000", "127.0.0.1:8000"),
+            "a sidecar forwards to loopback"
+        );
+        assert!(same_host("[fd00::1]:8000", "[FD00::1]:8000"));
+        assert!(
+            same_host("backend:8000", "not an address"),
+            "nothing to compare"
+        );
+    }
     use crate::retry::RetryAfterConfig;
     use crate::store::MemoryStore;
 

@@ -167,9 +167,11 @@ pub struct ClaimTicket {
 }
 
 /// Whether a refusal may take a new place in line: what the line ahead of it still lacks
-/// (`ahead`) is within the ticket's bound on the line. A line longer than the pool turns over
+/// (`ahead`, its active places: a client that has not come back holds nothing, and a caller
+/// that sends a new body every time never comes back, so its places must not close the line to
+/// everyone else) is within the ticket's bound on the line. A line longer than the pool turns over
 /// while its clients wait makes bytes wait, set aside, for clients who give up before their
-/// turn (BENCHMARKS.md, "A bound on the line"). The request's own need is not counted: a
+/// turn (docs/design/012-a-bound-on-the-line.md). The request's own need is not counted: a
 /// request bigger than the bound would never get a place, and would starve among small ones
 /// that keep taking every freed byte (issue 11, section 5).
 fn line_has_room(capacity: u64, ahead: u64, t: ClaimTicket) -> bool {
@@ -408,6 +410,15 @@ impl Ledger {
         self.claim(key).map(|c| c.first_ms)
     }
 
+    /// What the active places in line still lack.
+    fn active_need(&self) -> u64 {
+        self.claims
+            .iter()
+            .filter(|c| c.active)
+            .map(|c| c.bytes.saturating_sub(c.held))
+            .fold(0, u64::saturating_add)
+    }
+
     pub fn claims(&self) -> &[Claim] {
         &self.claims
     }
@@ -430,8 +441,8 @@ impl Ledger {
     /// Not what elastic sequences have borrowed past their reservations: the backend would
     /// give it back by preempting the borrowers, and under sustained load they outgrow the pool
     /// again at once, so the line would keep them recomputing (in the simulator at GPU scale,
-    /// 4.8–5.6× the recomputed tokens and 0.77–0.91× the goodput: BENCHMARKS.md, "What the line
-    /// costs where KV binds"). A request in line waits for the borrowers to end instead: once
+    /// 4.8–5.6× the recomputed tokens and 0.77–0.91× the goodput: docs/design/
+    /// 003-the-line-is-not-lent-borrowed-growth.md). A request in line waits for the borrowers to end instead: once
     /// its client is back, nobody is admitted past it but backfills and classes that preempt,
     /// so they are a finite set, each done within its cap's decode time.
     /// Spare bytes are poured before lent ones, so `free()` (what is unclaimed less what claims
@@ -606,7 +617,7 @@ impl Ledger {
                     .now_ms
                     .saturating_add(retry_after.ms)
                     .saturating_add(t.patience_ms);
-                let count = self.claims.len();
+                let (count, active_need) = (self.claims.len(), self.active_need());
                 match own.and_then(|i| self.claims.get_mut(i)) {
                     Some(c) => {
                         c.bytes = req.bytes;
@@ -615,7 +626,7 @@ impl Ledger {
                         c.active = true;
                         c.waits = t.waits;
                     }
-                    None if count < MAX_CLAIMS && line_has_room(self.capacity, ahead, t) => {
+                    None if count < MAX_CLAIMS && line_has_room(self.capacity, active_need, t) => {
                         self.claims.push(Claim {
                             key: t.key,
                             bytes: req.bytes,
@@ -1704,28 +1715,28 @@ mod tests {
         // A (95, more than the bound): the line is empty, its place is taken (a request bigger
         // than the bound is not kept out of line for ever).
         assert!(refused(l.try_admit(&bounded(95, 1, 1), &exact_retry(), 1)));
-        // B (30): 95 ahead > 50: refused with a Retry-After, no place.
+        // B (30): A's client has not come back (it may never: a caller sending a new body each
+        // time never does), so what A lacks does not close the line: B takes a place.
         assert!(refused(l.try_admit(&bounded(30, 2, 2), &exact_retry(), 1)));
         let keys: Vec<u64> = l.claims().iter().map(|c| c.key).collect();
-        assert_eq!(keys, [1]);
+        assert_eq!(keys, [1, 2]);
         // A's retry keeps its place, and its claim, now active, holds the 10 free.
         assert!(refused(l.try_admit(&bounded(95, 1, 3), &exact_retry(), 1)));
-        assert_eq!((l.claims().len(), l.held_for(1)), (1, 10));
-        // Unbounded, B takes a place behind it.
+        assert_eq!((l.claims().len(), l.held_for(1)), (2, 10));
+        // A holds 10 of its 95 and still lacks 85 > 50: C gets no place, unless unbounded.
+        assert!(refused(l.try_admit(&bounded(20, 3, 5), &exact_retry(), 1)));
+        assert_eq!(l.claims().len(), 2);
         let unbounded = AdmitRequest {
             claim: Some(ClaimTicket {
                 max_line_permille: 0,
-                ..bounded(30, 2, 4).claim.unwrap()
+                ..bounded(20, 4, 6).claim.unwrap()
             }),
-            ..req(30, 4)
+            ..req(20, 6)
         };
         assert!(refused(l.try_admit(&unbounded, &exact_retry(), 1)));
         let keys: Vec<u64> = l.claims().iter().map(|c| c.key).collect();
-        assert_eq!(keys, [1, 2]);
-        // A holds 10 of its 95 and still lacks 85 > 50: C gets no place. A smaller front (40,
-        // lacking 30 ≤ 50 once it holds 10) lets C in.
-        assert!(refused(l.try_admit(&bounded(20, 3, 5), &exact_retry(), 1)));
-        assert_eq!(l.claims().len(), 2);
+        assert_eq!(keys, [1, 2, 4]);
+        // A smaller active front (40, lacking 30 ≤ 50 once it holds 10) lets C in.
         let mut m = Ledger::new(100, 1);
         assert!(matches!(
             m.try_admit(&req(90, 0), &exact_retry(), 1),

@@ -438,6 +438,12 @@ impl PolicyTable {
     /// a verified JWT claim, the route, the trusted header; else the default class. Sources that
     /// are not configured are ignored whatever the request carries.
     pub fn classify(&self, src: ClassSources<'_>) -> &ClassPolicy {
+        self.classify_keyed(src).0
+    }
+
+    /// As [`classify`](Self::classify), and whether the class came from a mapped API key: then
+    /// the key is a verified identity (an unmapped `Authorization` is whatever the client wrote).
+    pub fn classify_keyed(&self, src: ClassSources<'_>) -> (&ClassPolicy, bool) {
         if !self.api_keys.is_empty() {
             let key = src.authorization.and_then(|a| {
                 a.strip_prefix("Bearer ")
@@ -449,7 +455,7 @@ impl PolicyTable {
                 let d: [u8; 32] = Sha256::digest(key.as_bytes()).into();
                 if let Some((_, class)) = self.api_keys.iter().find(|(k, _)| *k == d) {
                     if let Some(c) = self.get(class) {
-                        return c;
+                        return (c, true);
                     }
                 }
             }
@@ -463,7 +469,7 @@ impl PolicyTable {
             .into_iter()
             .flatten()
             .find_map(|name| self.get(name.trim()))
-            .unwrap_or_else(|| self.default_class())
+            .map_or_else(|| (self.default_class(), false), |c| (c, false))
     }
 }
 

@@ -45,9 +45,11 @@ pub struct BackendReport {
     pub gateway_note: bool,
     /// The margin its block rounding needs on every reservation (`None` from an older backend).
     pub scratch_margin_bytes: Option<u64>,
-    /// The numbers of the other gateways that poll it (one per Envoy; empty from an older
-    /// backend, or one that no other gateway polls).
+    /// The numbers of the other gateways that poll it (empty from an older backend, or one
+    /// that no other gateway polls).
     pub other_gateways: Vec<u64>,
+    /// The address the poll reached there (`None` from an older backend).
+    pub served_at: Option<String>,
 }
 
 /// One request the backend holds now.
@@ -581,6 +583,7 @@ impl From<&LeaseReport> for BackendReport {
             admission: r.admission.clone(),
             gateway_note: r.gateway_note,
             other_gateways: r.other_gateways.clone(),
+            served_at: r.served_at.clone(),
             class_outputs: r
                 .finished
                 .iter()
@@ -712,7 +715,7 @@ pub fn reconcile(
                 // A peer that drew this gateway's own number (it polls under it) makes such
                 // leases its own as likely as this gateway's.
                 if let Some(g) =
-                    e.id.map(|id| id >> GATEWAY_SHIFT)
+                    e.id.map(crate::lease_id::gateway_of)
                         .filter(|g| *g != own_gateway || peer_has_own_number)
                 {
                     gateways.insert(g);
@@ -803,10 +806,6 @@ pub fn reconcile(
     out.lendable_to_line = ledger.lendable_to_line();
     out
 }
-
-/// Lease ids carry their gateway's number in the bits above this one (the filter's
-/// `gateway_id`, or one drawn per Envoy).
-const GATEWAY_SHIFT: u32 = 43;
 
 /// Ledger committed minus backend used, as a signed number of bytes.
 pub fn drift(ledger: &Ledger, report: &BackendReport) -> i128 {
@@ -1130,7 +1129,7 @@ mod tests {
         two.live = vec![1];
         two.entries.truncate(1);
         two.entries.push(LiveEntry {
-            id: Some((7u64 << GATEWAY_SHIFT) | 1),
+            id: Some(crate::lease_id::compose(7, 1)),
             ..own_entry(0, 500, false, false)
         });
         two.used_bytes = 1_600 + 500;

@@ -42,10 +42,15 @@ pub struct LeaseReport {
     pub cursor: u64,
     /// The other gateways polling this backend: the number (`gateway_id`) of every Envoy,
     /// other than the one asking, whose poll named its instance within the last three of its
-    /// poll periods. One entry per Envoy, so two that drew the same number both count. A
-    /// gateway learns of its peers here before any of them holds a lease.
+    /// poll periods; one per number that holds a lease here, and at most one that holds none.
+    /// A gateway learns of its peers here before any of them holds a lease.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub other_gateways: Vec<u64>,
+    /// The address (`ip:port`) the poll's connection reached, as the backend's socket saw it:
+    /// a gateway that named one host and was answered by another (override_host falls back
+    /// when the named host is not in the cluster) can tell.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served_at: Option<String>,
 }
 
 /// The backend's KV block pool.
@@ -342,6 +347,7 @@ mod tests {
             }],
             cursor: 1,
             other_gateways: vec![4, 4],
+            served_at: Some("127.0.0.1:8000".into()),
         }
     }
 
@@ -361,6 +367,7 @@ mod tests {
         assert_eq!(v["finished"][0]["reason"], "preempted");
         assert_eq!(v["finished"][0]["gateway_prompt_tokens"], 3);
         assert_eq!(v["other_gateways"], serde_json::json!([4, 4]));
+        assert_eq!(v["served_at"], "127.0.0.1:8000");
         let back = LeaseReport::parse(v.to_string().as_bytes()).unwrap();
         assert_eq!(back, r);
     }
@@ -370,7 +377,7 @@ mod tests {
         // The least a report can be.
         let r = LeaseReport::parse(br#"{"pool":{"capacity_bytes":1,"used_bytes":0}}"#).unwrap();
         assert!(r.leases.is_empty() && r.model.is_none() && r.cursor == 0);
-        assert!(r.other_gateways.is_empty());
+        assert!(r.other_gateways.is_empty() && r.served_at.is_none());
         // Fields and values this build does not know.
         let r = LeaseReport::parse(
             br#"{"pool":{"capacity_bytes":1,"used_bytes":0,"tier":"hbm"},"new":1,

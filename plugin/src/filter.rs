@@ -404,6 +404,7 @@ impl HttpContext for Filter {
         if method == "GET"
             && !rt.cfg.status_path.is_empty()
             && path.split('?').next() == Some(rt.cfg.status_path.as_str())
+            && reached_on_loopback()
         {
             return self.serve_status(&rt);
         }
@@ -414,6 +415,18 @@ impl HttpContext for Filter {
                 // through this listener): refused here whatever the routes would do with it,
                 // in shadow mode too. Guarded paths, the hot path, never pay for the check.
                 let e = ApiError::new(ErrorKind::NotFound, "Unknown path.");
+                return self.reject(&rt, &e);
+            }
+            if rt.cfg.disguises_guarded(&path) {
+                // A catch-all route would forward it unpriced to a server that decodes it.
+                let e = ApiError::invalid(
+                    "path",
+                    format!(
+                        "The path {} is not in canonical form; send it as one of {}.",
+                        kvgate_core::error::clip(&path),
+                        rt.cfg.guarded_paths.join(", ")
+                    ),
+                );
                 return self.reject(&rt, &e);
             }
             return Action::Continue;
@@ -489,7 +502,7 @@ impl HttpContext for Filter {
                 ])
             })
             .flatten();
-        let class_policy = policy.classify(kvgate_core::ClassSources {
+        let (class_policy, keyed) = policy.classify_keyed(kvgate_core::ClassSources {
             authorization: authorization.as_deref(),
             claim: claim.as_deref(),
             route: route.as_deref(),
@@ -527,20 +540,16 @@ impl HttpContext for Filter {
             );
             return self.reject(&rt, &err);
         }
-        // Only fair retries need to recognise the caller.
+        // Only fair retries need to recognise the caller: by a mapped (so verified) API key,
+        // else by the connection's peer, the IP without the port (a retry comes on a new
+        // connection). Never by what a client writes: an unmapped Authorization is its own
+        // choice, and so is X-Forwarded-For unless the HCM trusts hops (the shipped configs
+        // set `use_remote_address`, so `source.address` is the peer).
         let caller = match &authorization {
             _ if rt.cfg.fair_retry_patience_ms == 0 => Vec::new(),
-            Some(a) => a.clone().into_bytes(),
-            None => hostcalls::get_property(vec!["source", "address"])
-                .ok()
-                .flatten()
-                .map(|addr| {
-                    // The IP without the port: a retry comes on a new connection.
-                    let text = String::from_utf8_lossy(&addr).into_owned();
-                    text.rsplit_once(':')
-                        .map_or(text.clone(), |(ip, _)| ip.to_string())
-                        .into_bytes()
-                })
+            Some(a) if keyed => a.clone().into_bytes(),
+            _ => address_property("source")
+                .map(|addr| ip_of(&addr).as_bytes().to_vec())
                 .unwrap_or_default(),
         };
         self.pending = Some(Pending {
@@ -650,4 +659,29 @@ impl HttpContext for Filter {
 pub fn level_now(worker: &Worker, rt: &Runtime) -> Level {
     worker.refresh_endpoints();
     worker.level(&rt.cfg)
+}
+
+/// `source.address` or `destination.address` of the downstream connection, as text.
+fn address_property(side: &str) -> Option<String> {
+    hostcalls::get_property(vec![side, "address"])
+        .ok()
+        .flatten()
+        .map(|a| String::from_utf8_lossy(&a).into_owned())
+}
+
+/// The IP of `ip:port` or `[ip6]:port`, without brackets.
+fn ip_of(addr: &str) -> &str {
+    addr.rsplit_once(':')
+        .map_or(addr, |(ip, _)| ip)
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+}
+
+/// Did the client connect to a loopback address of this Envoy (a listener on 127.0.0.1, or a
+/// local client of one on 0.0.0.0)? The status page is answered only then: what the listener
+/// accepted on, which no header can change.
+fn reached_on_loopback() -> bool {
+    address_property("destination")
+        .and_then(|a| ip_of(&a).parse::<std::net::IpAddr>().ok())
+        .is_some_and(|ip| ip.is_loopback())
 }

@@ -394,7 +394,7 @@ impl Root {
         // goes there, as a newcomer would (the plain pass), rather than wait out its
         // `max_wait_ms` while newcomers take that room. With one endpoint the queue keeps its
         // order: trying the requests behind the front in spare room there was measured to
-        // raise p99 latency (BENCHMARKS.md, "A queued request behind the front").
+        // raise p99 latency (docs/design/011-queued-try-behind-the-front.md).
         let endpoints = self.worker.endpoints();
         let open_room = match endpoints.len() {
             0 | 1 => 0,
@@ -578,6 +578,14 @@ impl Root {
             Ok(r) => r,
             Err(err) => return self.poll_failed(rt, i, &err),
         };
+        // Answered by the host it named? Else that host is not in the cluster and Envoy fell
+        // back to another: its pool is not this endpoint's, which is then down.
+        if let (Some(named), Some(at)) = (&e.address, &report.served_at) {
+            if !kvgate_core::fleet::same_host(named, at) {
+                self.worker.metrics.upstream_mismatch.inc();
+                return self.poll_failed(rt, i, &format!("answered by {at}, not {named}"));
+            }
+        }
         let mismatch = self.follow_descriptor(i, &e, &body, &report);
         // The runtime may have changed (a descriptor applied).
         let Some(rt) = self.worker.runtime() else {

@@ -56,7 +56,7 @@ impl Run {
 }
 
 /// What a model's tokenizer may count in `text` past an approximation, where no multiplier of
-/// a few covers the difference (measured with SmolLM2 against cl100k_base in BENCHMARKS.md,
+/// a few covers the difference (measured with SmolLM2 against cl100k_base in docs/lab/2026-12-benchmarks-history.md,
 /// "Runs the approximation merges, padded apart"): the approximation merges long runs the
 /// model's vocabulary does not. One pass over the text, as the count made. Per maximal run:
 /// - of `L` numeric characters (`\p{N}`): `L - ceil(L/3)`. Every built-in encoding but the

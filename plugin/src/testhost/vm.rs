@@ -166,9 +166,25 @@ impl Vm {
             h.live.insert(id);
             h.maps
                 .insert((id, MapType::HttpRequestHeaders as u32), headers.clone());
+            // A local client of a listener on loopback, unless the test says otherwise.
+            for (side, addr) in [
+                ("source", "127.0.0.1:40000"),
+                ("destination", "127.0.0.1:10000"),
+            ] {
+                h.properties
+                    .insert((id, format!("{side}\0address")), addr.into());
+            }
         });
         unsafe { proxy_on_context_create(id, self.root) };
         Stream(id)
+    }
+
+    /// Set what the filter reads as `side.address` (`source` or `destination`) on `s`.
+    pub fn set_address(&self, s: Stream, side: &str, addr: &str) {
+        with(|h| {
+            h.properties
+                .insert((s.0, format!("{side}\0address")), addr.into())
+        });
     }
 
     pub fn request_headers(&self, s: Stream, end_of_stream: bool) -> Action {

@@ -497,6 +497,29 @@ fn the_status_endpoint_reports_the_ledger() {
 }
 
 #[test]
+fn the_status_page_is_answered_only_on_a_loopback_address() {
+    let mut vm = start(20_000, json!({}));
+    for (addr, served) in [
+        ("10.1.2.3:10000", false),
+        ("[2001:db8::1]:10000", false),
+        ("[::1]:10000", true),
+        ("127.0.0.1:10000", true),
+    ] {
+        let s = vm.open(
+            "GET",
+            "/kvgate/status",
+            &[("x-forwarded-for", "127.0.0.1")],
+            b"",
+        );
+        vm.set_address(s, "destination", addr);
+        let action = vm.request_headers(s, true);
+        assert_eq!(action == Action::Pause, served, "{addr}");
+        assert_eq!(Vm::replies(s).len(), usize::from(served), "{addr}");
+        vm.finish(s);
+    }
+}
+
+#[test]
 fn an_empty_status_path_turns_the_status_endpoint_off() {
     let mut vm = start(20_000, json!({"status_path": ""}));
     let s = vm.open("GET", "/kvgate/status", &[], b"");
