@@ -448,6 +448,7 @@ def test_a_rotation_accepts_the_current_and_the_next_secret(backend):
                            ("old-secret", 401)]:
         r = requests.get(b.url + "/v1/admission/leases", headers={"x-kvgate-secret": secret}, timeout=10)
         assert r.status_code == status, secret
+    b.secret = "next-secret"  # what the gateway sends after the rotation (and the teardown's checks)
 
 
 def test_beyond_loopback_without_a_secret_it_refuses_to_start():

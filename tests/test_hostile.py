@@ -140,7 +140,8 @@ def test_a_squatter_sending_a_new_body_every_half_second_does_not_take_the_line(
     line to a big request among small ones, which is still admitted (before, the line was
     closed past its bound and the big request starved again)."""
     retry = {"min_ms": 100, "max_ms": 1000, "jitter": 0.1, "default_lease_ms": 1000}
-    gw = gateway(budget(1000, retry_after=retry))
+    # Places kept 20 s past their Retry-After: the squatter's first place lasts the whole run.
+    gw = gateway(budget(1000, retry_after=retry, fair_retry_patience_ms=20_000))
     stop = time.time() + 25
     sent = []
 
