@@ -7,6 +7,8 @@ with every ledger and every pool at exactly zero.
 """
 
 import json
+import os
+import signal
 import threading
 import time
 from collections import Counter
@@ -301,3 +303,24 @@ def test_a_stale_endpoint_answered_by_another_backend_is_down_not_up_with_its_po
     assert any(r.get("status") == 200 for r in results), results
     assert b.metrics()["kvgate_backend_kv_oom_total"] == 0, "an admitted request ran the backend out of KV"
     drained(gws, bs)
+
+
+def test_a_request_sent_as_its_backend_froze_gets_a_503_once_the_gateway_knows(stack):
+    """The backend freezes (SIGSTOP) just before a request: the gateway still counts it up and
+    sends the request on. Once its polls fail (two, 1 s timeout each) the backend is down, and the
+    request is answered then: a 503 with a Retry-After within seconds, not the route's 120 s
+    idle timeout (before, it hung until its client gave up)."""
+    gw, be = stack(64)
+    gw.wait_for(lambda s: s["backend"]["up"] and s["backend"]["polled"], what="the backend up")
+    os.kill(be.proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.time()
+        r = requests.post(gw.url + "/v1/chat/completions", json={**QUESTION, "max_tokens": 8}, timeout=60)
+        took = time.time() - t0
+    finally:
+        os.kill(be.proc.pid, signal.SIGCONT)
+    print(f"answered {r.status_code} after {took:.1f} s")
+    assert r.status_code == 503, r.text[:300]
+    assert r.json()["error"]["code"] == "backend_unavailable" and int(r.headers["retry-after"]) >= 1
+    assert took < 15, took
+    gw.wait_for(lambda s: s["backend"]["up"], what="the backend up again")

@@ -355,6 +355,7 @@ impl Filter {
             }
         }
         self.worker.forget_demotions(self.context_id);
+        self.worker.answered(self.context_id);
         if let Some(t) = self.ticket.take() {
             // Cut short (client gone, reset) while the backend may still be decoding: tell it to
             // stop now, or it would hold KV the ledger no longer counts.
@@ -617,6 +618,7 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.response_done |= end_of_stream;
+        self.worker.answered(self.context_id);
         let Some(rt) = self.rt.clone() else {
             return Action::Continue;
         };

@@ -563,6 +563,23 @@ impl Root {
         m.observe(&self.worker, &rt.cfg);
     }
 
+    /// Requests sent to an endpoint before it was known to be down get their answer now: a
+    /// 503 with a Retry-After, as a request sent after would (their leases end with them).
+    fn answer_stranded(&self, rt: &Runtime) {
+        for t in self.worker.stranded() {
+            if hostcalls::set_effective_context(t.context_id).is_err() {
+                continue;
+            }
+            let err = kvgate_core::ApiError::new(
+                kvgate_core::ErrorKind::BackendUnavailable,
+                "The model server stopped answering after this request was sent to it. Retry \
+                 after the time in the Retry-After header.",
+            )
+            .with_retry_after_ms(rt.cfg.retry_after.max_ms.min(5_000));
+            crate::filter::reply_error(&self.worker, &err, kvgate_core::Level::Red);
+        }
+    }
+
     fn poll_answered(&mut self, rt: &Runtime, i: usize, body_size: usize) {
         let Some(b) = &rt.cfg.backend else { return };
         let Some(e) = self.endpoint_of(i) else { return };
@@ -839,6 +856,7 @@ impl RootContext for Root {
         let now = host::now_ms();
         crate::worker::beat(now);
         self.worker.refresh_endpoints();
+        self.answer_stranded(&rt);
         self.worker.retry_releases(now);
         // A clock stepped back does not hold the reaper off for as long.
         if now >= self.next_reap_ms || self.next_reap_ms > now.saturating_add(rt.cfg.tick_ms) {

@@ -336,6 +336,7 @@ impl Ticket {
                     went_ahead_until: went_ahead(&lease).then_some(lease.eta_ms),
                 }));
                 *self.endpoint.borrow_mut() = Some(Rc::clone(&endpoint));
+                worker.awaiting.borrow_mut().push(Rc::clone(self));
                 worker.metrics.admitted.inc();
                 if let Some(m) = &endpoint.metrics {
                     m.admitted.inc();

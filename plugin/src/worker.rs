@@ -393,6 +393,10 @@ pub struct Worker {
     pub demotions: RefCell<HashMap<u32, Demotion>>,
     /// The backend endpoints of the current configuration (one, without `backend.endpoints`).
     endpoints: RefCell<Vec<Rc<Endpoint>>>,
+    /// Admitted requests sent on to their endpoint that have no response yet, by stream: when
+    /// that endpoint is then known to be down they are answered at once (503 with a
+    /// Retry-After) rather than left to the route's idle timeout.
+    pub awaiting: RefCell<Vec<Rc<Ticket>>>,
     /// Endpoints a new configuration dropped whose ledgers may still hold leases: their
     /// requests release them as they end; the reaper keeps watching them for leases whose
     /// worker is gone, until their ledger is empty.
@@ -409,6 +413,27 @@ pub struct Worker {
 }
 
 impl Worker {
+    /// Stream `context_id` has its response (or ended): nothing to answer for it any more.
+    pub fn answered(&self, context_id: u32) {
+        self.awaiting
+            .borrow_mut()
+            .retain(|t| t.context_id != context_id);
+    }
+
+    /// The admitted requests still waiting for an answer from an endpoint now known to be down:
+    /// taken out of `awaiting`, for the caller to answer.
+    pub fn stranded(&self) -> Vec<Rc<Ticket>> {
+        let mut awaiting = self.awaiting.borrow_mut();
+        let (down, up): (Vec<_>, Vec<_>) = awaiting.drain(..).partition(|t| {
+            t.endpoint().is_some_and(|e| {
+                let h = e.health();
+                h.polled && !h.up
+            })
+        });
+        *awaiting = up;
+        down
+    }
+
     /// Take the request of stream `context_id` out of the admission queue (if it is there).
     /// Whether it was there.
     pub fn unqueue(&self, context_id: u32) -> bool {
@@ -464,6 +489,7 @@ impl Worker {
             lease_counter: Cell::new(0),
             endpoints: RefCell::new(Vec::new()),
             retired: RefCell::new(Vec::new()),
+            awaiting: RefCell::new(Vec::new()),
             gateway: Cell::new(0),
             instance: Cell::new(0),
             outputs: RefCell::new(BTreeMap::new()),

@@ -908,6 +908,46 @@ fn failed_polls_mark_the_backend_down_and_an_answer_brings_it_back() {
     assert_eq!(Vm::metric("kvgate.level"), 0);
 }
 
+#[test]
+fn a_request_sent_before_its_backend_went_down_is_answered_503_once_it_is_known_down() {
+    let mut vm = start(
+        20_000,
+        json!({"backend": {"cluster": "kvgate_backend", "poll_ms": 200,
+                           "down_after_failures": 2}}),
+    );
+    let poll = |vm: &Vm, status: u32, body: &[u8]| {
+        vm.advance_ms(300);
+        vm.tick();
+        let call = Vm::calls().last().cloned().unwrap();
+        vm.answer_call(call.token, status, body);
+    };
+    poll(&vm, 200, &report(0, &[], &[], 1));
+    // Sent on before the backend froze; another answered before (nothing to answer for it).
+    let (answered, a) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(a, Action::Continue);
+    vm.respond(answered);
+    let (sent, a) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(a, Action::Continue);
+    poll(&vm, 503, b"");
+    assert!(Vm::replies(sent).is_empty(), "one failure is not down");
+    poll(&vm, 503, b"");
+    vm.advance_ms(100);
+    vm.tick();
+    let replies = Vm::replies(sent);
+    assert_eq!(
+        replies.len(),
+        1,
+        "answered at the first tick that knows it is down"
+    );
+    assert_eq!(replies[0].status, 503);
+    assert_eq!(replies[0].json()["error"]["code"], "backend_unavailable");
+    assert!(replies[0].header("retry-after").is_some());
+    assert!(Vm::replies(answered).is_empty());
+    vm.finish(sent);
+    vm.finish(answered);
+    assert_eq!(ledger().committed(), 0);
+}
+
 /// Every worker polls the backend and writes its health to shared data; this one's copy is a
 /// tick old when another worker has just counted the backend down. Each path that reads the
 /// health between ticks sees "down" — a priced request (a fast 503), the level an unpriced
@@ -1011,9 +1051,9 @@ fn a_backend_another_worker_marked_down_is_down_here_before_this_workers_tick() 
 }
 
 /// `fair_retry_max_line` (here half the pool) bounds the fair-retry line for requests answered
-/// with a 429: refusals take places while what the line ahead lacks is within the bound, the
-/// next gets a 429 and no place. A `queue` class's requests keep their places in the gateway's
-/// queue however long the line.
+/// with a 429: refusals take places while what the active places (those whose clients came
+/// back) lack is within the bound, the next gets a 429 and no place. A `queue` class's
+/// requests keep their places in the gateway's queue however long the line.
 #[test]
 fn the_line_bound_gives_no_place_past_it_to_a_refusal_and_leaves_the_queue_alone() {
     let mut policy = vip_and_batch_queued("std", 60_000);
@@ -1022,7 +1062,7 @@ fn the_line_bound_gives_no_place_past_it_to_a_refusal_and_leaves_the_queue_alone
         1_000,
         json!({ "policy": policy, "fair_retry_max_line": 0.5 }),
     );
-    put_lease(91, 900, "std", 1, owner_id());
+    put_lease(91, 950, "std", 1, owner_id());
     let keys = || ledger().claims().iter().map(|c| c.key).collect::<Vec<_>>();
     // 300 tokens each (bodies differ, so each would have its own place).
     let mut refuse = |prompt: usize| {
@@ -1037,12 +1077,16 @@ fn the_line_bound_gives_no_place_past_it_to_a_refusal_and_leaves_the_queue_alone
     refuse(100);
     assert_eq!(keys().len(), 1, "an empty line: a place");
     refuse(101);
-    assert_eq!(keys().len(), 2, "300 lacking ahead ≤ 500: a place");
+    assert_eq!(keys().len(), 2, "no active place ahead: a place");
+    // Their clients come back: both places active, lacking 550 (the first holds the 50 free).
+    refuse(100);
+    refuse(101);
+    assert!(ledger().claims().iter().all(|c| c.active));
     refuse(102);
     assert_eq!(
         keys().len(),
         2,
-        "600 lacking ahead > 500: a 429 and no place"
+        "550 lacking ahead > 500: a 429 and no place"
     );
     // Queued requests keep their places past the bound.
     for prompt in [103, 104] {
