@@ -163,3 +163,21 @@ def test_a_squatter_sending_a_new_body_every_half_second_does_not_take_the_line(
     print(f"big request admitted after {waited} s beside a squatter that sent {len(sent)} requests")
     assert waited is not None, "the big request starved"
     gw.assert_drained()
+
+
+def test_a_body_over_the_limit_gets_a_readable_json_413_with_or_without_a_content_length(gateway, upstream):
+    """5 MiB and 9 MiB bodies (the limit is 4 MiB), with a content length and chunked: each
+    client reads kvgate's JSON 413 (a guard against a reset before the answer, which the audit
+    saw on `make up`; not reproduced here)."""
+    gw = gateway(budget(20_000))
+    for size in (5 << 20, 9 << 20):
+        body = b'{"prompt":"' + b"a" * size + b'"}'
+        chunks = (body[i:i + 65536] for i in range(0, len(body), 65536))
+        for data in (body, chunks):
+            r = requests.post(gw.url + "/v1/completions", data=data, headers={"content-type": "application/json"},
+                              timeout=30)
+            assert r.status_code == 413 and r.headers["content-type"] == "application/json", (size, r.text[:200])
+            err = r.json()["error"]
+            assert err["code"] == "request_body_too_large" and "param" in err, err
+    assert upstream.requests() == []
+    gw.assert_drained()
