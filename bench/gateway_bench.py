@@ -8,6 +8,8 @@ filter's added p50 latency is set beside native tiktoken-rs counting of the same
 (criterion, `make bench-core`) to show where the time goes.
 
 Usage: .venv/bin/python bench/gateway_bench.py [--duration 10] [--connections 16]
+       [--baseline-wasm PATH]   a third gateway with another build of the filter (before/after)
+       [--rounds N]             N rounds of every workload, arms interleaved
 """
 
 import argparse
@@ -83,7 +85,7 @@ def upstream_config(port, admin):
     }
 
 
-def gateway_config(port, admin, upstream_port, with_filter):
+def gateway_config(port, admin, upstream_port, wasm):
     boot = shipped_bootstrap()
     boot["admin"]["address"]["socket_address"]["port_value"] = admin
     listener = boot["static_resources"]["listeners"][0]
@@ -91,9 +93,9 @@ def gateway_config(port, admin, upstream_port, with_filter):
     boot["static_resources"]["clusters"][0]["load_assignment"]["endpoints"][0]["lb_endpoints"][0][
         "endpoint"]["address"]["socket_address"]["port_value"] = upstream_port
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-    if with_filter:
+    if wasm:
         f = wasm_filter(boot)
-        f["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(WASM)
+        f["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
         cfg = shipped_plugin_config()
         cfg["model"]["context_tokens"] = 32768
         cfg["kv_budget_bytes"] = 1 << 50  # never full: this measures the admission path itself
@@ -103,16 +105,18 @@ def gateway_config(port, admin, upstream_port, with_filter):
     return boot
 
 
-def start_gateways(work, concurrency):
-    """A direct-response upstream and two gateways in front of it, one with the kvgate filter
-    ("kvgate") and one without ("plain"), all ready. Returns (processes, {name: port})."""
+def start_gateways(work, concurrency, baseline=None):
+    """A direct-response upstream and gateways in front of it: one with the kvgate filter
+    ("kvgate"), one without ("plain"), and one with the `baseline` build of the filter when
+    given ("baseline"), all ready. Returns (processes, {name: port})."""
+    wasms = {"plain": None, "kvgate": WASM, **({"baseline": baseline} if baseline else {})}
     up_port, up_admin = free_port(), free_port()
-    ports = {name: (free_port(), free_port()) for name in ("plain", "kvgate")}
+    ports = {name: (free_port(), free_port()) for name in wasms}
     procs = [start(upstream_config(up_port, up_admin), work, "upstream", 1)]
     try:
         wait_ready(up_admin, procs[0])
         for name, (port, admin) in ports.items():
-            procs.append(start(gateway_config(port, admin, up_port, name == "kvgate"), work, name, concurrency))
+            procs.append(start(gateway_config(port, admin, up_port, wasms[name]), work, name, concurrency))
             wait_ready(admin, procs[-1])
     except Exception:
         stop(procs)
@@ -127,13 +131,16 @@ def stop(procs):
         p.wait()
 
 
-def wrk(url, body_file, duration, connections):
-    lua = Path(body_file).with_suffix(".lua")
-    lua.write_text(
-        'wrk.method = "POST"\nwrk.headers["content-type"] = "application/json"\n'
-        f'local f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\nf:close()\n')
-    out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(lua),
-                          url + "/v1/completions"], capture_output=True, text=True, check=True).stdout
+def wrk(url, body_file, duration, connections, path="/v1/completions"):
+    """`body_file` None: GETs of `path` (an unpriced request; the filter only sets the level)."""
+    args = ["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency"]
+    if body_file is not None:
+        lua = Path(body_file).with_suffix(".lua")
+        lua.write_text(
+            'wrk.method = "POST"\nwrk.headers["content-type"] = "application/json"\n'
+            f'local f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\nf:close()\n')
+        args += ["-s", str(lua)]
+    out = subprocess.run(args + [url + path], capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
 
     def pct(p):
@@ -148,12 +155,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--baseline-wasm", help="another build of the filter, run beside it (before/after)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gateway.md"))
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="kvgate-bench-")
-    procs, ports = start_gateways(work, 1)
+    procs, ports = start_gateways(work, 1, args.baseline_wasm)
     try:
-        rows = []
+        workloads = []  # (label, prompt tokens, body file or None, native count µs)
         for target in (100, 1000, 8000):
             # Calibrate the prompt to the filter's own count: with no cap, max_tokens = context - prompt.
             words = target
@@ -169,32 +178,46 @@ def main():
             prompt_file.write_text(body["prompt"])
             native = subprocess.run([str(COUNT), "cl100k_base", str(prompt_file), "200"],
                                     capture_output=True, text=True, check=True).stdout.split()
-            native_us = float(native[1])
-            res = {}
-            for name, port in ports.items():
-                res[name] = wrk(f"http://127.0.0.1:{port}", body_file, args.duration, args.connections)
-            rows.append((prompt, len(body_file.read_bytes()), res, native_us))
-            print(f"prompt {prompt} tokens: {json.dumps(res)}", flush=True)
+            workloads.append((f"{prompt}-token prompt", body_file, float(native[1])))
+        workloads.append(("GET /v1/models (unpriced)", None, None))
+        runs = {(w[0], name): [] for w in workloads for name in ports}
+        for rnd in range(args.rounds):
+            for label, body_file, _ in workloads:
+                # Arms interleaved, their order turned each round.
+                names = list(ports)[rnd % len(ports):] + list(ports)[:rnd % len(ports)]
+                for name in names:
+                    path = "/v1/completions" if body_file else "/v1/models"
+                    runs[(label, name)].append(
+                        wrk(f"http://127.0.0.1:{ports[name]}", body_file, args.duration, args.connections, path))
+                print(f"round {rnd + 1} {label}: " + json.dumps({n: runs[(label, n)][-1] for n in ports}), flush=True)
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
         size = WASM.stat().st_size
+        base = "baseline" in ports
         lines = [
             f"Envoy 1.40 (`--concurrency 1` each), wrk -t2 -c{args.connections} -d{args.duration}s, "
-            f"upstream: Envoy direct_response. kvgate.wasm {size / 1e6:.1f} MB.",
+            f"{args.rounds} round(s), arms interleaved, medians; upstream: Envoy direct_response. "
+            f"kvgate.wasm {size / 1e6:.1f} MB" + (f"; baseline: {args.baseline_wasm}." if base else "."),
             "",
             "`filter µs/req` is the worker time the filter adds per request (1/rps with the filter "
             "minus 1/rps without, one worker saturated); `native count µs` is tiktoken-rs counting the "
             "same prompt natively in the same run (`core/examples/count.rs`).",
             "",
-            "| prompt tokens | body bytes | plain rps | kvgate rps | rps ratio | plain p50 ms | kvgate p50 ms "
-            "| plain p99 ms | kvgate p99 ms | filter µs/req | native count µs | filter / native | non-2xx |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| workload | plain rps | kvgate rps | kvgate / plain | " + ("baseline rps | kvgate / baseline | " if base else "")
+            + "plain p99 ms | kvgate p99 ms | filter µs/req | native count µs | non-2xx |",
+            "|---|---|---|---|" + ("---|---|" if base else "") + "---|---|---|---|---|",
         ]
-        for prompt, nbytes, r, native_us in rows:
-            p, k = r["plain"], r["kvgate"]
+        for label, _, native_us in workloads:
+            p = {k: med([r[k] for r in runs[(label, "plain")]]) for k in ("rps", "p99")}
+            k = {k: med([r[k] for r in runs[(label, "kvgate")]]) for k in ("rps", "p99")}
+            non2xx = sum(r["non2xx"] for n in ports for r in runs[(label, n)])
             added_us = 1e6 / k["rps"] - 1e6 / p["rps"]
-            lines.append(
-                f"| {prompt} | {nbytes} | {p['rps']:.0f} | {k['rps']:.0f} | {k['rps'] / p['rps']:.2f} "
-                f"| {p['p50']:.2f} | {k['p50']:.2f} | {p['p99']:.2f} | {k['p99']:.2f} "
-                f"| {added_us:.0f} | {native_us:.0f} | {added_us / native_us:.2f} | {p['non2xx'] + k['non2xx']} |")
+            row = f"| {label} | {p['rps']:.0f} | {k['rps']:.0f} | {k['rps'] / p['rps']:.2f} | "
+            if base:
+                b = med([r["rps"] for r in runs[(label, "baseline")]])
+                row += f"{b:.0f} | {k['rps'] / b:.2f} | "
+            row += (f"{p['p99']:.2f} | {k['p99']:.2f} | {added_us:.0f} | "
+                    f"{'' if native_us is None else f'{native_us:.0f}'} | {non2xx} |")
+            lines.append(row)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(lines) + "\n")
         print("\n".join(lines))

@@ -2134,7 +2134,8 @@ impl<'a> Sim<'a> {
                     .as_ref()
                     .filter(|p| p.warm())
                     .map_or(0.0, |p| p.tokens_per_s);
-                reconcile::reconcile(ledger, &report, now_ms, 30_000, progress.as_ref(), GATEWAY);
+                let etas = reconcile::own_etas(ledger, &report, progress.as_ref(), now_ms);
+                reconcile::reconcile(ledger, &report, now_ms, 30_000, &etas, GATEWAY);
                 let cap = ledger.capacity() as f64;
                 // Where the pool goes, for the line printed at the end (stderr).
                 let pool = be.total.max(1) as f64;

@@ -300,6 +300,8 @@ pub struct Config {
     pub retry_from_progress: bool,
     pub policy: PolicyTable,
     pub guarded_paths: Vec<String>,
+    /// The guarded paths as [`normalize_path`] writes them, for [`Config::path_kind`].
+    pub normalized_guarded: Vec<String>,
     pub max_body_bytes: u64,
     pub status_path: String,
     pub context_error_status: u32,
@@ -339,13 +341,35 @@ impl Config {
         self.guarded_paths.iter().any(|g| g == p)
     }
 
+    /// What the filter does with a request for `path`: price it (a guarded path), refuse it (the
+    /// backend's admission API, or a guarded path in disguise), or let it pass. One
+    /// normalization at most, and none for a guarded path (the hot path).
+    pub fn path_kind(&self, path: &str) -> PathKind {
+        if self.guards(path) {
+            return PathKind::Guarded;
+        }
+        let raw = path.split(['?', '#']).next().unwrap_or(path);
+        let p = normalize_path(raw);
+        if p == "/v1/admission"
+            || p.starts_with("/v1/admission/")
+            || self
+                .internal_templates
+                .iter()
+                .any(|t| template_matches(t, &p))
+        {
+            PathKind::Internal
+        } else if self.normalized_guarded.contains(&p) {
+            PathKind::DisguisedGuarded
+        } else {
+            PathKind::Other
+        }
+    }
+
     /// Does `path`, not itself guarded, name a guarded path as a permissive server would route
     /// it (percent-encoded, repeated slashes, `.` segments, another case)? Such a request is
     /// refused rather than forwarded unpriced, whatever the routes do with it.
     pub fn disguises_guarded(&self, path: &str) -> bool {
-        let raw = path.split(['?', '#']).next().unwrap_or(path);
-        let p = normalize_path(raw);
-        self.guarded_paths.iter().any(|g| normalize_path(g) == p)
+        self.path_kind(path) == PathKind::DisguisedGuarded
     }
 
     /// Is `path` the backend's admission API (the shipped `/v1/admission/…`, or one of the
@@ -354,18 +378,17 @@ impl Config {
     /// whatever the routes send where. Compared as a permissive server would route it:
     /// percent-decoded, repeated slashes merged, `.` and `..` segments resolved, any case.
     pub fn is_internal(&self, path: &str) -> bool {
-        if self.guards(path) {
-            return false;
-        }
-        let raw = path.split(['?', '#']).next().unwrap_or(path);
-        let p = normalize_path(raw);
-        p == "/v1/admission"
-            || p.starts_with("/v1/admission/")
-            || self
-                .internal_templates
-                .iter()
-                .any(|t| template_matches(t, &p))
+        self.path_kind(path) == PathKind::Internal
     }
+}
+
+/// See [`Config::path_kind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathKind {
+    Guarded,
+    Internal,
+    DisguisedGuarded,
+    Other,
 }
 
 /// `path` percent-decoded, lower-cased, with repeated slashes merged, `.` and `..` segments
@@ -697,6 +720,11 @@ impl TryFrom<RawConfig> for Config {
             lease_ttl: t,
             retry_from_progress: r.from_progress,
             policy,
+            normalized_guarded: raw
+                .guarded_paths
+                .iter()
+                .map(|g| normalize_path(g))
+                .collect(),
             guarded_paths: raw.guarded_paths,
             max_body_bytes: raw.max_body_bytes,
             status_path: raw.status_path,

@@ -364,6 +364,15 @@ impl Ledger {
         }
     }
 
+    /// Set the expected end of every lease that `eta(id)` knows, in one pass.
+    pub fn set_etas(&mut self, eta: impl Fn(u64) -> Option<u64>) {
+        for l in &mut self.leases {
+            if let Some(e) = eta(l.id) {
+                l.eta_ms = e;
+            }
+        }
+    }
+
     /// Set every lease's `held` (what the backend holds for it beyond its reservation) from a
     /// report: `held(id)`.
     pub fn set_held(&mut self, held: impl Fn(u64) -> u64) {

@@ -13,7 +13,7 @@
 //!   held back from admission until the next report says otherwise; what an own lease held
 //!   past its reservation is given back when that lease is released (`Ledger::release`).
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::ledger::{Lease, Ledger};
 use crate::wire::LeaseReport;
@@ -649,14 +649,44 @@ impl Reconciled {
     }
 }
 
-/// Apply a backend report to the ledger. Pure: safe to re-run on a CAS retry. Never removes a
-/// lease the backend did not report finished.
+/// Expected ends (ms) of this ledger's leases that `report` shows, by lease id, from the
+/// decode progress: the joint Monte Carlo behind [`Progress::joint_etas`]. Computed once,
+/// before the compare-and-swap that applies the report (a CAS retry does not redo it), from
+/// the ledger as last read: a lease admitted since gets its end at the next poll.
+pub fn own_etas(
+    ledger: &Ledger,
+    report: &BackendReport,
+    progress: Option<&Progress>,
+    now_ms: u64,
+) -> BTreeMap<u64, u64> {
+    let Some(p) = progress else {
+        return BTreeMap::new();
+    };
+    let reserved: HashSet<u64> = ledger.leases().iter().map(|l| l.id).collect();
+    let own: Vec<&LiveEntry> = report
+        .entries
+        .iter()
+        .filter(|e| e.id.is_some_and(|id| reserved.contains(&id)))
+        .collect();
+    p.joint_etas(&own, now_ms)
+        .map(|etas| {
+            own.iter()
+                .zip(etas)
+                .filter_map(|(e, eta)| Some((e.id?, eta)))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Apply a backend report to the ledger, with the expected ends `etas` ([`own_etas`]). Pure and
+/// cheap: safe to re-run on a CAS retry. Never removes a lease the backend did not report
+/// finished.
 pub fn reconcile(
     ledger: &mut Ledger,
     report: &BackendReport,
     now_ms: u64,
     grace_ms: u64,
-    progress: Option<&Progress>,
+    etas: &BTreeMap<u64, u64>,
     own_gateway: u64,
 ) -> Reconciled {
     let mut out = Reconciled::default();
@@ -725,12 +755,8 @@ pub fn reconcile(
         }
     }
     ledger.set_held(|id| held.get(&id).copied().unwrap_or(0));
-    if let Some(etas) = progress.and_then(|p| p.joint_etas(&own, now_ms)) {
-        for (e, eta) in own.iter().zip(etas) {
-            if let Some(id) = e.id {
-                ledger.set_eta(id, eta);
-            }
-        }
+    if !etas.is_empty() {
+        ledger.set_etas(|id| etas.get(&id).copied());
     }
     // Held back: what the backend uses beyond this ledger, or what foreign leases hold there
     // plus what this ledger's own leases hold or need beyond their reservations, whichever is
@@ -892,7 +918,7 @@ mod tests {
             entries: vec![entry(1, 1_600), entry(2, 1_500)],
             ..Default::default()
         };
-        let r = reconcile(&mut l, &report, 100, 5_000, None, 0);
+        let r = reconcile(&mut l, &report, 100, 5_000, &BTreeMap::new(), 0);
         assert_eq!(r.grown_bytes, 600);
         // Each lease knows what of that it holds: it frees with the lease (Retry-After).
         let held = |l: &Ledger, id| l.lease(id).map(|x| x.held);
@@ -912,7 +938,7 @@ mod tests {
             ],
             ..report.clone()
         };
-        let w = reconcile(&mut waiting, &needs, 100, 5_000, None, 0);
+        let w = reconcile(&mut waiting, &needs, 100, 5_000, &BTreeMap::new(), 0);
         assert_eq!((w.grown_bytes, w.held_back), (600, 600));
         // A need to resume is not held for that lease alone (only the largest one is held
         // back): its end is not counted on to free it.
@@ -942,7 +968,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let b = reconcile(&mut two, &both, 100, 5_000, None, 0);
+        let b = reconcile(&mut two, &both, 100, 5_000, &BTreeMap::new(), 0);
         assert_eq!((b.grown_bytes, b.held_back), (4_800, 4_200));
         // Admitting into all of that still leaves the larger need (4,000) free at the backend,
         // which holds 4,200 of the 10,000.
@@ -957,7 +983,7 @@ mod tests {
             running: false,
             ..entry(3, 6_000)
         };
-        let h = reconcile(&mut three, &held, 100, 5_000, None, 0);
+        let h = reconcile(&mut three, &held, 100, 5_000, &BTreeMap::new(), 0);
         assert_eq!(h.held_back, 5_000 + 4_000);
         assert_eq!(three.free(), 0);
         // The backend holds 3,100 bytes for the 3,000 committed, but lease 2 may still grow into
@@ -1010,7 +1036,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let r = reconcile(&mut l, &report, 40, 5_000, None, 0);
+        let r = reconcile(&mut l, &report, 40, 5_000, &BTreeMap::new(), 0);
         assert_eq!((r.held_back, r.lendable), (3_000, 0), "no one in line yet");
         assert!(!try_in_line(&mut l, 4, 3_500, 44, 45), "Y does not fit");
         if with_x {
@@ -1023,7 +1049,7 @@ mod tests {
             !try_in_line(&mut l, 4, 3_500, 44, 55),
             "Y, back, still does not"
         );
-        let r = reconcile(&mut l, &report, 60, 5_000, None, 0);
+        let r = reconcile(&mut l, &report, 60, 5_000, &BTreeMap::new(), 0);
         (l, r)
     }
 
@@ -1076,7 +1102,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let r = reconcile(&mut l, &report, 40, 5_000, None, 0);
+        let r = reconcile(&mut l, &report, 40, 5_000, &BTreeMap::new(), 0);
         assert_eq!(
             (r.held_back, r.lendable, r.lendable_to_line),
             (6_000, 3_000, 0),
@@ -1087,7 +1113,7 @@ mod tests {
             "the growth is not lent to the line"
         );
         assert_eq!(l.held_for(33), 0);
-        let r = reconcile(&mut l, &report, 60, 5_000, None, 0);
+        let r = reconcile(&mut l, &report, 60, 5_000, &BTreeMap::new(), 0);
         // 2,500 of the resume room is lent on top of the growth, all X's.
         assert_eq!(
             (r.held_back, r.lendable, r.lendable_to_line),
@@ -1114,7 +1140,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let r = reconcile(&mut l, &report, 100, 5_000, None, 0);
+        let r = reconcile(&mut l, &report, 100, 5_000, &BTreeMap::new(), 0);
         assert_eq!(r.held_back, 600 + 100 + 900);
         // The rounding is no one's to give back, and the preempted one's need is its room to
         // resume: only the running borrower's 600 is lendable, to a class that preempts, and
@@ -1133,7 +1159,7 @@ mod tests {
             ..own_entry(0, 500, false, false)
         });
         two.used_bytes = 1_600 + 500;
-        let s = reconcile(&mut shared, &two, 100, 5_000, None, 0);
+        let s = reconcile(&mut shared, &two, 100, 5_000, &BTreeMap::new(), 0);
         // Base 1,100 (the growth and the other gateway's 500 the pool uses beyond the 1,000
         // committed), plus half of the 10,000 − 1,000 − 1,100 left, the other gateway's share.
         assert_eq!(s.held_back, 1_100 + 7_900 / 2);
@@ -1156,7 +1182,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let f = reconcile(&mut bypassed, &foreign, 100, 5_000, None, 0);
+        let f = reconcile(&mut bypassed, &foreign, 100, 5_000, &BTreeMap::new(), 0);
         assert_eq!((f.held_back, f.lendable), (2_600, 600));
         // All 4,000 committed plus 2,600 in use beyond them: 3,400 free, as in the pool once
         // lease 2 arrives.
@@ -1168,7 +1194,7 @@ mod tests {
         let mut g_ledger = Ledger::new(10_000, 1);
         admit(&mut g_ledger, 1, 1_000, 0);
         admit(&mut g_ledger, 2, 3_000, 0);
-        let g = reconcile(&mut g_ledger, &grown, 100, 5_000, None, 0);
+        let g = reconcile(&mut g_ledger, &grown, 100, 5_000, &BTreeMap::new(), 0);
         assert_eq!((g.held_back, g.lendable), (2_000 + 2_500, 2_500));
     }
 
@@ -1214,7 +1240,7 @@ mod tests {
             used_bytes: 208,
             ..Default::default()
         };
-        let r = reconcile(&mut l, &report, 10_000, 5_000, None, 0);
+        let r = reconcile(&mut l, &report, 10_000, 5_000, &BTreeMap::new(), 0);
         assert_eq!(r.released.iter().map(|x| x.id).collect::<Vec<_>>(), vec![1]);
         assert_eq!(r.unseen.iter().map(|x| x.id).collect::<Vec<_>>(), vec![3]);
         assert_eq!(r.unseen_bytes(), 300);
@@ -1223,7 +1249,7 @@ mod tests {
         assert_eq!(drift(&l, &report), 692);
         l.check().unwrap();
         // Idempotent: the same report again releases nothing more and removes nothing.
-        let again = reconcile(&mut l, &report, 10_000, 5_000, None, 0);
+        let again = reconcile(&mut l, &report, 10_000, 5_000, &BTreeMap::new(), 0);
         assert!(again.released.is_empty());
         assert_eq!(again.unseen.len(), 1);
         assert_eq!(l.committed(), 900);
@@ -1443,7 +1469,9 @@ mod tests {
         // 4: 5 tokens in: the median of all six outputs (50): 45 more.
         assert_eq!(eta(3), 1_000 + 4_500);
         // Reconciled, each of the ledger's leases gets an expected end (taken jointly).
-        reconcile(&mut l, &report, 1_000, 5_000, Some(&p), 0);
+        let etas = own_etas(&l, &report, Some(&p), 1_000);
+        assert_eq!(etas.len(), 3, "the ledger's leases only: 4 is another's");
+        reconcile(&mut l, &report, 1_000, 5_000, &etas, 0);
         for id in 1..=3 {
             assert!(l.lease(id).unwrap().eta_ms > 1_000);
         }
@@ -1454,7 +1482,8 @@ mod tests {
             tokens_per_s: 0.0,
             outputs: vec![Output::stopped(50)],
         };
-        reconcile(&mut fresh, &report, 1_000, 5_000, Some(&none), 0);
+        let etas = own_etas(&fresh, &report, Some(&none), 1_000);
+        reconcile(&mut fresh, &report, 1_000, 5_000, &etas, 0);
         assert_eq!(fresh.lease(1).unwrap().eta_ms, 0);
     }
 
@@ -1555,7 +1584,7 @@ mod tests {
                           {"id":"internal-2","used_bytes":400}]}"#,
         )
         .unwrap();
-        let rec = reconcile(&mut l, &r, 10, 5_000, None, OURS);
+        let rec = reconcile(&mut l, &r, 10, 5_000, &BTreeMap::new(), OURS);
         assert_eq!((rec.foreign_leases, rec.foreign_bytes), (2, 2_900));
         // Gateway 0's 2,500 are its own ledger's: not drift. The bypassing request's 400 are.
         assert_eq!(rec.peer_bytes, 2_500);
@@ -1573,7 +1602,7 @@ mod tests {
             entries: vec![entry(1, 1_000), entry(77, 2_500)],
             ..Default::default()
         };
-        let rec = reconcile(&mut l, &r, 20, 5_000, None, OURS);
+        let rec = reconcile(&mut l, &r, 20, 5_000, &BTreeMap::new(), OURS);
         assert_eq!(rec.held_back, 2_500 + 3_250);
         // Two other gateways (numbers 1 and 2 in their lease ids): a third of the room each.
         let r = BackendReport {
@@ -1585,7 +1614,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let rec = reconcile(&mut l, &r, 25, 5_000, None, OURS);
+        let rec = reconcile(&mut l, &r, 25, 5_000, &BTreeMap::new(), OURS);
         assert_eq!(rec.other_gateways, 2);
         assert_eq!(rec.held_back, 2_000 + 7_000 / 3 * 2);
         // The other gateway's request ended: nothing foreign, nothing held back.
@@ -1594,7 +1623,7 @@ mod tests {
             entries: vec![entry(1, 1_000)],
             ..Default::default()
         };
-        let rec = reconcile(&mut l, &r, 30, 5_000, None, OURS);
+        let rec = reconcile(&mut l, &r, 30, 5_000, &BTreeMap::new(), OURS);
         assert_eq!((rec.foreign_leases, rec.held_back), (0, 0));
         assert_eq!(
             l.free(),
@@ -1608,7 +1637,7 @@ mod tests {
             entries: vec![entry(1, 1_000), entry((OURS << 43) | 9, 500)],
             ..Default::default()
         };
-        let rec = reconcile(&mut l, &r, 35, 5_000, None, OURS);
+        let rec = reconcile(&mut l, &r, 35, 5_000, &BTreeMap::new(), OURS);
         assert_eq!((rec.other_gateways, rec.held_back), (0, 500));
     }
 
@@ -1623,17 +1652,38 @@ mod tests {
             ..Default::default()
         };
         // Another gateway polls, with no lease yet: half the room is its until the next poll.
-        let rec = reconcile(&mut l, &polled(vec![5], vec![]), 10, 5_000, None, OURS);
+        let rec = reconcile(
+            &mut l,
+            &polled(vec![5], vec![]),
+            10,
+            5_000,
+            &BTreeMap::new(),
+            OURS,
+        );
         assert_eq!((rec.other_gateways, rec.held_back), (1, 5_000));
         assert_eq!(l.free(), 5_000);
         // Two Envoys that drew the same number are two gateways.
-        let rec = reconcile(&mut l, &polled(vec![5, 5], vec![]), 20, 5_000, None, OURS);
+        let rec = reconcile(
+            &mut l,
+            &polled(vec![5, 5], vec![]),
+            20,
+            5_000,
+            &BTreeMap::new(),
+            OURS,
+        );
         assert_eq!(rec.other_gateways, 2);
         assert_eq!(l.free(), 10_000 - 10_000 / 3 * 2);
         // A polling gateway's leases do not count it twice; an older one, seen only by its
         // leases, counts too.
         let two = vec![entry(5 << 43, 1_000), entry((7 << 43) | 1, 1_000)];
-        let rec = reconcile(&mut l, &polled(vec![5], two), 30, 5_000, None, OURS);
+        let rec = reconcile(
+            &mut l,
+            &polled(vec![5], two),
+            30,
+            5_000,
+            &BTreeMap::new(),
+            OURS,
+        );
         assert_eq!(rec.other_gateways, 2);
         assert_eq!(
             (rec.peer_bytes, rec.held_back),
@@ -1641,7 +1691,14 @@ mod tests {
         );
         // One that polls and two older ones seen only by their leases: three.
         let three = vec![entry((7 << 43) | 1, 1_000), entry((8 << 43) | 1, 1_000)];
-        let rec = reconcile(&mut l, &polled(vec![5], three), 35, 5_000, None, OURS);
+        let rec = reconcile(
+            &mut l,
+            &polled(vec![5], three),
+            35,
+            5_000,
+            &BTreeMap::new(),
+            OURS,
+        );
         assert_eq!(rec.other_gateways, 3);
         // A peer polling under this gateway's own number: leases in that number are as likely
         // its as this gateway's (released here, still running there), and it shares the room.
@@ -1651,12 +1708,19 @@ mod tests {
             &polled(vec![OURS], same.clone()),
             40,
             5_000,
-            None,
+            &BTreeMap::new(),
             OURS,
         );
         assert_eq!((rec.other_gateways, rec.peer_bytes), (1, 500));
         // Without such a peer they are this gateway's own, and no room is shared.
-        let rec = reconcile(&mut l, &polled(vec![], same), 50, 5_000, None, OURS);
+        let rec = reconcile(
+            &mut l,
+            &polled(vec![], same),
+            50,
+            5_000,
+            &BTreeMap::new(),
+            OURS,
+        );
         assert_eq!(
             (rec.other_gateways, rec.peer_bytes, rec.held_back),
             (0, 0, 500)
@@ -1674,7 +1738,7 @@ mod tests {
             used_bytes: 4_000,
             ..Default::default()
         };
-        let r = reconcile(&mut l, &hot, 10, 5_000, None, 0);
+        let r = reconcile(&mut l, &hot, 10, 5_000, &BTreeMap::new(), 0);
         assert_eq!(r.held_back, 3_000);
         assert_eq!(l.free(), 6_000);
         let cool = BackendReport {
@@ -1682,7 +1746,7 @@ mod tests {
             used_bytes: 500,
             ..Default::default()
         };
-        reconcile(&mut l, &cool, 20, 5_000, None, 0);
+        reconcile(&mut l, &cool, 20, 5_000, &BTreeMap::new(), 0);
         assert_eq!(l.held_back(), 0);
         assert_eq!(l.free(), 9_000);
     }

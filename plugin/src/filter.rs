@@ -11,6 +11,7 @@
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
+use kvgate_core::config::PathKind;
 use kvgate_core::gate;
 use kvgate_core::queue::Waiting;
 use kvgate_core::report::status_json;
@@ -39,7 +40,6 @@ pub struct Filter {
     pending: Option<Pending>,
     ticket: Option<Rc<Ticket>>,
     queued: bool,
-    level: Option<Level>,
     /// The upstream response reached its end (otherwise the stream was cut short).
     response_done: bool,
     /// A request on a guarded path (shadow mode lets its refusals through).
@@ -69,18 +69,18 @@ impl Filter {
             pending: None,
             ticket: None,
             queued: false,
-            level: None,
             response_done: false,
             guarded: false,
             shadow_note: None,
         }
     }
 
-    /// The level from this request's own admission when there was one (no second ledger
-    /// read on the hot path), else read now.
+    /// The level from this request's own admission when there was one, else from the tick's
+    /// view of the room and the health as recorded now: no ledger is read on the hot path.
     fn current_level(&self, rt: &Runtime) -> Level {
-        self.level
-            .or_else(|| self.ticket.as_ref().and_then(|t| t.level.get()))
+        self.ticket
+            .as_ref()
+            .and_then(|t| t.level.get())
             .unwrap_or_else(|| level_now(&self.worker, rt))
     }
 
@@ -410,15 +410,16 @@ impl HttpContext for Filter {
             return self.serve_status(&rt);
         }
         Self::strip_spoofed_headers(&rt);
-        if !rt.cfg.guards(&path) {
-            if rt.cfg.is_internal(&path) {
+        match rt.cfg.path_kind(&path) {
+            PathKind::Guarded => {}
+            PathKind::Internal => {
                 // The backend's admission API is the gateway's own (its callouts do not pass
                 // through this listener): refused here whatever the routes would do with it,
                 // in shadow mode too. Guarded paths, the hot path, never pay for the check.
                 let e = ApiError::new(ErrorKind::NotFound, "Unknown path.");
                 return self.reject(&rt, &e);
             }
-            if rt.cfg.disguises_guarded(&path) {
+            PathKind::DisguisedGuarded => {
                 // A catch-all route would forward it unpriced to a server that decodes it.
                 let e = ApiError::invalid(
                     "path",
@@ -430,7 +431,7 @@ impl HttpContext for Filter {
                 );
                 return self.reject(&rt, &e);
             }
-            return Action::Continue;
+            PathKind::Other => return Action::Continue,
         }
         let Some(endpoint) = Endpoint::from_path(&path) else {
             return Action::Continue;
@@ -655,11 +656,13 @@ impl HttpContext for Filter {
     }
 }
 
-/// The level callers see (the fleet's), for a request that made no admission of its own: from
-/// every endpoint's ledger header and health as they are now (a peek each, no decode): another
-/// worker may have seen the backend go down since this one's last tick.
+/// The level callers see (the fleet's), for a request that made no admission of its own: the
+/// room as this worker's last tick (or transaction) saw it, at most a tick old, and the health
+/// as recorded now (a small record: another worker may have seen the backend go down since this
+/// one's last tick). Reading every ledger here cost a copy of each per response, health checks
+/// included.
 pub fn level_now(worker: &Worker, rt: &Runtime) -> Level {
-    worker.refresh_endpoints();
+    worker.refresh_health();
     worker.level(&rt.cfg)
 }
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvgate_core::config::Config;
 use kvgate_core::reconcile::{
-    reconcile, unexplained_drift, BackendReport, Descriptor, ProgressTracker,
+    own_etas, reconcile, unexplained_drift, BackendReport, Descriptor, ProgressTracker,
 };
 use kvgate_core::spec::usable_capacity;
 use kvgate_core::store::{self, StoreError};
@@ -634,6 +634,15 @@ impl Root {
                 .filter(|p| p.warm())
                 .map_or(0.0, |p| p.tokens_per_s),
         );
+        // Expected ends from the ledger as it is now, outside the CAS (a retry does not redo
+        // the Monte Carlo); applied by id inside it.
+        let etas = match progress
+            .as_ref()
+            .map(|_| store::read(&EnvoyStore, &e.ledger_key))
+        {
+            Some(Ok(ledger)) => own_etas(&ledger, &report, progress.as_ref(), now),
+            _ => Default::default(),
+        };
         let done = store::transact(&EnvoyStore, &e.ledger_key, CAS_ATTEMPTS, |l| {
             if let Some(c) = capacity {
                 l.set_capacity(c);
@@ -643,7 +652,7 @@ impl Root {
                 &report,
                 now,
                 b.lost_grace_ms,
-                progress.as_ref(),
+                &etas,
                 self.worker.gateway(),
             )
         });
