@@ -1,9 +1,10 @@
 """What a hostile client tries against the filter in a real Envoy, round 2 of the audit
-(../shared/audits): each test failed on the stack before its fix."""
+(../shared/audits): each test says what happened before its fix."""
 
 import concurrent.futures
 import http.client
 import json
+import socket
 import threading
 import time
 
@@ -181,3 +182,48 @@ def test_a_body_over_the_limit_gets_a_readable_json_413_with_or_without_a_conten
             assert err["code"] == "request_body_too_large" and "param" in err, err
     assert upstream.requests() == []
     gw.assert_drained()
+
+
+def test_a_caller_that_drops_what_the_line_drained_for_it_loses_its_place(gateway):
+    """The audit's drain on demand: ask for 70 % of the pool, come back at Retry-After (the line
+    sets the pool aside meanwhile), drop the stream the moment it is admitted, again. After one
+    such drop the caller gets plain 429s and no place in line for a minute, so it can no longer
+    make the line drain the pool for it. (Each Envoy worker keeps its own list: with several
+    workers a caller is caught on each within as many drops; one worker here.)"""
+    gw = gateway(budget(1000, retry_after={"min_ms": 100, "max_ms": 2000, "jitter": 0.1,
+                                           "default_lease_ms": 1000}), concurrency=1)
+    big = {"prompt": tokens(10), "max_tokens": 690}
+    t, _ = stream_in_background(gw, {"prompt": tokens(100), "max_tokens": 300}, chunks=10)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    r = requests.post(gw.url + "/v1/completions", json=big, timeout=10)
+    assert r.status_code == 429 and gw.status()["claims"] == 1
+    t.join()
+    gw.assert_drained()
+    s, status, _ = open_stream(gw.port, "/v1/completions", big)
+    assert status == 200
+    s.close()  # dropped at once
+    gw.wait_for(lambda st: st["leases"] == 0, what="the dropped lease released")
+    assert gw.stats()["kvgate.forfeited"] == 1
+    t, _ = stream_in_background(gw, {"prompt": tokens(100), "max_tokens": 300}, chunks=10)
+    gw.wait_for(lambda s: s["leases"] == 1)
+    r = requests.post(gw.url + "/v1/completions", json=big, timeout=10)
+    assert r.status_code == 429 and "retry-after" in r.headers
+    assert gw.status()["claims"] == 0, "no place in line while forfeited"
+    t.join()
+    gw.assert_drained()
+
+
+def open_stream(port, path, body):
+    """Send a request on a raw socket and read only the response head: (socket, status, head)."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+              f"x-mock-mode: stream\r\nx-mock-chunks: 20\r\nx-mock-delay-ms: 200\r\n"
+              f"content-length: {len(data)}\r\n\r\n".encode() + data)
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        head += chunk
+    return s, (int(head.split(b" ", 2)[1]) if head else 0), head

@@ -25,7 +25,7 @@ use serde_json::json;
 use crate::abi;
 use crate::host::{self, EnvoyStore};
 use crate::ticket::{Attempt, Ticket};
-use crate::worker::{Runtime, Worker};
+use crate::worker::{Runtime, Worker, DROPPED_AT_ONCE_MS};
 
 const REQ: MapType = MapType::HttpRequestHeaders;
 const RESP: MapType = MapType::HttpResponseHeaders;
@@ -229,7 +229,10 @@ impl Filter {
             Err(e) => return self.reject(&rt, &e),
         };
         let class = rt.cfg.policy.resolve(Some(&p.class)).clone();
-        let claim = (rt.cfg.fair_retry_patience_ms > 0).then(|| kvgate_core::ClaimTicket {
+        let caller = kvgate_core::ledger::claim_key(&p.caller, b"", b"");
+        let in_line =
+            rt.cfg.fair_retry_patience_ms > 0 && !self.worker.forfeited(caller, host::now_ms());
+        let claim = in_line.then(|| kvgate_core::ClaimTicket {
             key: kvgate_core::ledger::claim_key(&p.caller, p.path.as_bytes(), &body),
             patience_ms: rt.cfg.fair_retry_patience_ms,
             max_line_permille: rt.cfg.max_line_permille(&class),
@@ -240,6 +243,7 @@ impl Filter {
         });
         let ticket = Rc::new(Ticket {
             context_id: self.context_id,
+            caller,
             claim,
             lease_id: p.lease_id,
             class,
@@ -363,6 +367,14 @@ impl Filter {
                 (t.granted.get(), &self.rt, t.endpoint(), self.response_done)
             {
                 let _ = crate::ticket::lease_call(rt, &e, g.lease, crate::ticket::Call::Cancel);
+                // A request of over half the pool gets in only as the line sets the pool aside
+                // for it; dropped at once, that drained the pool for nothing (a client can do it
+                // on demand: ask, come back at Retry-After, drop, again).
+                let now = host::now_ms();
+                let big = t.priced.borrow().price.bytes.saturating_mul(2) > e.view.get().capacity;
+                if t.claim.is_some() && big && now.saturating_sub(g.at_ms) < DROPPED_AT_ONCE_MS {
+                    self.worker.forfeit(t.caller, now);
+                }
             }
             t.release(&self.worker);
         }

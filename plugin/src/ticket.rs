@@ -27,6 +27,8 @@ pub struct Granted {
     pub degraded_from: Option<u64>,
     /// Admitted ahead of the fair-retry line (a backfill): when it was expected to end.
     pub went_ahead_until: Option<u64>,
+    /// When it was admitted.
+    pub at_ms: u64,
 }
 
 /// How much a rewritten body may exceed `max_body_bytes`: the cap and the gateway's note it
@@ -35,6 +37,9 @@ const REWRITE_SLACK: u64 = 1024;
 
 pub struct Ticket {
     pub context_id: u32,
+    /// Who sent it (a hash of the mapped API key or the peer's IP): a caller that drops a
+    /// request at once after the line served it loses its places in line for a while.
+    pub caller: u64,
     /// Fair retries: this request's place in line if it is refused.
     pub claim: Option<kvgate_core::ClaimTicket>,
     pub lease_id: u64,
@@ -334,6 +339,7 @@ impl Ticket {
                     cap,
                     degraded_from,
                     went_ahead_until: went_ahead(&lease).then_some(lease.eta_ms),
+                    at_ms: lease.created_ms,
                 }));
                 *self.endpoint.borrow_mut() = Some(Rc::clone(&endpoint));
                 worker.awaiting.borrow_mut().push(Rc::clone(self));
@@ -466,6 +472,7 @@ impl Ticket {
             cap: self.priced.borrow().price.cap.cap,
             degraded_from: None,
             went_ahead_until: None,
+            at_ms: host::now_ms(),
         }));
         *self.endpoint.borrow_mut() = Some(Rc::clone(endpoint));
         worker.metrics.admitted.inc();

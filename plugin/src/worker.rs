@@ -393,6 +393,10 @@ pub struct Worker {
     pub demotions: RefCell<HashMap<u32, Demotion>>,
     /// The backend endpoints of the current configuration (one, without `backend.endpoints`).
     endpoints: RefCell<Vec<Rc<Endpoint>>>,
+    /// Callers (hashed) that dropped a request at once after admission, until when they get
+    /// no place in the fair-retry line. This worker's own: a caller whose requests land on
+    /// several workers is caught on each within as many drops.
+    forfeits: RefCell<HashMap<u64, u64>>,
     /// Admitted requests sent on to their endpoint that have no response yet, by stream: when
     /// that endpoint is then known to be down they are answered at once (503 with a
     /// Retry-After) rather than left to the route's idle timeout.
@@ -412,7 +416,37 @@ pub struct Worker {
     outputs: RefCell<BTreeMap<String, OutputLengths>>,
 }
 
+/// A request of over half the pool cut short by its client within this long of its admission
+/// was not wanted: its caller made the line set the pool aside for nothing.
+pub const DROPPED_AT_ONCE_MS: u64 = 2_000;
+/// How long such a caller gets no place in the fair-retry line (plain 429s; it is still
+/// admitted wherever its request simply fits).
+pub const FORFEIT_MS: u64 = 60_000;
+/// Most callers remembered; past it the one whose penalty ends first is forgotten.
+const MAX_FORFEITS: usize = 4_096;
+
 impl Worker {
+    /// Does `caller` have no place in line now?
+    pub fn forfeited(&self, caller: u64, now_ms: u64) -> bool {
+        self.forfeits
+            .borrow()
+            .get(&caller)
+            .is_some_and(|until| *until > now_ms)
+    }
+
+    /// `caller` dropped a request the line served: no place in line for [`FORFEIT_MS`].
+    pub fn forfeit(&self, caller: u64, now_ms: u64) {
+        let mut f = self.forfeits.borrow_mut();
+        f.retain(|_, until| *until > now_ms);
+        if f.len() >= MAX_FORFEITS {
+            if let Some(first) = f.iter().min_by_key(|(_, until)| **until).map(|(c, _)| *c) {
+                f.remove(&first);
+            }
+        }
+        f.insert(caller, now_ms.saturating_add(FORFEIT_MS));
+        self.metrics.forfeited.inc();
+    }
+
     /// Stream `context_id` has its response (or ended): nothing to answer for it any more.
     pub fn answered(&self, context_id: u32) {
         self.awaiting
@@ -490,6 +524,7 @@ impl Worker {
             endpoints: RefCell::new(Vec::new()),
             retired: RefCell::new(Vec::new()),
             awaiting: RefCell::new(Vec::new()),
+            forfeits: RefCell::new(HashMap::new()),
             gateway: Cell::new(0),
             instance: Cell::new(0),
             outputs: RefCell::new(BTreeMap::new()),
@@ -860,6 +895,8 @@ impl Worker {
 }
 
 pub struct Metrics {
+    /// Callers that dropped a request at once after admission (no place in line for a while).
+    pub forfeited: Metric,
     pub admitted: Metric,
     pub degraded: Metric,
     pub preempted: Metric,
@@ -946,6 +983,7 @@ impl Metrics {
             drift_bytes: Metric::gauge("kvgate.drift_bytes"),
             backend_refused: Metric::counter("kvgate.backend_refused"),
             upstream_mismatch: Metric::counter("kvgate.upstream_mismatch"),
+            forfeited: Metric::counter("kvgate.forfeited"),
             elastic_admitted: Metric::counter("kvgate.elastic_admitted"),
             backfilled: Metric::counter("kvgate.backfilled"),
             backfill_overran: Metric::counter("kvgate.backfill_overran"),

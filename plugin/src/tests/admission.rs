@@ -477,6 +477,44 @@ fn a_corrupt_ledger_is_kept_and_stops_admission_with_503() {
     );
 }
 
+// ---- a caller that drops what the line served ----------------------------------------------------
+
+#[test]
+fn a_caller_that_drops_a_big_request_at_once_loses_its_place_in_line_for_a_while() {
+    let mut vm = start(1_000, json!({}));
+    let big = completion(100, Some(600)); // 700 of the 1,000 tokens
+    let (filler, _) = vm.post("/v1/completions", &[], &completion(100, Some(300)));
+    let (s, _) = vm.post("/v1/completions", &[], &big);
+    assert_eq!(Vm::replies(s)[0].status, 429);
+    vm.finish(s);
+    assert_eq!(ledger().claims().len(), 1, "a place in line");
+    vm.respond(filler);
+    vm.finish(filler);
+    // Its retry is admitted, and its client drops it at once.
+    let (s, a) = vm.post("/v1/completions", &[], &big);
+    assert_eq!(a, Action::Continue);
+    vm.finish(s);
+    assert_eq!(Vm::metric("kvgate.forfeited"), 1);
+    // Again: refused with no place in line (a plain 429), for a minute.
+    let (filler, _) = vm.post("/v1/completions", &[], &completion(100, Some(300)));
+    let (s, _) = vm.post("/v1/completions", &[], &big);
+    assert_eq!(Vm::replies(s)[0].status, 429);
+    vm.finish(s);
+    assert!(ledger().claims().is_empty(), "no place while forfeited");
+    vm.advance_ms(61_000);
+    let (s, _) = vm.post("/v1/completions", &[], &big);
+    assert_eq!(Vm::replies(s)[0].status, 429);
+    vm.finish(s);
+    assert_eq!(ledger().claims().len(), 1, "a place again after a minute");
+    // A big request answered in full, or dropped later than 2 s after admission, forfeits
+    // nothing; nor does a small one dropped at once.
+    vm.respond(filler);
+    vm.finish(filler);
+    let (small, _) = vm.post("/v1/completions", &[], &completion(10, Some(10)));
+    vm.finish(small);
+    assert_eq!(Vm::metric("kvgate.forfeited"), 1);
+}
+
 // ---- the status endpoint -----------------------------------------------------------------------
 
 #[test]
