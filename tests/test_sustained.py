@@ -112,7 +112,6 @@ def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False, hea
     gw, b = stack(blocks, {
         **pricing,
         "tick_ms": 100,
-        "lease_ttl": {"base_ms": 1000, "per_output_token_ms": 0, "max_ms": 1000},
         "backend": {"poll_ms": 200, "timeout_ms": 1000, "lost_grace_ms": 400, "down_after_failures": 5},
         **overrides,
     }, *backend_flags, "--step-delay-ms", "150", concurrency=2)

@@ -2,39 +2,36 @@
 //!
 //! Layout (little endian):
 //! ```text
-//! "KVGL" | version u8 = 7 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//! "KVGL" | version u8 = 8 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
 //!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64
 //!        | lease count u32
-//!        | per lease: id u64 | bytes u64 | priority u8 | fingerprint u64 | created_ms u64
-//!                     | deadline_ms u64 | owner u64 | eta_ms u64 | held u64 | class length u8
-//!                     | class bytes (UTF-8)
+//!        | per lease: id u64 | bytes u64 | priority u8 | created_ms u64 | owner u64
+//!                     | eta_ms u64 | held u64 | class length u8 | class bytes (UTF-8)
 //!        | claim count u32
 //!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64
 //!                     | flags u8 (bit 0: active, bit 1: waits)
 //!        | lendable u64 | lendable_to_line u64
 //! ```
-//! 66 bytes per lease plus its class name, 41 per claim, 16 after them. The decoder checks every
+//! 50 bytes per lease plus its class name, 41 per claim, 16 after them. The decoder checks every
 //! length and the ledger invariant; garbage returns an error, never a panic.
 //!
-//! Versions 1 (no `held_back`, no lease owner), 2 (no claims), 3 (no lease eta), 4 (no
-//! `lendable`: nothing lent until the next poll sets it), 5 (no lease `held`: none until
-//! the next poll sets it) and 6 (no claim `waits` flag: every client away; no
-//! `lendable_to_line`: nothing lent to the line until the next poll) are still read, so a
-//! filter upgraded in place under the same `vm_id` migrates the ledger it finds instead of forgetting its leases: migrated
-//! leases have no owner and end at their deadline. An unknown version is an error, never an
-//! empty ledger.
+//! Version 7 (the same, with a lease fingerprint and deadline after `priority` and `created_ms`,
+//! both unused) is still read: a filter upgraded in place under the same `vm_id` (ECDS, a
+//! rolling upgrade) finds the ledger the previous release wrote and keeps its leases. Older
+//! versions are not (their leases had no owner): a new `vm_id` starts an empty ledger. An
+//! unknown version is an error, never an empty ledger.
 
 use crate::ledger::{Claim, Counters, Lease, Ledger, MAX_CLAIMS};
 
 const MAGIC: &[u8; 4] = b"KVGL";
-const VERSION: u8 = 7;
+const VERSION: u8 = 8;
+/// The previous version, still read (see the module header).
+const V7: u8 = 7;
 const CLAIM_LEN: usize = 5 * 8 + 1;
 const HEADER_LEN: usize = 4 + 1 + 9 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
-const LEASE_MIN_LEN_V1: usize = 8 + 8 + 1 + 8 + 8 + 8 + 1;
-const LEASE_MIN_LEN_V2: usize = LEASE_MIN_LEN_V1 + 8;
-const LEASE_MIN_LEN_V4: usize = LEASE_MIN_LEN_V2 + 8;
-const LEASE_MIN_LEN: usize = LEASE_MIN_LEN_V4 + 8;
+const LEASE_MIN_LEN: usize = 8 + 8 + 1 + 8 + 8 + 8 + 8 + 1;
+const LEASE_MIN_LEN_V7: usize = LEASE_MIN_LEN + 16;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecodeError {
@@ -90,9 +87,7 @@ impl Ledger {
             out.extend_from_slice(&l.id.to_le_bytes());
             out.extend_from_slice(&l.bytes.to_le_bytes());
             out.push(l.priority);
-            out.extend_from_slice(&l.fingerprint.to_le_bytes());
             out.extend_from_slice(&l.created_ms.to_le_bytes());
-            out.extend_from_slice(&l.deadline_ms.to_le_bytes());
             out.extend_from_slice(&l.owner.to_le_bytes());
             out.extend_from_slice(&l.eta_ms.to_le_bytes());
             out.extend_from_slice(&l.held.to_le_bytes());
@@ -119,10 +114,10 @@ impl Ledger {
             return Err(DecodeError::BadMagic);
         }
         let version = r.u8()?;
-        if !(1..=VERSION).contains(&version) {
+        if version != VERSION && version != V7 {
             return Err(DecodeError::UnsupportedVersion(version));
         }
-        let v2 = version >= 2;
+        let v7 = version == V7;
         let capacity = r.u64()?;
         let committed = r.u64()?;
         let next_id = r.u64()?;
@@ -133,17 +128,10 @@ impl Ledger {
             released: r.u64()?,
             reaped: r.u64()?,
         };
-        let held_back = if v2 { r.u64()? } else { 0 };
+        let held_back = r.u64()?;
         let n = r.u32()? as usize;
         // Refuse lease counts the input cannot hold before allocating.
-        let (v4, v6) = (version >= 4, version >= 6);
-        let min_len = match (v2, v4, v6) {
-            (_, _, true) => LEASE_MIN_LEN,
-            (_, true, false) => LEASE_MIN_LEN_V4,
-            (true, false, _) => LEASE_MIN_LEN_V2,
-            (false, _, _) => LEASE_MIN_LEN_V1,
-        };
-        if n > r.0.len() / min_len {
+        if n > r.0.len() / if v7 { LEASE_MIN_LEN_V7 } else { LEASE_MIN_LEN } {
             return Err(DecodeError::Truncated);
         }
         let mut leases = Vec::with_capacity(n);
@@ -151,12 +139,16 @@ impl Ledger {
             let id = r.u64()?;
             let bytes = r.u64()?;
             let priority = r.u8()?;
-            let fingerprint = r.u64()?;
+            if v7 {
+                r.u64()?; // fingerprint
+            }
             let created_ms = r.u64()?;
-            let deadline_ms = r.u64()?;
-            let owner = if v2 { r.u64()? } else { 0 };
-            let eta_ms = if v4 { r.u64()? } else { 0 };
-            let held = if v6 { r.u64()? } else { 0 };
+            if v7 {
+                r.u64()?; // deadline
+            }
+            let owner = r.u64()?;
+            let eta_ms = r.u64()?;
+            let held = r.u64()?;
             let len = r.u8()? as usize;
             let class = std::str::from_utf8(r.take(len)?)
                 .map_err(|_| DecodeError::BadClassName)?
@@ -166,41 +158,36 @@ impl Ledger {
                 bytes,
                 class,
                 priority,
-                fingerprint,
                 created_ms,
-                deadline_ms,
                 owner,
                 eta_ms,
                 held,
             });
         }
-        let mut claims = Vec::new();
-        if version >= 3 {
-            let n = r.u32()? as usize;
-            if n > MAX_CLAIMS || n > r.0.len() / CLAIM_LEN {
-                return Err(DecodeError::Truncated);
-            }
-            for _ in 0..n {
-                claims.push(Claim {
-                    key: r.u64()?,
-                    bytes: r.u64()?,
-                    held: r.u64()?,
-                    first_ms: r.u64()?,
-                    expires_ms: r.u64()?,
-                    active: false,
-                    waits: false,
-                });
-                let flags = r.u8()?;
-                if flags > 3 || (version < 7 && flags > 1) {
-                    return Err(DecodeError::Inconsistent("claim flags".into()));
-                }
-                if let Some(c) = claims.last_mut() {
-                    (c.active, c.waits) = (flags & 1 == 1, flags & 2 == 2);
-                }
-            }
+        let n = r.u32()? as usize;
+        if n > MAX_CLAIMS || n > r.0.len() / CLAIM_LEN {
+            return Err(DecodeError::Truncated);
         }
-        let lendable = if version >= 5 { r.u64()? } else { 0 };
-        let lendable_to_line = if version >= 7 { r.u64()? } else { 0 };
+        let mut claims = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (key, bytes, held, first_ms, expires_ms) =
+                (r.u64()?, r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+            let flags = r.u8()?;
+            if flags > 3 {
+                return Err(DecodeError::Inconsistent("claim flags".into()));
+            }
+            claims.push(Claim {
+                key,
+                bytes,
+                held,
+                first_ms,
+                expires_ms,
+                active: flags & 1 == 1,
+                waits: flags & 2 == 2,
+            });
+        }
+        let lendable = r.u64()?;
+        let lendable_to_line = r.u64()?;
         if !r.0.is_empty() {
             return Err(DecodeError::TrailingBytes(r.0.len()));
         }
@@ -273,9 +260,7 @@ mod tests {
                 bytes: (i as u64 + 1) * (1u64 << 33),
                 class,
                 priority: i as u8,
-                fingerprint: 0xdead_beef,
                 now_ms: 1000 + i as u64,
-                ttl_ms: 5000,
                 owner: 0xabc + i as u64,
                 claim: None,
             };
@@ -297,116 +282,47 @@ mod tests {
         assert_eq!(Ledger::decode(&empty.encode()).unwrap(), empty);
     }
 
-    /// The version-1 layout, written by hand as the previous release did.
-    fn encode_v1(l: &Ledger) -> Vec<u8> {
-        let mut out = b"KVGL\x01".to_vec();
-        for v in [
-            l.capacity,
-            l.committed,
-            l.next_id,
-            l.mean_lease_ms,
-            l.counters.admitted,
-            l.counters.rejected,
-            l.counters.released,
-            l.counters.reaped,
-        ] {
-            out.extend_from_slice(&v.to_le_bytes());
-        }
-        out.extend_from_slice(&(l.leases.len() as u32).to_le_bytes());
-        for x in &l.leases {
-            for v in [x.id, x.bytes] {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-            out.push(x.priority);
-            for v in [x.fingerprint, x.created_ms, x.deadline_ms] {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
-            out.push(x.class.len() as u8);
-            out.extend_from_slice(x.class.as_bytes());
-        }
-        out
-    }
-
-    #[test]
-    fn a_version_1_ledger_is_migrated_with_its_leases() {
-        let l = sample();
-        let old = Ledger::decode(&encode_v1(&l)).unwrap();
-        assert_eq!(old.committed(), l.committed());
-        assert_eq!(old.leases().len(), 2);
-        assert!(
-            old.leases().iter().all(|x| x.owner == 0),
-            "migrated leases end at their deadline"
-        );
-        let ids: Vec<u64> = old.leases().iter().map(|x| x.id).collect();
-        assert_eq!(ids, l.leases().iter().map(|x| x.id).collect::<Vec<_>>());
-        // Written back, it is a current-version ledger.
-        assert_eq!(old.encode()[4], VERSION);
-    }
-
-    /// `l` in an older layout, `version` 3 to 6: without the per-lease fields it did not have
-    /// (v3: eta and held; v4, v5: held), before v5 the trailing `lendable`, and before v7 the
-    /// trailing `lendable_to_line` (its claims' flags are the caller's to keep to bit 0).
-    fn encode_as(l: &Ledger, version: u8) -> Vec<u8> {
+    /// `l` as version 7 wrote it: a fingerprint after each lease's priority and a deadline
+    /// after its creation time.
+    fn encode_v7(l: &Ledger) -> Vec<u8> {
         let mut out = l.encode();
-        out[4] = version;
-        if version < 7 {
-            out.truncate(out.len() - 8);
-        }
-        if version < 5 {
-            out.truncate(out.len() - 8);
-        }
-        if version >= 6 {
-            return out;
-        }
-        let dropped = if version < 4 { 16 } else { 8 };
+        out[4] = V7;
         let mut at = HEADER_LEN;
         for x in l.leases() {
-            // id, bytes, priority, fingerprint, created_ms, deadline_ms, owner
-            let eta_at = at + 8 + 8 + 1 + 8 + 8 + 8 + 8;
-            let from = eta_at + 16 - dropped;
-            out.drain(from..eta_at + 16);
-            at = from + 1 + x.class.len();
+            let created = at + 8 + 8 + 1;
+            out.splice(created + 8..created + 8, 777u64.to_le_bytes());
+            out.splice(created..created, 0xdead_beefu64.to_le_bytes());
+            at = created + 16 + 8 + 8 + 8 + 8 + 1 + x.class.len();
         }
         out
     }
 
     #[test]
-    fn a_version_3_ledger_is_read_without_etas_and_an_eta_round_trips() {
-        let mut l = sample();
-        let old = Ledger::decode(&encode_as(&l, 3)).unwrap();
-        assert_eq!(old, l, "etas were 0");
-        let id = l.leases()[0].id;
-        l.set_eta(id, 123_456);
-        let back = Ledger::decode(&l.encode()).unwrap();
-        assert_eq!(back.lease(id).unwrap().eta_ms, 123_456);
-    }
-
-    #[test]
-    fn a_version_5_ledger_is_read_with_nothing_held_and_held_round_trips() {
+    fn a_version_7_ledger_is_read_with_its_leases_and_written_back_as_version_8() {
         let mut l = sample();
         let id = l.leases()[0].id;
         l.set_eta(id, 9_000);
-        l.set_held_back(4_000);
-        l.set_lendable(1_000);
-        let old = Ledger::decode(&encode_as(&l, 5)).unwrap();
-        assert_eq!(old, l, "held was 0");
+        l.set_held_back(5_000);
+        l.set_lendable(3_000);
+        l.set_lendable_to_line(2_000);
         l.set_held(|x| if x == id { 4_000 } else { 0 });
-        let back = Ledger::decode(&l.encode()).unwrap();
-        assert_eq!(back.lease(id).unwrap().held, 4_000);
-        assert_eq!(back.lease(id).unwrap().eta_ms, 9_000);
-        assert_eq!(back, l);
+        let old = Ledger::decode(&encode_v7(&l)).unwrap();
+        assert_eq!(old, l, "every field kept across a rolling upgrade");
+        assert_eq!(old.encode()[4], VERSION);
+        // Versions before 7 (leases without owners) are not read.
+        let mut v6 = encode_v7(&l);
+        v6[4] = 6;
+        assert_eq!(Ledger::decode(&v6), Err(DecodeError::UnsupportedVersion(6)));
     }
 
     #[test]
-    fn a_version_4_ledger_is_read_with_nothing_lendable_and_lendable_round_trips() {
+    fn a_ledger_with_more_lendable_than_held_back_or_lent_than_lendable_is_refused() {
         let mut l = sample();
         l.set_held_back(5_000);
         l.set_lendable(3_000);
+        l.set_lendable_to_line(2_000);
         let back = Ledger::decode(&l.encode()).unwrap();
-        assert_eq!((back.held_back(), back.lendable()), (5_000, 3_000));
-        let old = Ledger::decode(&encode_as(&l, 4)).unwrap();
-        assert_eq!((old.held_back(), old.lendable()), (5_000, 0));
-        // More lendable than held back is not a ledger this code writes: refused.
+        assert_eq!(back, l);
         let mut bad = l.encode();
         let n = bad.len();
         bad[n - 16..n - 8].copy_from_slice(&6_000u64.to_le_bytes());
@@ -416,22 +332,7 @@ mod tests {
                 "more lendable than held back".into()
             ))
         );
-    }
-
-    #[test]
-    fn a_version_6_ledger_is_read_with_nothing_lent_to_the_line() {
-        let mut l = sample();
-        l.set_held_back(5_000);
-        l.set_lendable(3_000);
-        l.set_lendable_to_line(2_000);
-        let back = Ledger::decode(&l.encode()).unwrap();
-        assert_eq!(back, l);
-        assert_eq!(back.lendable_to_line(), 2_000);
-        let old = Ledger::decode(&encode_as(&l, 6)).unwrap();
-        assert_eq!((old.lendable(), old.lendable_to_line()), (3_000, 0));
-        // More lent to the line than lendable is not a ledger this code writes: refused.
         let mut bad = l.encode();
-        let n = bad.len();
         bad[n - 8..].copy_from_slice(&3_001u64.to_le_bytes());
         assert_eq!(
             Ledger::decode(&bad),
@@ -450,9 +351,7 @@ mod tests {
             bytes: 10 * (1u64 << 33),
             class: "big",
             priority: 0,
-            fingerprint: 0,
             now_ms: 5000,
-            ttl_ms: 1,
             owner: 1,
             claim: Some(ClaimTicket {
                 key: 99,
@@ -486,18 +385,13 @@ mod tests {
         let bytes = l.encode();
         assert_eq!(Ledger::decode(&bytes).unwrap(), l);
         // The flag byte is the last before `lendable` and `lendable_to_line`; no other bit is
-        // defined, and a version-6 ledger had only `active`.
+        // defined.
         let mut bad = bytes.clone();
         let at = bad.len() - 17;
         assert_eq!(bad[at], 3);
         bad[at] = 4;
         assert_eq!(
             Ledger::decode(&bad),
-            Err(DecodeError::Inconsistent("claim flags".into()))
-        );
-        let v6 = encode_as(&l, 6);
-        assert_eq!(
-            Ledger::decode(&v6),
             Err(DecodeError::Inconsistent("claim flags".into()))
         );
     }
@@ -536,10 +430,8 @@ mod tests {
             bytes: 1,
             class: &long,
             priority: 0,
-            fingerprint: 0,
             now_ms: 0,
-            ttl_ms: 1,
-            owner: 0,
+            owner: 1,
             claim: None,
         };
         l.try_admit(&r, &RetryAfterConfig::default(), 0);
@@ -559,7 +451,10 @@ mod tests {
             if let Some(byte) = b.get_mut(i) { *byte ^= x; }
             // Whatever the decoder accepts it must have read faithfully: the same bytes come back.
             // (A tampered `committed` or lease size is refused by the invariant check.)
-            if let Ok(l) = Ledger::decode(&b) { prop_assert_eq!(l.encode(), b); }
+            // (A version byte turned to 7 reads another layout, written back as version 8.)
+            if let Ok(l) = Ledger::decode(&b) {
+                if b.get(4) == Some(&VERSION) { prop_assert_eq!(l.encode(), b); }
+            }
         }
     }
 }

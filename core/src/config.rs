@@ -40,8 +40,6 @@ pub struct RawConfig {
     #[serde(default)]
     pub retry_after: RawRetryAfter,
     #[serde(default)]
-    pub lease_ttl: RawLeaseTtl,
-    #[serde(default)]
     pub policy: RawPolicy,
     #[serde(default = "d_paths")]
     pub guarded_paths: Vec<String>,
@@ -249,37 +247,6 @@ impl Default for RawRetryAfter {
     }
 }
 
-/// The deadline of a lease without an owner (migrated from a ledger that had no owners):
-/// `base_ms + per_output_token_ms × cap`, at most `max_ms`. Past it the reaper reclaims that
-/// lease; a lease owned by a live worker has none and ends with its request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawLeaseTtl {
-    pub base_ms: u64,
-    pub per_output_token_ms: u64,
-    pub max_ms: u64,
-}
-
-impl Default for RawLeaseTtl {
-    fn default() -> Self {
-        RawLeaseTtl {
-            base_ms: 60_000,
-            per_output_token_ms: 50,
-            max_ms: 3_600_000,
-        }
-    }
-}
-
-pub type LeaseTtl = RawLeaseTtl;
-
-impl LeaseTtl {
-    pub fn for_cap(&self, cap: u64) -> u64 {
-        self.base_ms
-            .saturating_add(self.per_output_token_ms.saturating_mul(cap))
-            .min(self.max_ms)
-    }
-}
-
 /// The validated configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -295,7 +262,6 @@ pub struct Config {
     pub tokenizer: TokenizerSpec,
     pub levels: LevelThresholds,
     pub retry_after: RetryAfterConfig,
-    pub lease_ttl: LeaseTtl,
     /// Retry-After from the live leases' reported progress (`retry_after.from_progress`).
     pub retry_from_progress: bool,
     pub policy: PolicyTable,
@@ -558,14 +524,6 @@ impl TryFrom<RawConfig> for Config {
                 "must be in [0, 1000] (a fraction of the capacity; 0: no bound)",
             ));
         }
-        let t = raw.lease_ttl;
-        if t.base_ms == 0 || t.max_ms < t.base_ms {
-            return Err(ConfigError::new(
-                "lease_ttl",
-                format!("base_ms {} max_ms {}", t.base_ms, t.max_ms),
-                "must satisfy 0 < base_ms <= max_ms",
-            ));
-        }
         let policy = PolicyTable::try_from(raw.policy)?;
         if raw.guarded_paths.is_empty() {
             return Err(ConfigError::new(
@@ -717,7 +675,6 @@ impl TryFrom<RawConfig> for Config {
                 jitter: r.jitter,
                 default_lease_ms: r.default_lease_ms,
             },
-            lease_ttl: t,
             retry_from_progress: r.from_progress,
             policy,
             normalized_guarded: raw
@@ -1030,8 +987,6 @@ mod tests {
         assert!(!c.guards("/v1/models"));
         assert_eq!(c.status_path, "", "off unless configured");
         assert_eq!(c.context_error_status, 413);
-        assert_eq!(c.lease_ttl.for_cap(100), 65_000);
-        assert_eq!(c.lease_ttl.for_cap(u64::MAX), 3_600_000);
     }
 
     #[test]
@@ -1104,7 +1059,6 @@ mod tests {
             (r#""levels":{"amber":0.9,"red":0.5}"#, "levels"),
             (r#""retry_after":{"min_ms":0}"#, "retry_after"),
             (r#""retry_after":{"jitter":2}"#, "retry_after.jitter"),
-            (r#""lease_ttl":{"base_ms":0}"#, "lease_ttl"),
             (r#""guarded_paths":[]"#, "guarded_paths"),
             (r#""guarded_paths":["/v1/embeddings"]"#, "guarded_paths"),
             (r#""max_body_bytes":0"#, "max_body_bytes"),

@@ -179,9 +179,9 @@ pub fn decide(
     jitter_seed: u64,
 ) -> Decision {
     let cap = priced.price.cap.cap;
-    let request = |bytes: u64, cap: u64| admit_request(cfg, class, holder, bytes, cap, now_ms);
+    let request = |bytes: u64| admit_request(class, holder, bytes, now_ms);
     let outcome = ledger.try_admit(
-        &request(priced.reserve_bytes(), cap),
+        &request(priced.reserve_bytes()),
         &cfg.retry_after,
         jitter_seed,
     );
@@ -221,7 +221,7 @@ pub fn decide(
                 // The first attempt counted a rejection; this one replaces it.
                 ledger.uncount_rejection();
                 if let AdmitOutcome::Admitted { lease } =
-                    ledger.try_admit(&request(p.bytes, smaller), &cfg.retry_after, jitter_seed)
+                    ledger.try_admit(&request(p.bytes), &cfg.retry_after, jitter_seed)
                 {
                     return Decision::Admitted {
                         lease,
@@ -235,7 +235,7 @@ pub fn decide(
     }
     if reason == RejectReason::InsufficientCapacity && !class.preempts.is_empty() {
         // What elastic sequences borrowed first: taken back at the backend, it preempts nobody.
-        if let Some(lease) = ledger.admit_into_lent(&request(priced.reserve_bytes(), cap)) {
+        if let Some(lease) = ledger.admit_into_lent(&request(priced.reserve_bytes())) {
             ledger.uncount_rejection();
             return Decision::Admitted {
                 lease,
@@ -252,7 +252,7 @@ pub fn decide(
             let preempted: Vec<Lease> =
                 victims.iter().filter_map(|id| ledger.demote(*id)).collect();
             ledger.uncount_rejection();
-            if let Some(lease) = ledger.admit_into_lent(&request(priced.reserve_bytes(), cap)) {
+            if let Some(lease) = ledger.admit_into_lent(&request(priced.reserve_bytes())) {
                 return Decision::Admitted {
                     lease,
                     cap,
@@ -284,7 +284,7 @@ pub fn backfill(
     now_ms: u64,
 ) -> Option<Decision> {
     let cap = priced.price.cap.cap;
-    let req = admit_request(cfg, class, holder, priced.reserve_bytes(), cap, now_ms);
+    let req = admit_request(class, holder, priced.reserve_bytes(), now_ms);
     let lease = ledger.try_backfill(&req, &cfg.retry_after)?;
     Some(Decision::Admitted {
         lease,
@@ -325,15 +325,7 @@ pub fn shadow(
         claim: None,
         ..holder
     };
-    let cap = priced.price.cap.cap;
-    let recorded = ledger.record(&admit_request(
-        cfg,
-        class,
-        holder,
-        priced.price.bytes,
-        cap,
-        now_ms,
-    ));
+    let recorded = ledger.record(&admit_request(class, holder, priced.price.bytes, now_ms));
     if recorded {
         decision
     } else {
@@ -348,22 +340,13 @@ pub fn shadow(
 }
 
 /// What the ledger is asked to reserve for `holder`'s request of class `class`.
-fn admit_request<'a>(
-    cfg: &Config,
-    class: &'a ClassPolicy,
-    holder: Holder,
-    bytes: u64,
-    cap: u64,
-    now_ms: u64,
-) -> AdmitRequest<'a> {
+fn admit_request(class: &ClassPolicy, holder: Holder, bytes: u64, now_ms: u64) -> AdmitRequest<'_> {
     AdmitRequest {
         id: holder.lease_id,
         bytes,
         class: &class.name,
         priority: class.priority,
-        fingerprint: cfg.pricing.spec.fingerprint(),
         now_ms,
-        ttl_ms: cfg.lease_ttl.for_cap(cap),
         owner: holder.owner,
         claim: holder.claim,
     }

@@ -28,13 +28,7 @@ pub struct Lease {
     pub bytes: u64,
     pub class: String,
     pub priority: u8,
-    /// Fingerprint of the model spec and estimator version that priced it.
-    pub fingerprint: u64,
     pub created_ms: u64,
-    /// Only for leases without an owner (0: migrated from a ledger that had no owners): the
-    /// time after which the reaper may reclaim it. Owned leases end with their request or when
-    /// their owner is gone, never at a deadline.
-    pub deadline_ms: u64,
     /// The filter worker (wasm VM instance) whose request holds this lease; its heartbeat says
     /// whether the request can still end by itself.
     pub owner: u64,
@@ -57,9 +51,7 @@ impl Lease {
             bytes: req.bytes,
             class: req.class.to_string(),
             priority: req.priority,
-            fingerprint: req.fingerprint,
             created_ms: req.now_ms,
-            deadline_ms: req.now_ms.saturating_add(req.ttl_ms),
             owner: req.owner,
             eta_ms: 0,
             held: 0,
@@ -135,10 +127,9 @@ pub struct AdmitRequest<'a> {
     pub bytes: u64,
     pub class: &'a str,
     pub priority: u8,
-    pub fingerprint: u64,
     pub now_ms: u64,
-    pub ttl_ms: u64,
-    /// The worker that will release it (0: none; the lease then ends at `now_ms + ttl_ms`).
+    /// The worker that will release it: the lease ends with its request, or when this worker
+    /// is gone (its heartbeat stopped).
     pub owner: u64,
     /// Fair retries: the request's caller+body hash and how long a claim left by its refusal
     /// waits for the retry. `None`: no claim is used or left.
@@ -923,20 +914,14 @@ impl Ledger {
     }
 
     /// Reclaim the leases whose request can no longer end by itself: those whose owner is gone
-    /// (`owner_alive` says no), and ownerless leases past their deadline. A live owner's lease is
-    /// never reclaimed, however old: it ends when its request ends. What the backend held for
-    /// a reclaimed lease past its reservation is given back with it, as on a release.
+    /// (`owner_alive` says no). A live owner's lease is never reclaimed, however old: it ends
+    /// when its request ends. What the backend held for a reclaimed lease past its reservation
+    /// is given back with it, as on a release.
     pub fn reap(&mut self, now_ms: u64, owner_alive: impl Fn(u64) -> bool) -> Vec<Lease> {
         let mut reaped = Vec::new();
         let mut i = 0;
         while i < self.leases.len() {
-            let orphaned = self.leases.get(i).is_some_and(|l| {
-                if l.owner == 0 {
-                    l.deadline_ms <= now_ms
-                } else {
-                    !owner_alive(l.owner)
-                }
-            });
+            let orphaned = self.leases.get(i).is_some_and(|l| !owner_alive(l.owner));
             if orphaned {
                 let lease = self.leases.swap_remove(i);
                 self.committed = self.committed.saturating_sub(lease.bytes);
@@ -1003,15 +988,6 @@ impl Ledger {
         let lease = self.leases.swap_remove(pos);
         self.committed = self.committed.saturating_sub(lease.bytes);
         Some(lease)
-    }
-
-    /// The earliest deadline of an ownerless lease, if any.
-    pub fn next_deadline(&self) -> Option<u64> {
-        self.leases
-            .iter()
-            .filter(|l| l.owner == 0)
-            .map(|l| l.deadline_ms)
-            .min()
     }
 
     pub fn level(&self, t: &LevelThresholds) -> Level {
@@ -1110,7 +1086,6 @@ mod tests {
                 waits: false,
                 grows_to: 0,
             }),
-            ttl_ms: 600_000,
             ..req(bytes, now_ms)
         }
     }
@@ -1153,10 +1128,8 @@ mod tests {
             bytes,
             class: "default",
             priority: 0,
-            fingerprint: 7,
             now_ms,
-            ttl_ms: 1000,
-            owner: 0,
+            owner: 1,
             claim: None,
         }
     }
@@ -1303,19 +1276,6 @@ mod tests {
     }
 
     #[test]
-    fn reap_removes_only_expired() {
-        let mut l = Ledger::new(1000, 1);
-        l.try_admit(&req(10, 0), &retry(), 1); // deadline 1000
-        l.try_admit(&req(20, 500), &retry(), 1); // deadline 1500
-        let reaped = l.reap(1200, |_| true);
-        assert_eq!(reaped.len(), 1);
-        assert_eq!(reaped.first().map(|r| r.bytes), Some(10));
-        assert_eq!(l.committed(), 20);
-        assert_eq!(l.counters().reaped, 1);
-        assert_eq!(l.next_deadline(), Some(1500));
-    }
-
-    #[test]
     fn a_live_owners_lease_is_never_reaped_however_old_and_an_orphan_is() {
         let mut l = Ledger::new(1000, 1);
         let owned = |owner, now| AdmitRequest {
@@ -1324,22 +1284,15 @@ mod tests {
         };
         l.try_admit(&owned(7, 0), &retry(), 1);
         l.try_admit(&owned(8, 0), &retry(), 1);
-        l.try_admit(&req(50, 0), &retry(), 1); // ownerless: deadline 1000
         assert_eq!(l.owners(), vec![7, 8]);
-        // Far past every deadline: only the ownerless lease goes while both owners live.
-        let r = l.reap(1_000_000, |_| true);
-        assert_eq!(r.iter().map(|x| x.bytes).collect::<Vec<_>>(), vec![50]);
+        // However old: nothing goes while both owners live.
+        assert!(l.reap(1_000_000, |_| true).is_empty());
         assert_eq!(l.committed(), 200);
         // Owner 8 is gone: its lease is reclaimed, owner 7's stays.
         let r = l.reap(1_000_001, |o| o == 7);
         assert_eq!(r.iter().map(|x| x.owner).collect::<Vec<_>>(), vec![8]);
         assert_eq!(l.committed(), 100);
-        assert_eq!(l.counters().reaped, 2);
-        assert_eq!(
-            l.next_deadline(),
-            None,
-            "owned leases have no deadline to wait for"
-        );
+        assert_eq!(l.counters().reaped, 1);
     }
 
     #[test]
@@ -1472,9 +1425,10 @@ mod tests {
             let AdmitOutcome::Admitted { lease: a } = m.try_admit(&req(50, 0), &cfg, 1) else {
                 panic!("fits");
             };
+            m.set_eta(a.id, 1_000);
             for now in [0, 1] {
                 match m.try_admit(&front(60, 1, 0, now), &cfg, 1) {
-                    // Told to come back when the 50-byte lease ends (its deadline, 1 s).
+                    // Told to come back when the 50-byte lease is expected to end (1 s).
                     AdmitOutcome::Rejected {
                         retry_after: Some(r),
                         ..
@@ -2330,7 +2284,7 @@ mod tests {
             (1u64..1000, 0u64..4).prop_map(|(b, k)| Op::AdmitKeyed(b, k)),
             (0usize..64).prop_map(Op::Release),
             Just(Op::ReleaseUnknown),
-            (0u64..50).prop_map(Op::Reap),
+            (0u64..5).prop_map(Op::Reap),
             (0u64..600, 0u64..600).prop_map(|(h, l)| Op::HoldBack(h, l)),
             (0usize..64, 0u64..300).prop_map(|(i, h)| Op::Held(i, h)),
             (0usize..64).prop_map(Op::Demote),
@@ -2352,7 +2306,7 @@ mod tests {
                     Op::Admit(b) => {
                         let (before, unclaimed) = (l.committed(), l.unclaimed());
                         poured = true;
-                        match l.try_admit(&AdmitRequest { ttl_ms: 30, ..req(b, now) }, &retry(), now) {
+                        match l.try_admit(&AdmitRequest { owner: b % 4, ..req(b, now) }, &retry(), now) {
                             AdmitOutcome::Admitted { lease } => {
                                 line_took += b.saturating_sub(unclaimed);
                                 prop_assert_eq!(l.committed(), before + b);
@@ -2370,7 +2324,7 @@ mod tests {
                         let (before, unclaimed) = (l.committed(), l.unclaimed());
                         poured = true;
                         let r = AdmitRequest {
-                            ttl_ms: 30,
+                            owner: b % 4,
                             claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 , max_line_permille: 0,waits: false, grows_to: 0,}),
                             ..req(b, now)
                         };
@@ -2399,17 +2353,17 @@ mod tests {
                         prop_assert_eq!(l.release(u64::MAX, now), ReleaseOutcome::Unknown);
                         prop_assert_eq!(&l, &before);
                     }
-                    Op::Reap(ahead) => {
+                    Op::Reap(gone) => {
+                        // Owner `gone` (of 0..4) stopped its heartbeat: its leases, and only
+                        // they, are reclaimed.
                         let back = l.held_back();
-                        let reaped = l.reap(now + ahead, |_| true);
+                        let reaped = l.reap(now, |o| o != gone);
                         poured = true;
-                        for r in &reaped {
-                            prop_assert!(r.deadline_ms <= now + ahead);
-                        }
+                        prop_assert!(reaped.iter().all(|r| r.owner == gone));
                         // What they held past their reservations is given back with them.
                         let held = reaped.iter().map(|r| r.held).fold(0, u64::saturating_add);
                         prop_assert_eq!(l.held_back(), back.saturating_sub(held));
-                        prop_assert!(l.leases().iter().all(|x| x.deadline_ms > now + ahead));
+                        prop_assert!(l.leases().iter().all(|x| x.owner != gone));
                     }
                     Op::HoldBack(h, lend) => {
                         l.set_held_back(h);

@@ -859,9 +859,7 @@ mod tests {
             bytes,
             class: "c",
             priority: 0,
-            fingerprint: 0,
             now_ms: now,
-            ttl_ms: 1_000_000,
             owner: 1,
             claim: None,
         }

@@ -150,9 +150,7 @@ pub(crate) fn expected_ends<T>(
             }
             let age = now_ms.saturating_sub(l.created_ms);
             // A lease older than the mean is expected to end "soon": a quarter of the mean.
-            let by_mean = mean.checked_sub(age).unwrap_or(mean / 4);
-            let by_deadline = l.deadline_ms.saturating_sub(now_ms);
-            (by_mean.min(by_deadline), frees(l))
+            (mean.checked_sub(age).unwrap_or(mean / 4), frees(l))
         })
         .collect();
     ends.sort_unstable_by_key(|(wait, _)| *wait);
@@ -165,23 +163,21 @@ mod tests {
     use crate::ledger::{AdmitOutcome, AdmitRequest};
     use proptest::prelude::*;
 
-    fn request(bytes: u64, now: u64, ttl: u64) -> AdmitRequest<'static> {
+    fn request(bytes: u64, now: u64) -> AdmitRequest<'static> {
         AdmitRequest {
             id: None,
             bytes,
             class: "c",
             priority: 0,
-            fingerprint: 0,
             now_ms: now,
-            ttl_ms: ttl,
-            owner: 0,
+            owner: 1,
             claim: None,
         }
     }
 
-    fn admit(l: &mut Ledger, bytes: u64, now: u64, ttl: u64) {
+    fn admit(l: &mut Ledger, bytes: u64, now: u64) {
         assert!(matches!(
-            l.try_admit(&request(bytes, now, ttl), &RetryAfterConfig::default(), 0),
+            l.try_admit(&request(bytes, now), &RetryAfterConfig::default(), 0),
             AdmitOutcome::Admitted { .. }
         ));
     }
@@ -190,7 +186,7 @@ mod tests {
     /// and its id.
     fn one_lease(bytes: u64, eta_ms: u64) -> (Ledger, u64) {
         let mut l = Ledger::new(100, 1);
-        admit(&mut l, bytes, 0, 1_000_000);
+        admit(&mut l, bytes, 0);
         let id = l.leases()[0].id;
         l.set_eta(id, eta_ms);
         (l, id)
@@ -208,24 +204,20 @@ mod tests {
     #[test]
     fn waits_for_the_lease_that_covers_the_deficit() {
         let mut l = Ledger::new(100, 1);
-        admit(&mut l, 50, 0, 1_000_000); // expected to end at 10 s
-        admit(&mut l, 50, 6_000, 1_000_000); // expected to end at 16 s
+        admit(&mut l, 50, 0); // expected to end at 10 s
+        admit(&mut l, 50, 6_000); // expected to end at 16 s
         let cfg = no_jitter();
         // At t = 8 s: the first lease ends in ~2 s and frees 50.
         assert_eq!(estimate_retry_after(&l, 40, 8_000, &cfg, 1).ms, 2_000);
         // Needing 80 waits for both: the second ends in ~8 s.
         assert_eq!(estimate_retry_after(&l, 80, 8_000, &cfg, 1).ms, 8_000);
-        // The deadline bounds a lease's expected end.
-        let mut m = Ledger::new(100, 1);
-        admit(&mut m, 100, 0, 3_000);
-        assert_eq!(estimate_retry_after(&m, 10, 1_000, &cfg, 1).ms, 2_000);
     }
 
     #[test]
     fn a_reported_expected_end_comes_before_the_mean() {
         let mut l = Ledger::new(100, 1);
-        admit(&mut l, 50, 0, 1_000_000); // by the mean: ends at 10 s
-        admit(&mut l, 50, 0, 1_000_000);
+        admit(&mut l, 50, 0); // by the mean: ends at 10 s
+        admit(&mut l, 50, 0);
         let cfg = no_jitter();
         assert_eq!(estimate_retry_after(&l, 40, 1_000, &cfg, 1).ms, 9_000);
         // The backend's progress says the second ends at 18 s (a long output), the first at 3 s.
@@ -262,7 +254,7 @@ mod tests {
     /// A request of `bytes` admitted into lent bytes at 1 s, expected to end at `eta_ms`.
     fn lent_until(l: &mut Ledger, bytes: u64, eta_ms: u64) {
         let p = l
-            .admit_into_lent(&request(bytes, 1_000, 1_000_000))
+            .admit_into_lent(&request(bytes, 1_000))
             .expect("admitted into lent bytes");
         l.set_eta(p.id, eta_ms);
     }
@@ -327,7 +319,7 @@ mod tests {
                 waits: true,
                 grows_to: 0,
             }),
-            ..request(60, 1_000, 1_000_000)
+            ..request(60, 1_000)
         };
         for _ in 0..2 {
             let r = l.try_admit(&in_line, &no_jitter(), 1);
@@ -348,7 +340,7 @@ mod tests {
     #[test]
     fn jitter_spreads_clients() {
         let mut l = Ledger::new(100, 1);
-        admit(&mut l, 100, 0, 1_000_000);
+        admit(&mut l, 100, 0);
         let cfg = RetryAfterConfig {
             jitter: 0.5,
             ..no_jitter()
@@ -364,8 +356,8 @@ mod tests {
         #[test]
         fn always_within_bounds(need in 0u64..300, now in 0u64..100_000, seed: u64, jitter in 0.0f64..1.0) {
             let mut l = Ledger::new(200, 1);
-            admit(&mut l, 120, 0, 50_000);
-            admit(&mut l, 60, 500, 80_000);
+            admit(&mut l, 120, 0);
+            admit(&mut l, 60, 500);
             let cfg = RetryAfterConfig { min_ms: 250, max_ms: 20_000, jitter, default_lease_ms: 5_000 };
             let r = estimate_retry_after(&l, need, now, &cfg, seed);
             prop_assert!(r.ms >= 250 && r.ms <= 20_000);

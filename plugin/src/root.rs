@@ -263,10 +263,7 @@ impl Root {
             timeout,
             rt.cfg.tick_ms.saturating_mul(2),
         );
-        if gone.is_empty()
-            && ledger.next_deadline().is_none_or(|d| d > now)
-            && ledger.next_claim_expiry().is_none_or(|d| d > now)
-        {
+        if gone.is_empty() && ledger.next_claim_expiry().is_none_or(|d| d > now) {
             endpoint.observe(&ledger);
             return Ok(());
         }
@@ -275,20 +272,10 @@ impl Root {
         })?;
         endpoint.observe(&ledger);
         for lease in &reaped {
-            if lease.owner == 0 {
-                host::warn(&format!(
-                    "kvgate: reaped ownerless lease {} ({} B, class {}) {} ms past its deadline",
-                    lease.id,
-                    lease.bytes,
-                    lease.class,
-                    now.saturating_sub(lease.deadline_ms)
-                ));
-            } else {
-                host::warn(&format!(
-                    "kvgate: reaped lease {} ({} B, class {}): its worker {:016x} has sent no heartbeat for over {timeout} ms",
-                    lease.id, lease.bytes, lease.class, lease.owner
-                ));
-            }
+            host::warn(&format!(
+                "kvgate: reaped lease {} ({} B, class {}): its worker {:016x} has sent no heartbeat for over {timeout} ms",
+                lease.id, lease.bytes, lease.class, lease.owner
+            ));
         }
         self.worker.metrics.reaped.add(reaped.len() as u64);
         Ok(())
