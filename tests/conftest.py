@@ -81,7 +81,8 @@ def gateway(request, tmp_path, wasm, upstream):
 
 @pytest.fixture
 def backend(request, tmp_path):
-    """A factory: backend(*flags) -> a started kvgate-backend with the real model."""
+    """A factory: backend(*flags, secret=None) -> a started kvgate-backend with the real model
+    (`secret`: its admission secret, one made up unless given; False: none, open on loopback)."""
     assert BACKEND.exists(), f"{BACKEND} missing: run `make backend-build` (make test does)"
     assert MODEL.exists(), f"{MODEL} missing: run `make setup` (make test does)"
     started = []
@@ -105,8 +106,8 @@ def stack(request, tmp_path, wasm, backend):
     """
     started = []
 
-    def make(blocks=64, overrides=None, *backend_flags, concurrency=2, ecds=False):
-        b = backend("--kv-cache-bytes", blocks * BLOCK_BYTES, *backend_flags)
+    def make(blocks=64, overrides=None, *backend_flags, concurrency=2, ecds=False, secret=None):
+        b = backend("--kv-cache-bytes", blocks * BLOCK_BYTES, *backend_flags, secret=secret)
         cfg = shipped_plugin_config()
         cfg.update({
             "kv_budget_bytes": blocks * BLOCK_BYTES,

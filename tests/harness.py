@@ -292,11 +292,15 @@ class Backend(Process):
         # The gateway's credential for the admission API and lease headers (what the filter
         # sends as x-kvgate-secret; the stack fixture gives it to the filter too). Backends
         # behind one gateway share one (the filter sends one secret to every endpoint).
-        self.secret = secret or f"test-secret-{self.port}"
-        secret_file = self.workdir / f"admission-secret-{self.port}"
-        secret_file.write_text(self.secret + "\n")
+        # False: no secret (the admission API is then open, on loopback).
+        self.secret = "" if secret is False else (secret or f"test-secret-{self.port}")
+        secret_args = []
+        if self.secret:
+            secret_file = self.workdir / f"admission-secret-{self.port}"
+            secret_file.write_text(self.secret + "\n")
+            secret_args = ["--admission-secret-file", str(secret_file)]
         self.args = [str(BACKEND), "--model", str(MODEL), "--port", str(self.port),
-                     "--admission-secret-file", str(secret_file), *map(str, args)]
+                     *secret_args, *map(str, args)]
         self.log_path = self.workdir / f"backend-{self.port}.log"
         self.proc = None
 

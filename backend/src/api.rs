@@ -204,15 +204,19 @@ async fn leases(
 ) -> Result<Json<LeaseReport>, HttpError> {
     st.check_secret(&headers)?;
     let (pool, leases, finished, cursor) = st.engine.lease_report(q.since);
-    // The gateways that hold leases here: a poller that holds none counts for little.
-    let holding = leases
+    // The gateways that hold leases here: without a secret, a poller that holds none counts for
+    // little.
+    let holding: std::collections::BTreeSet<u64> = leases
         .iter()
         .filter_map(|l| l.id.parse().ok().map(kvgate_core::lease_id::gateway_of))
         .collect();
     let other_gateways = st
         .pollers
         .lock()
-        .map(|mut p| p.polled(q.poll(), Instant::now(), &holding))
+        .map(|mut p| {
+            let untrusted = st.admission_secrets.is_empty().then_some(&holding);
+            p.polled(q.poll(), Instant::now(), untrusted)
+        })
         .unwrap_or_default();
     let tokenizer = TokenizerReport {
         kind: "tiktoken_bpe".into(),

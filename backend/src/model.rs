@@ -226,11 +226,11 @@ impl Llama {
     }
 
     /// A model of `cfg`'s shape with random weights drawn deterministically from `seed` (see
-    /// `crate::synthetic`): the same seed gives bit-identical weights on every device, so CPU and
+    /// `crate::random_weights`): the same seed gives bit-identical weights on every device, so CPU and
     /// GPU outputs can be compared. Projections are uniform with variance 1/fan_in, norms are 1,
     /// the output head is the tied embedding.
     pub fn synthetic(cfg: Config, seed: u64, device: &Device) -> Result<Llama> {
-        use crate::synthetic::random_tensor;
+        use crate::random_weights::random_tensor;
         let (h, f) = (cfg.hidden, cfg.ffn);
         let (q_out, kv_out) = (cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim);
         let ones = |n: usize| Tensor::ones(n, DType::F32, device);

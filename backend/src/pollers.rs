@@ -8,11 +8,11 @@
 //! `gateway` number and its `poll_ms`; the report tells the asker the numbers of the others.
 //!
 //! With an admission secret configured, only the gateways (which hold it) reach the lease report,
-//! so clients cannot add entries; the backend refuses to listen beyond loopback without one.
-//! Still, an entry costs the real gateways room, so a poll alone buys little: a gateway is told
-//! of one other per gateway number that holds a lease here, and of at most one that holds none
-//! (a newcomer: two gateways just started still split the room). A thousand made-up instances
-//! then make each real gateway hold back at most one extra share, not the whole pool.
+//! so clients cannot add entries: every Envoy that polls counts. Without one (the backend then
+//! listens on loopback only) an entry costs the real gateways room, so a poll alone buys little:
+//! a gateway is told of one other per gateway number that holds a lease here, and of at most one
+//! that holds none (a newcomer: two gateways just started still split the room). A thousand
+//! made-up instances then make each real gateway hold back at most one extra share.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -50,13 +50,14 @@ pub struct Pollers {
 
 impl Pollers {
     /// Record `poll` (when it names its instance) at `now`, and return the numbers of the other
-    /// gateways still counted, sorted: one per number in `holding` (the gateway numbers of the
-    /// leases live here), and at most one whose number holds none.
+    /// gateways still counted, sorted. `holding`: `None` where the pollers are trusted (they
+    /// hold the admission secret): one per Envoy. Else the gateway numbers of the leases live
+    /// here: one per such number, and at most one whose number holds none.
     pub fn polled(
         &mut self,
         poll: Option<Poll>,
         now: Instant,
-        holding: &BTreeSet<u64>,
+        holding: Option<&BTreeSet<u64>>,
     ) -> Vec<u64> {
         self.seen.retain(|_, s| s.until > now);
         if let Some(p) = poll {
@@ -73,16 +74,22 @@ impl Pollers {
             }
         }
         let asker = poll.map(|p| p.instance);
-        let (with_leases, without): (BTreeSet<u64>, BTreeSet<u64>) = self
+        let others = self
             .seen
             .iter()
             .filter(|(instance, _)| Some(**instance) != asker)
-            .map(|(_, s)| s.gateway)
-            .partition(|g| holding.contains(g));
-        let newcomer = without.into_iter().next();
-        let mut others: Vec<u64> = with_leases.into_iter().chain(newcomer).collect();
-        others.sort_unstable();
-        others
+            .map(|(_, s)| s.gateway);
+        let mut counted: Vec<u64> = match holding {
+            None => others.collect(),
+            Some(holding) => {
+                let (with_leases, without): (BTreeSet<u64>, BTreeSet<u64>) =
+                    others.partition(|g| holding.contains(g));
+                let newcomer = without.into_iter().next();
+                with_leases.into_iter().chain(newcomer).collect()
+            }
+        };
+        counted.sort_unstable();
+        counted
     }
 }
 
@@ -98,52 +105,44 @@ mod tests {
         })
     }
 
-    /// Every gateway number holds leases here: the old rule, one per number.
-    fn all() -> BTreeSet<u64> {
-        (0..2048).collect()
-    }
-
     #[test]
     fn each_gateway_is_told_of_the_others_until_they_stop_polling() {
         let mut p = Pollers::default();
         let t0 = Instant::now();
-        let all = all();
-        assert!(p.polled(poll(1, 10), t0, &all).is_empty(), "alone");
-        assert_eq!(p.polled(poll(2, 20), t0, &all), [10]);
-        assert_eq!(p.polled(poll(1, 10), t0, &all), [20], "not told of itself");
-        // Another Envoy that drew the same number as the first: the asker learns that its
-        // own number is shared.
-        assert_eq!(p.polled(poll(2, 20), t0, &all), [10]);
-        assert_eq!(p.polled(poll(3, 10), t0, &all), [10, 20]);
-        // A poll that does not name its instance (an older gateway) is told of every number.
-        assert_eq!(p.polled(None, t0, &all), [10, 20]);
+        assert!(p.polled(poll(1, 10), t0, None).is_empty(), "alone");
+        assert_eq!(p.polled(poll(2, 20), t0, None), [10]);
+        assert_eq!(p.polled(poll(1, 10), t0, None), [20], "not told of itself");
+        // Another Envoy that drew the same number as the first is another gateway.
+        assert_eq!(p.polled(poll(3, 10), t0, None), [10, 20]);
+        // A poll that does not name its instance (an older gateway) is told of every one.
+        assert_eq!(p.polled(None, t0, None), [10, 10, 20]);
         // Three periods (1.5 s) after its last poll a gateway no longer counts.
         let later = t0 + Duration::from_millis(1_400);
-        assert_eq!(p.polled(poll(1, 10), later, &all), [10, 20]);
+        assert_eq!(p.polled(poll(1, 10), later, None), [10, 20]);
         let gone = t0 + Duration::from_millis(1_600);
-        assert!(p.polled(poll(1, 10), gone, &all).is_empty());
+        assert!(p.polled(poll(1, 10), gone, None).is_empty());
     }
 
     #[test]
-    fn made_up_pollers_without_leases_count_as_one_newcomer() {
+    fn untrusted_made_up_pollers_without_leases_count_as_one_newcomer() {
         let mut p = Pollers::default();
         let t0 = Instant::now();
         let holding: BTreeSet<u64> = [0, 5].into();
         // A thousand polls, each naming a new instance and a number that holds nothing here.
         for i in 0..1_000 {
-            p.polled(poll(100 + i, 1 + i % 1_000), t0, &holding);
+            p.polled(poll(100 + i, 1 + i % 1_000), t0, Some(&holding));
         }
-        p.polled(poll(1, 5), t0, &holding);
+        p.polled(poll(1, 5), t0, Some(&holding));
         // The real gateway 0 is told of gateway 5 (it holds leases) and of one newcomer.
-        let others = p.polled(poll(2, 0), t0, &holding);
+        let others = p.polled(poll(2, 0), t0, Some(&holding));
         assert_eq!(others.len(), 2, "{others:?}");
         assert!(others.contains(&5));
         // With none holding leases (a fleet just started), two gateways still see each other.
         let mut fresh = Pollers::default();
         let none = BTreeSet::new();
-        fresh.polled(poll(1, 3), t0, &none);
-        assert_eq!(fresh.polled(poll(2, 4), t0, &none), [3]);
-        assert_eq!(fresh.polled(poll(1, 3), t0, &none), [4]);
+        fresh.polled(poll(1, 3), t0, Some(&none));
+        assert_eq!(fresh.polled(poll(2, 4), t0, Some(&none)), [3]);
+        assert_eq!(fresh.polled(poll(1, 3), t0, Some(&none)), [4]);
     }
 
     #[test]
@@ -158,10 +157,10 @@ mod tests {
                     poll_ms,
                 })
             };
-            p.polled(poll(1), t0, &all());
+            p.polled(poll(1), t0, None);
             // The first whole second at which it no longer counts.
             (1..=200u64).map(|s| s * 1_000).find(|ms| {
-                p.polled(poll(2), t0 + Duration::from_millis(*ms), &all())
+                p.polled(poll(2), t0 + Duration::from_millis(*ms), None)
                     .is_empty()
             })
         };
@@ -176,14 +175,13 @@ mod tests {
         let mut p = Pollers::default();
         let t0 = Instant::now();
         for i in 0..MAX_POLLERS as u64 + 10 {
-            p.polled(poll(i, 1), t0, &all());
+            p.polled(poll(i, 1), t0, None);
         }
         assert_eq!(p.seen.len(), MAX_POLLERS);
         // One already known is still refreshed; once entries expire, new ones are taken.
-        assert_eq!(p.polled(poll(0, 1), t0, &all()), [1], "one per number");
-        assert_eq!(p.seen.len(), MAX_POLLERS);
+        assert_eq!(p.polled(poll(0, 1), t0, None).len(), MAX_POLLERS - 1);
         let later = t0 + Duration::from_secs(2);
-        assert!(p.polled(poll(5_000, 2), later, &all()).is_empty());
+        assert!(p.polled(poll(5_000, 2), later, None).is_empty());
         assert_eq!(p.seen.len(), 1);
     }
 }

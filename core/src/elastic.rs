@@ -17,7 +17,29 @@
 use std::collections::VecDeque;
 
 use crate::error::ConfigError;
-use crate::policy::{RawClass, Reservation};
+
+/// What a request's lease reserves for its output.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reservation {
+    /// Its whole cap: the request can never run out of KV mid-decode (the default).
+    #[default]
+    WorstCase,
+    /// A learned high quantile of the output lengths this class actually produced, never above
+    /// the cap. The backend lets the sequence grow past it from free blocks and takes those
+    /// blocks back first when a reservation needs them: recomputed later, its client sees a
+    /// delay, never an error.
+    Elastic(ElasticPolicy),
+}
+
+/// A class's reservation fields as configured (`policy.classes.<name>`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RawReservation<'a> {
+    pub reservation: Option<&'a str>,
+    pub quantile: Option<f64>,
+    pub min_samples: Option<u32>,
+    pub prior_tokens: Option<u64>,
+    pub by_prompt: Option<bool>,
+}
 
 /// An elastic class's rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,10 +71,10 @@ impl Default for ElasticPolicy {
 impl ElasticPolicy {
     /// The class's reservation from its raw config; `at` names a field for errors.
     pub(crate) fn from_raw(
-        c: &RawClass,
+        c: &RawReservation<'_>,
         at: &dyn Fn(&str) -> String,
     ) -> Result<Reservation, ConfigError> {
-        let elastic = match c.reservation.as_deref() {
+        let elastic = match c.reservation {
             None | Some("worst_case") => false,
             Some("elastic") => true,
             Some(other) => {
@@ -65,10 +87,10 @@ impl ElasticPolicy {
         };
         if !elastic {
             for (f, set) in [
-                ("elastic_quantile", c.elastic_quantile.is_some()),
-                ("elastic_min_samples", c.elastic_min_samples.is_some()),
-                ("elastic_prior_tokens", c.elastic_prior_tokens.is_some()),
-                ("elastic_by_prompt", c.elastic_by_prompt.is_some()),
+                ("elastic_quantile", c.quantile.is_some()),
+                ("elastic_min_samples", c.min_samples.is_some()),
+                ("elastic_prior_tokens", c.prior_tokens.is_some()),
+                ("elastic_by_prompt", c.by_prompt.is_some()),
             ] {
                 if set {
                     return Err(ConfigError::new(
@@ -81,7 +103,7 @@ impl ElasticPolicy {
             return Ok(Reservation::WorstCase);
         }
         let mut p = ElasticPolicy::default();
-        if let Some(q) = c.elastic_quantile {
+        if let Some(q) = c.quantile {
             if !(0.5..=1.0).contains(&q) {
                 return Err(ConfigError::new(
                     at("elastic_quantile"),
@@ -91,7 +113,7 @@ impl ElasticPolicy {
             }
             p.quantile_permille = (q * 1000.0).round() as u16;
         }
-        if let Some(n) = c.elastic_min_samples {
+        if let Some(n) = c.min_samples {
             if !(1..=OUTPUTS_KEPT as u32).contains(&n) {
                 return Err(ConfigError::new(
                     at("elastic_min_samples"),
@@ -101,7 +123,7 @@ impl ElasticPolicy {
             }
             p.min_samples = n;
         }
-        if let Some(t) = c.elastic_prior_tokens {
+        if let Some(t) = c.prior_tokens {
             if t == 0 {
                 return Err(ConfigError::new(
                     at("elastic_prior_tokens"),
@@ -111,7 +133,7 @@ impl ElasticPolicy {
             }
             p.prior_tokens = Some(t);
         }
-        if let Some(b) = c.elastic_by_prompt {
+        if let Some(b) = c.by_prompt {
             p.by_prompt = b;
         }
         Ok(Reservation::Elastic(p))

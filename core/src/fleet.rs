@@ -153,22 +153,16 @@ pub fn endpoint_name(address: &str) -> u64 {
 }
 
 /// Did the host at `named` (an endpoint's `ip:port`) answer, if the backend's socket saw the
-/// connection reach `served_at`? The ports must agree, and the addresses too unless the
-/// backend saw a loopback or unspecified one (a sidecar in front of it forwards to localhost).
-/// An answer from elsewhere means the named host is not in the cluster (override_host fell
-/// back to another host): that endpoint is not up, whatever the answer says.
+/// connection reach `served_at`? The ports must agree, and the addresses too (IPv4-mapped IPv6
+/// taken as IPv4) unless the backend saw a loopback or unspecified one (a sidecar in front of it
+/// forwards to localhost). An answer from elsewhere means the named host is not in the cluster
+/// (override_host fell back to another host): that endpoint is not up, whatever the answer
+/// says. A name that is not an IP address (or a report without `served_at`) cannot be compared:
+/// taken as the same. Endpoints are the addresses the backends listen on (no port mapping).
 pub fn same_host(named: &str, served_at: &str) -> bool {
-    let split = |a: &str| -> Option<(String, String)> {
-        let (ip, port) = a.rsplit_once(':')?;
-        let ip = ip.trim_start_matches('[').trim_end_matches(']');
-        Some((ip.to_ascii_lowercase(), port.to_string()))
-    };
-    match (split(named), split(served_at)) {
+    match (crate::addr::parse(named), crate::addr::parse(served_at)) {
         (Some((ip, port)), Some((at_ip, at_port))) => {
-            let local = at_ip
-                .parse::<std::net::IpAddr>()
-                .is_ok_and(|a| a.is_loopback() || a.is_unspecified());
-            port == at_port && (ip == at_ip || local)
+            port == at_port && (ip == at_ip || at_ip.is_loopback() || at_ip.is_unspecified())
         }
         _ => true,
     }
@@ -260,6 +254,8 @@ pub fn admit<S: SharedStore + ?Sized, T>(
 mod tests {
     use super::*;
     use crate::ledger::{AdmitOutcome, AdmitRequest};
+    use crate::retry::RetryAfterConfig;
+    use crate::store::MemoryStore;
 
     #[test]
     fn an_answer_from_another_host_is_told_apart() {
@@ -281,9 +277,24 @@ mod tests {
             same_host("backend:8000", "not an address"),
             "nothing to compare"
         );
+        assert!(
+            same_host("[fd00::1]:8000", "[fd00:0::1]:8000"),
+            "spelled otherwise"
+        );
+        assert!(
+            same_host("10.0.0.5:8000", "[::ffff:10.0.0.5]:8000"),
+            "IPv4-mapped"
+        );
+        assert!(
+            same_host("10.0.0.5:8000", "[::ffff:127.0.0.1]:8000"),
+            "mapped loopback"
+        );
+        assert!(!same_host("10.0.0.5:8000", "[::ffff:10.0.0.6]:8000"));
+        assert!(
+            same_host("backend.svc:8000", "10.0.0.5:8000"),
+            "a name: nothing to compare"
+        );
     }
-    use crate::retry::RetryAfterConfig;
-    use crate::store::MemoryStore;
 
     fn req(id: u64, bytes: u64) -> AdmitRequest<'static> {
         AdmitRequest {

@@ -4,6 +4,7 @@
 //! cap), keeps a ledger of reservations, and decides admission in one pure transition. No
 //! proxy-wasm, no tokio, no I/O, no panics: it compiles for the host and for wasm32.
 
+pub mod addr;
 pub mod cap;
 pub mod codec;
 pub mod config;
@@ -27,6 +28,7 @@ pub mod wire;
 
 pub use cap::{effective_output_cap, largest_cap_that_fits, price_request, CapDecision, Price};
 pub use error::{ApiError, ConfigError, ErrorKind};
+pub use ledger::estimate_retry_after;
 pub use ledger::{
     AdmitOutcome, AdmitRequest, Claim, ClaimTicket, Lease, Ledger, Level, LevelThresholds,
     RejectReason, ReleaseOutcome,
@@ -35,7 +37,7 @@ pub use policy::{Action, ClassPolicy, ClassSources, PolicyTable, Reservation};
 pub use request::{
     parse_request, write_cap, Endpoint, GatewayNote, Input, ParsedRequest, GATEWAY_FIELD,
 };
-pub use retry::{estimate_retry_after, RetryAfter, RetryAfterConfig};
+pub use retry::{RetryAfter, RetryAfterConfig};
 pub use spec::{ModelSpec, Pricing, ESTIMATOR_VERSION};
 pub use tokenize::{CustomBpe, Encoding, TokenCounter, TokenizerSpec};
 pub use validate::{validate, Sampling, Served};

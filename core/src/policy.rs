@@ -32,18 +32,7 @@ pub struct ClassPolicy {
     pub reservation: Reservation,
 }
 
-/// What a request's lease reserves for its output.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Reservation {
-    /// Its whole cap: the request can never run out of KV mid-decode (the default).
-    #[default]
-    WorstCase,
-    /// A learned high quantile of the output lengths this class actually produced, never above
-    /// the cap (see `elastic`). The backend lets the sequence grow past it from free blocks and
-    /// takes those blocks back first when a reservation needs them: recomputed later, its
-    /// client sees a delay, never an error.
-    Elastic(crate::elastic::ElasticPolicy),
-}
+pub use crate::elastic::Reservation;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PolicyTable {
@@ -294,7 +283,14 @@ impl TryFrom<RawPolicy> for PolicyTable {
                     ));
                 }
             }
-            let reservation = crate::elastic::ElasticPolicy::from_raw(c, &at)?;
+            let raw = crate::elastic::RawReservation {
+                reservation: c.reservation.as_deref(),
+                quantile: c.elastic_quantile,
+                min_samples: c.elastic_min_samples,
+                prior_tokens: c.elastic_prior_tokens,
+                by_prompt: c.elastic_by_prompt,
+            };
+            let reservation = crate::elastic::ElasticPolicy::from_raw(&raw, &at)?;
             classes.push(ClassPolicy {
                 name: name.clone(),
                 action,
@@ -445,11 +441,7 @@ impl PolicyTable {
     /// the key is a verified identity (an unmapped `Authorization` is whatever the client wrote).
     pub fn classify_keyed(&self, src: ClassSources<'_>) -> (&ClassPolicy, bool) {
         if !self.api_keys.is_empty() {
-            let key = src.authorization.and_then(|a| {
-                a.strip_prefix("Bearer ")
-                    .or_else(|| a.strip_prefix("bearer "))
-                    .map(str::trim)
-            });
+            let key = src.authorization.and_then(bearer_key);
             if let Some(key) = key {
                 use sha2::{Digest, Sha256};
                 let d: [u8; 32] = Sha256::digest(key.as_bytes()).into();
@@ -471,6 +463,15 @@ impl PolicyTable {
             .find_map(|name| self.get(name.trim()))
             .map_or_else(|| (self.default_class(), false), |c| (c, false))
     }
+}
+
+/// The API key of an `Authorization: Bearer KEY` header (either case of `Bearer`, spaces
+/// around the key dropped): one key, one spelling.
+pub fn bearer_key(authorization: &str) -> Option<&str> {
+    authorization
+        .strip_prefix("Bearer ")
+        .or_else(|| authorization.strip_prefix("bearer "))
+        .map(str::trim)
 }
 
 static FALLBACK: ClassPolicy = ClassPolicy {

@@ -709,7 +709,6 @@ pub fn reconcile(
         .iter()
         .map(|l| (l.id, (l.bytes, l.created_ms)))
         .collect();
-    let mut own: Vec<&LiveEntry> = Vec::new();
     let mut gateways = BTreeSet::new();
     // What own leases hold or need beyond their reservations: what they hold (running, or
     // part-way through a prefill), all of it; of those waiting to resume, the largest need.
@@ -723,7 +722,6 @@ pub fn reconcile(
     for e in &report.entries {
         match e.id.and_then(|id| reserved.get(&id).map(|b| (id, b))) {
             Some((id, &(bytes, created_ms))) => {
-                own.push(e);
                 let grown = e.bytes.saturating_sub(bytes);
                 out.grown_bytes = out.grown_bytes.saturating_add(grown);
                 if e.resuming {

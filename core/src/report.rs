@@ -76,7 +76,7 @@ mod tests {
                     class,
                     priority: 0,
                     now_ms: 0,
-                    owner: 0,
+                    owner: 1,
                     claim: None,
                 },
                 &RetryAfterConfig::default(),

@@ -95,10 +95,16 @@ impl ParsedRequest {
 /// about 100 MB); every request that fits a context holds far fewer.
 pub const MAX_JSON_CONTAINERS: usize = 16_384;
 
-/// Refuse a body with more than [`MAX_JSON_CONTAINERS`] objects and arrays before it is parsed
-/// into a tree: one pass over its bytes, nothing allocated.
+/// The most values a body may list (commas, outside strings): a parsed value is a few tens of
+/// bytes, so a 4 MiB body of `0,0,…` would cost some 50 MB. A prompt of token ids for a
+/// million-token context still fits.
+pub const MAX_JSON_VALUES: usize = 1 << 20;
+
+/// Refuse a body with more than [`MAX_JSON_CONTAINERS`] objects and arrays, or more than
+/// [`MAX_JSON_VALUES`] values, before it is parsed into a tree: one pass over its bytes,
+/// nothing allocated.
 fn bound_containers(body: &[u8]) -> Result<(), ApiError> {
-    let (mut in_string, mut escaped, mut containers) = (false, false, 0usize);
+    let (mut in_string, mut escaped, mut containers, mut commas) = (false, false, 0usize, 0usize);
     for &b in body {
         if in_string {
             match b {
@@ -111,9 +117,18 @@ fn bound_containers(body: &[u8]) -> Result<(), ApiError> {
             match b {
                 b'"' => in_string = true,
                 b'{' | b'[' => containers += 1,
+                b',' => commas += 1,
                 _ => {}
             }
         }
+    }
+    if commas > MAX_JSON_VALUES {
+        return Err(ApiError::new(
+            ErrorKind::InvalidRequest,
+            format!(
+                "The request body lists more than {MAX_JSON_VALUES} JSON values ({commas} commas)."
+            ),
+        ));
     }
     if containers > MAX_JSON_CONTAINERS {
         return Err(ApiError::new(
@@ -560,6 +575,15 @@ mod tests {
         // Messages and token arrays far beyond any context stay under it.
         let msgs = vec![r#"{"role":"user","content":"hi"}"#; 4_000].join(",");
         assert!(chat(&format!(r#"{{"messages":[{msgs}]}}"#)).is_ok());
+        let ids = |n: usize| {
+            format!(
+                r#"{{"prompt":[{}],"max_tokens":1}}"#,
+                vec!["7"; n].join(",")
+            )
+        };
+        assert!(comp(&ids(200_000)).is_ok());
+        let e = comp(&ids(MAX_JSON_VALUES + 2)).unwrap_err();
+        assert!(e.message.contains("JSON values"), "{}", e.message);
     }
 
     #[test]

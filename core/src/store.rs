@@ -172,7 +172,7 @@ mod tests {
                 class: "c",
                 priority: 0,
                 now_ms: 0,
-                owner: 0,
+                owner: 1,
                 claim: None,
             },
             &RetryAfterConfig::default(),

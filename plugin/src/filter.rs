@@ -98,7 +98,7 @@ impl Filter {
             }
             return Action::Continue;
         }
-        reply_error(&self.worker, err, self.current_level(rt));
+        self.worker.reply_error(err, self.current_level(rt));
         Action::Pause
     }
 
@@ -359,32 +359,26 @@ impl Filter {
             }
         }
         self.worker.forget_demotions(self.context_id);
-        self.worker.answered(self.context_id);
         if let Some(t) = self.ticket.take() {
+            self.worker.answered(self.context_id);
             // Cut short (client gone, reset) while the backend may still be decoding: tell it to
             // stop now, or it would hold KV the ledger no longer counts.
             if let (Some(g), Some(rt), Some(e), false) =
                 (t.granted.get(), &self.rt, t.endpoint(), self.response_done)
             {
                 let _ = crate::ticket::lease_call(rt, &e, g.lease, crate::ticket::Call::Cancel);
-                // A request of over half the pool gets in only as the line sets the pool aside
-                // for it; dropped at once, that drained the pool for nothing (a client can do it
-                // on demand: ask, come back at Retry-After, drop, again).
+                // A request of over half the pool that the line served (it set the pool aside
+                // for it), dropped at once: that drained the pool for nothing, and a client can
+                // do it on demand (ask, come back at Retry-After, drop, again).
                 let now = host::now_ms();
                 let big = t.priced.borrow().price.bytes.saturating_mul(2) > e.view.get().capacity;
-                if t.claim.is_some() && big && now.saturating_sub(g.at_ms) < DROPPED_AT_ONCE_MS {
+                if g.from_line && big && now.saturating_sub(g.at_ms) < DROPPED_AT_ONCE_MS {
                     self.worker.forfeit(t.caller, now);
                 }
             }
             t.release(&self.worker);
         }
     }
-}
-
-/// Send an OpenAI-style error as the local reply of the current (effective) stream.
-pub fn reply_error(worker: &Worker, err: &ApiError, level: Level) {
-    worker.metrics.rejected(err.kind);
-    host::send_error(err, level.as_str());
 }
 
 impl Context for Filter {
@@ -561,10 +555,14 @@ impl HttpContext for Filter {
         // set `use_remote_address`, so `source.address` is the peer).
         let caller = match &authorization {
             _ if rt.cfg.fair_retry_patience_ms == 0 => Vec::new(),
-            Some(a) if keyed => a.clone().into_bytes(),
+            Some(a) if keyed => kvgate_core::policy::bearer_key(a)
+                .unwrap_or(a)
+                .as_bytes()
+                .to_vec(),
             _ => address_property("source")
-                .map(|addr| ip_of(&addr).as_bytes().to_vec())
-                .unwrap_or_default(),
+                .map(|a| kvgate_core::addr::ip(&a).map_or(a, |ip| ip.to_string()))
+                .unwrap_or_default()
+                .into_bytes(),
         };
         self.pending = Some(Pending {
             endpoint,
@@ -631,7 +629,13 @@ impl HttpContext for Filter {
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         self.response_done |= end_of_stream;
-        self.worker.answered(self.context_id);
+        if self
+            .ticket
+            .as_ref()
+            .is_some_and(|t| t.granted.get().is_some())
+        {
+            self.worker.answered(self.context_id);
+        }
         let Some(rt) = self.rt.clone() else {
             return Action::Continue;
         };
@@ -686,19 +690,11 @@ fn address_property(side: &str) -> Option<String> {
         .map(|a| String::from_utf8_lossy(&a).into_owned())
 }
 
-/// The IP of `ip:port` or `[ip6]:port`, without brackets.
-fn ip_of(addr: &str) -> &str {
-    addr.rsplit_once(':')
-        .map_or(addr, |(ip, _)| ip)
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-}
-
 /// Did the client connect to a loopback address of this Envoy (a listener on 127.0.0.1, or a
 /// local client of one on 0.0.0.0)? The status page is answered only then: what the listener
 /// accepted on, which no header can change.
 fn reached_on_loopback() -> bool {
     address_property("destination")
-        .and_then(|a| ip_of(&a).parse::<std::net::IpAddr>().ok())
+        .and_then(|a| kvgate_core::addr::ip(&a))
         .is_some_and(|ip| ip.is_loopback())
 }

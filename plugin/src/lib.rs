@@ -14,6 +14,8 @@ mod filter;
 #[cfg(any(target_arch = "wasm32", test))]
 mod host;
 #[cfg(any(target_arch = "wasm32", test))]
+mod metrics;
+#[cfg(any(target_arch = "wasm32", test))]
 mod root;
 #[cfg(any(target_arch = "wasm32", test))]
 mod ticket;

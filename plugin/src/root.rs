@@ -16,7 +16,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 
-use crate::filter::{reply_error, Filter};
+use crate::filter::Filter;
 use crate::host::{self, EnvoyStore};
 use crate::ticket::{Attempt, Ticket};
 use crate::worker::{BackendHealth, Endpoint, Runtime, Worker};
@@ -263,7 +263,8 @@ impl Root {
             timeout,
             rt.cfg.tick_ms.saturating_mul(2),
         );
-        if gone.is_empty() && ledger.next_claim_expiry().is_none_or(|d| d > now) {
+        let ownerless = ledger.leases().iter().any(|l| l.owner == 0);
+        if gone.is_empty() && !ownerless && ledger.next_claim_expiry().is_none_or(|d| d > now) {
             endpoint.observe(&ledger);
             return Ok(());
         }
@@ -308,7 +309,7 @@ impl Root {
             }
             Attempt::Rejected(e) if e.kind == ErrorKind::KvCapacityExceeded => Retried::Waiting(e),
             Attempt::Rejected(e) => {
-                reply_error(&self.worker, &e, self.worker.level(&rt.cfg));
+                self.worker.reply_error(&e, self.worker.level(&rt.cfg));
                 Retried::Done
             }
         }
@@ -339,7 +340,7 @@ impl Root {
                     .retry_after_ms
                     .unwrap_or(rt.cfg.retry_after.min_ms),
             );
-            reply_error(&self.worker, &err, self.worker.level(&rt.cfg));
+            self.worker.reply_error(&err, self.worker.level(&rt.cfg));
         }
         // Strict order: the front waits for budget; nothing jumps ahead of it.
         loop {
@@ -490,7 +491,7 @@ impl Root {
                     p.asked_descriptor = ask;
                     asking |= ask;
                 }
-                Err(s) => self.poll_failed(rt, i, &format!("dispatch failed: {s:?}")),
+                Err(s) => self.poll_failed(rt, i, &format!("dispatch failed: {s:?}"), true),
             }
         }
     }
@@ -500,7 +501,12 @@ impl Root {
         self.worker.endpoint(p.address.as_deref())
     }
 
-    fn poll_failed(&mut self, rt: &Runtime, i: usize, why: &str) {
+    /// A poll failed (`unreachable`: no answer from the backend at all — Envoy's own 503 or
+    /// 504, a failed dispatch — rather than an answer it did not like).
+    fn poll_failed(&mut self, rt: &Runtime, i: usize, why: &str, unreachable: bool) {
+        if let Some(e) = self.endpoint_of(i) {
+            e.unreachable.set(unreachable);
+        }
         let Some(b) = &rt.cfg.backend else { return };
         if let Some(p) = self.polls.get_mut(i) {
             p.asked_descriptor = false;
@@ -550,8 +556,10 @@ impl Root {
         m.observe(&self.worker, &rt.cfg);
     }
 
-    /// Requests sent to an endpoint before it was known to be down get their answer now: a
-    /// 503 with a Retry-After, as a request sent after would (their leases end with them).
+    /// Requests sent to an endpoint before it was known to be down (its polls get no answer at
+    /// all) get their answer now: a 503 with a Retry-After, as a request sent after would
+    /// (their leases end with them). An endpoint that answers its polls, if wrongly, may still
+    /// be serving them: they are left alone.
     fn answer_stranded(&self, rt: &Runtime) {
         for t in self.worker.stranded() {
             if hostcalls::set_effective_context(t.context_id).is_err() {
@@ -562,8 +570,15 @@ impl Root {
                 "The model server stopped answering after this request was sent to it. Retry \
                  after the time in the Retry-After header.",
             )
-            .with_retry_after_ms(rt.cfg.retry_after.max_ms.min(5_000));
-            crate::filter::reply_error(&self.worker, &err, kvgate_core::Level::Red);
+            .with_retry_after_ms(
+                rt.cfg
+                    .retry_after
+                    .max_ms
+                    .min(5_000)
+                    .max(rt.cfg.retry_after.min_ms),
+            );
+            self.worker.metrics.stranded.inc();
+            host::send_error(&err, kvgate_core::Level::Red.as_str());
         }
     }
 
@@ -576,20 +591,22 @@ impl Root {
             .flatten()
             .unwrap_or_default();
         if status != Some(200) {
-            return self.poll_failed(rt, i, &format!("status {status:?}"));
+            let unreachable = matches!(status, None | Some(503) | Some(504));
+            return self.poll_failed(rt, i, &format!("status {status:?}"), unreachable);
         }
         let report = match BackendReport::parse(&body) {
             Ok(r) => r,
-            Err(err) => return self.poll_failed(rt, i, &err),
+            Err(err) => return self.poll_failed(rt, i, &err, false),
         };
         // Answered by the host it named? Else that host is not in the cluster and Envoy fell
         // back to another: its pool is not this endpoint's, which is then down.
         if let (Some(named), Some(at)) = (&e.address, &report.served_at) {
             if !kvgate_core::fleet::same_host(named, at) {
                 self.worker.metrics.upstream_mismatch.inc();
-                return self.poll_failed(rt, i, &format!("answered by {at}, not {named}"));
+                return self.poll_failed(rt, i, &format!("answered by {at}, not {named}"), false);
             }
         }
+        e.unreachable.set(false);
         let mismatch = self.follow_descriptor(i, &e, &body, &report);
         // The runtime may have changed (a descriptor applied).
         let Some(rt) = self.worker.runtime() else {

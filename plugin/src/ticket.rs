@@ -29,6 +29,8 @@ pub struct Granted {
     pub went_ahead_until: Option<u64>,
     /// When it was admitted.
     pub at_ms: u64,
+    /// It took bytes its place in the fair-retry line held (the line set them aside for it).
+    pub from_line: bool,
 }
 
 /// How much a rewritten body may exceed `max_body_bytes`: the cap and the gateway's note it
@@ -197,6 +199,8 @@ impl Ticket {
         let decide = if shadow { gate::shadow } else { gate::decide };
         // A backfill try: only what the ledger admits ahead of the line; a refusal changes
         // nothing, so a queued request never takes a place in line that way.
+        // Whether the admission took bytes its place in line held (set by the pass that admits).
+        let from_line = Cell::new(false);
         let probe = |l: &mut kvgate_core::Ledger| -> Decision {
             gate::backfill(l, &rt.cfg, &self.class, &priced, holder, now)
                 .unwrap_or_else(|| Decision::Rejected(not_ahead()))
@@ -226,17 +230,25 @@ impl Ticket {
                 }
                 let before = l.clone();
                 match decide(l, &rt.cfg, &plain_class, &priced, holder, now, seed) {
-                    d @ Decision::Admitted { .. } => Some(d),
+                    d @ Decision::Admitted { .. } => {
+                        from_line.set(own > 0);
+                        Some(d)
+                    }
                     Decision::Rejected(_) => {
                         *l = before;
                         None
                     }
                 }
             },
-            |l| match mode {
-                Try::Backfill => probe(l),
-                Try::Plain => Decision::Rejected(not_ahead()),
-                Try::Full => decide(l, &rt.cfg, &self.class, &priced, holder, now, seed),
+            |l| {
+                let own = claim_key.map_or(0, |k| l.held_for(k));
+                let d = match mode {
+                    Try::Backfill => probe(l),
+                    Try::Plain => Decision::Rejected(not_ahead()),
+                    Try::Full => decide(l, &rt.cfg, &self.class, &priced, holder, now, seed),
+                };
+                from_line.set(own > 0 && matches!(d, Decision::Admitted { .. }));
+                d
             },
         );
         for (e, v) in endpoints.iter().zip(&views) {
@@ -340,6 +352,7 @@ impl Ticket {
                     degraded_from,
                     went_ahead_until: went_ahead(&lease).then_some(lease.eta_ms),
                     at_ms: lease.created_ms,
+                    from_line: from_line.get(),
                 }));
                 *self.endpoint.borrow_mut() = Some(Rc::clone(&endpoint));
                 worker.awaiting.borrow_mut().push(Rc::clone(self));
@@ -473,6 +486,7 @@ impl Ticket {
             degraded_from: None,
             went_ahead_until: None,
             at_ms: host::now_ms(),
+            from_line: false,
         }));
         *self.endpoint.borrow_mut() = Some(Rc::clone(endpoint));
         worker.metrics.admitted.inc();

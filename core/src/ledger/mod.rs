@@ -19,7 +19,10 @@
 //! it takes the leases ahead of it to end, as long as its client keeps retrying; a claim whose
 //! client does not come back by its expiry is dropped and its bytes return.
 
-use crate::retry::{estimate_retry_after, RetryAfter, RetryAfterConfig};
+mod retry_after;
+
+use crate::retry::{RetryAfter, RetryAfterConfig};
+pub use retry_after::estimate_retry_after;
 
 /// One reservation.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -713,7 +716,7 @@ impl Ledger {
             .saturating_sub(self.committed)
             .saturating_sub(self.held_by_leases());
         let ends =
-            crate::retry::expected_ends(self, now_ms, retry, |l| l.bytes.saturating_add(l.held));
+            retry_after::expected_ends(self, now_ms, retry, |l| l.bytes.saturating_add(l.held));
         let freed_by = |at: u64| {
             ends.iter()
                 .take_while(|(wait, _)| *wait <= at)
@@ -914,14 +917,19 @@ impl Ledger {
     }
 
     /// Reclaim the leases whose request can no longer end by itself: those whose owner is gone
-    /// (`owner_alive` says no). A live owner's lease is never reclaimed, however old: it ends
-    /// when its request ends. What the backend held for a reclaimed lease past its reservation
+    /// (`owner_alive` says no), and those without one. A live owner's lease is never reclaimed,
+    /// however old: it ends when its request ends. What the backend held for a reclaimed lease past its reservation
     /// is given back with it, as on a release.
     pub fn reap(&mut self, now_ms: u64, owner_alive: impl Fn(u64) -> bool) -> Vec<Lease> {
         let mut reaped = Vec::new();
         let mut i = 0;
         while i < self.leases.len() {
-            let orphaned = self.leases.get(i).is_some_and(|l| !owner_alive(l.owner));
+            // Owner 0: none (a lease a version-7 ledger kept from before owners): only the
+            // reaper can end it.
+            let orphaned = self
+                .leases
+                .get(i)
+                .is_some_and(|l| l.owner == 0 || !owner_alive(l.owner));
             if orphaned {
                 let lease = self.leases.swap_remove(i);
                 self.committed = self.committed.saturating_sub(lease.bytes);
@@ -2284,7 +2292,7 @@ mod tests {
             (1u64..1000, 0u64..4).prop_map(|(b, k)| Op::AdmitKeyed(b, k)),
             (0usize..64).prop_map(Op::Release),
             Just(Op::ReleaseUnknown),
-            (0u64..5).prop_map(Op::Reap),
+            (1u64..5).prop_map(Op::Reap),
             (0u64..600, 0u64..600).prop_map(|(h, l)| Op::HoldBack(h, l)),
             (0usize..64, 0u64..300).prop_map(|(i, h)| Op::Held(i, h)),
             (0usize..64).prop_map(Op::Demote),
@@ -2306,7 +2314,7 @@ mod tests {
                     Op::Admit(b) => {
                         let (before, unclaimed) = (l.committed(), l.unclaimed());
                         poured = true;
-                        match l.try_admit(&AdmitRequest { owner: b % 4, ..req(b, now) }, &retry(), now) {
+                        match l.try_admit(&AdmitRequest { owner: 1 + b % 4, ..req(b, now) }, &retry(), now) {
                             AdmitOutcome::Admitted { lease } => {
                                 line_took += b.saturating_sub(unclaimed);
                                 prop_assert_eq!(l.committed(), before + b);
@@ -2324,7 +2332,7 @@ mod tests {
                         let (before, unclaimed) = (l.committed(), l.unclaimed());
                         poured = true;
                         let r = AdmitRequest {
-                            owner: b % 4,
+                            owner: 1 + b % 4,
                             claim: Some(ClaimTicket { key, patience_ms: 20, run_ms: key % 40 , max_line_permille: 0,waits: false, grows_to: 0,}),
                             ..req(b, now)
                         };
@@ -2354,7 +2362,7 @@ mod tests {
                         prop_assert_eq!(&l, &before);
                     }
                     Op::Reap(gone) => {
-                        // Owner `gone` (of 0..4) stopped its heartbeat: its leases, and only
+                        // Owner `gone` (of 1..=4) stopped its heartbeat: its leases, and only
                         // they, are reclaimed.
                         let back = l.held_back();
                         let reaped = l.reap(now, |o| o != gone);
