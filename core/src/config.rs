@@ -281,7 +281,7 @@ pub struct Config {
     pub mode: Mode,
     pub gateway_id: Option<u16>,
     pub backend: Option<BackendCallout>,
-    /// The configured `backend` paths, normalized once (`normalize_path`) for `is_internal`.
+    /// The configured `backend` paths, normalized once (`normalize_path`) for `path_kind`.
     pub internal_templates: Vec<String>,
     /// What the backend serves (from its descriptor): requests it would refuse are refused here,
     /// before anything is reserved. Unknown until the descriptor arrives.
@@ -308,8 +308,11 @@ impl Config {
     }
 
     /// What the filter does with a request for `path`: price it (a guarded path), refuse it (the
-    /// backend's admission API, or a guarded path in disguise), or let it pass. One
-    /// normalization at most, and none for a guarded path (the hot path).
+    /// backend's admission API — the shipped `/v1/admission/…` or a configured `backend` path,
+    /// `{id}` standing for any non-empty text — or a guarded path in disguise), or let it pass.
+    /// Compared as a permissive server would route it: percent-decoded, repeated slashes
+    /// merged, `.` and `..` resolved, any case. One normalization at most, and none for a
+    /// guarded path (the hot path).
     pub fn path_kind(&self, path: &str) -> PathKind {
         if self.guards(path) {
             return PathKind::Guarded;
@@ -329,22 +332,6 @@ impl Config {
         } else {
             PathKind::Other
         }
-    }
-
-    /// Does `path`, not itself guarded, name a guarded path as a permissive server would route
-    /// it (percent-encoded, repeated slashes, `.` segments, another case)? Such a request is
-    /// refused rather than forwarded unpriced, whatever the routes do with it.
-    pub fn disguises_guarded(&self, path: &str) -> bool {
-        self.path_kind(path) == PathKind::DisguisedGuarded
-    }
-
-    /// Is `path` the backend's admission API (the shipped `/v1/admission/…`, or one of the
-    /// configured `backend` paths, `{id}` standing for any non-empty text)? Only the gateway
-    /// calls it, and never through its own listener: a client's request for it is refused
-    /// whatever the routes send where. Compared as a permissive server would route it:
-    /// percent-decoded, repeated slashes merged, `.` and `..` segments resolved, any case.
-    pub fn is_internal(&self, path: &str) -> bool {
-        self.path_kind(path) == PathKind::Internal
     }
 }
 
@@ -877,7 +864,7 @@ mod tests {
             "/internal/leases/9/cancel",
             "/admin/lease-7/demote",
         ] {
-            assert!(cfg.is_internal(p), "{p}");
+            assert_eq!(cfg.path_kind(p), PathKind::Internal, "{p}");
         }
         for p in [
             "/v1/completions",
@@ -890,7 +877,7 @@ mod tests {
             "/",
             "",
         ] {
-            assert!(!cfg.is_internal(p), "{p}");
+            assert_ne!(cfg.path_kind(p), PathKind::Internal, "{p}");
         }
         // Templates whose `{id}` leaves a short prefix never shadow other paths, nor a guarded
         // path itself.
@@ -898,10 +885,13 @@ mod tests {
             r#"{"cluster": "b", "cancel_path": "/v1/completions/{id}/cancel",
                 "demote_path": "/v1/{id}/demote"}"#,
         );
-        assert!(!odd.is_internal("/v1/completions"));
-        assert!(!odd.is_internal("/v1/models"));
-        assert!(odd.is_internal("/v1/completions/3/cancel"));
-        assert!(odd.is_internal("/v1/3/demote"));
+        assert_ne!(odd.path_kind("/v1/completions"), PathKind::Internal);
+        assert_ne!(odd.path_kind("/v1/models"), PathKind::Internal);
+        assert_eq!(
+            odd.path_kind("/v1/completions/3/cancel"),
+            PathKind::Internal
+        );
+        assert_eq!(odd.path_kind("/v1/3/demote"), PathKind::Internal);
     }
 
     #[test]
@@ -930,10 +920,10 @@ mod tests {
             "/v1/chat/completions/",
         ] {
             assert!(!cfg.guards(p), "{p}");
-            assert!(cfg.disguises_guarded(p), "{p}");
+            assert_eq!(cfg.path_kind(p), PathKind::DisguisedGuarded, "{p}");
         }
         for p in ["/v1/models", "/v1/chat", "/", "/v1/completionsx"] {
-            assert!(!cfg.disguises_guarded(p), "{p}");
+            assert_ne!(cfg.path_kind(p), PathKind::DisguisedGuarded, "{p}");
         }
     }
 

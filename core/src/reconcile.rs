@@ -791,7 +791,8 @@ pub fn reconcile(
     // poll: until then it takes only its share of the room free now, 1/(others + 1), so that
     // gateways racing for the same room rarely over-admit it (the backend refuses what they
     // do). Its own releases free room for it at once; the next poll splits the room again.
-    // Those that poll (one per Envoy, so two that drew the same number both count), and those
+    // Those that poll (one per Envoy where the backend trusts its pollers, so two that drew the
+    // same number both count; without a secret, a capped few: `backend/src/pollers.rs`), and those
     // seen only by their leases.
     let polling: BTreeSet<u64> = report.other_gateways.iter().copied().collect();
     let unpolled = gateways.iter().filter(|g| !polling.contains(*g)).count();

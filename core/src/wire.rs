@@ -42,7 +42,8 @@ pub struct LeaseReport {
     pub cursor: u64,
     /// The other gateways polling this backend: the number (`gateway_id`) of every Envoy,
     /// other than the one asking, whose poll named its instance within the last three of its
-    /// poll periods; one per number that holds a lease here, and at most one that holds none.
+    /// poll periods: one per Envoy where the backend has an admission secret; without one, one
+    /// per number that holds a lease here and at most one that holds none.
     /// A gateway learns of its peers here before any of them holds a lease.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub other_gateways: Vec<u64>,
