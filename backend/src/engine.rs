@@ -64,6 +64,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use kvgate_core::peak::{peak, Growth};
 use kvgate_core::wire::{LeaseEntry, LeaseState};
 use kvgate_core::{ApiError, ErrorKind};
 use tokio::sync::mpsc::UnboundedSender;
@@ -432,14 +433,36 @@ impl<M: Forward> Engine<M> {
         self.cfg.lazy_blocks && self.cfg.admission == Admission::Reserve
     }
 
-    /// Blocks no live sequence's reservation covers (what `--lazy-blocks` admits into).
+    /// Blocks the live sequences' reservations will never need at any one step (what
+    /// `--lazy-blocks` admits into): the pool less, for the sequences decoding within their
+    /// reservations, the peak of what they can hold as each grows a token a step to its cap
+    /// and ends (the time-aware worst case, `kvgate_core::peak`: every running sequence decodes
+    /// in every step, and none within its reservation is preempted), and less every other
+    /// sequence's whole reservation (waiting, part-way through a prefill, elastic ones, which
+    /// may stop decoding before they end).
     fn unpromised_blocks(&self) -> u32 {
+        let b = u64::from(self.pool.block_tokens.max(1));
+        let lockstep = |s: &&Seq<M::Kv>| !s.prefilling && !s.elastic;
+        // In tokens, each with its last block's rounding: their sum over B bounds the blocks.
+        let decoding: Vec<Growth> = self
+            .running
+            .iter()
+            .filter(lockstep)
+            .map(|s| Growth {
+                now: s.used_tokens() + 1 + (b - 1),
+                per_step: 1,
+                most: u64::from(s.promised_blocks) * b,
+                steps_left: s.params.max_tokens.saturating_sub(s.generated.len() as u64),
+            })
+            .collect();
+        let decoding_peak = u32::try_from(peak(&decoding) / b).unwrap_or(u32::MAX);
         let promised = self
             .running
             .iter()
+            .filter(|s| !lockstep(s))
             .chain(self.waiting.iter())
             .map(|s| s.promised_blocks)
-            .fold(0, u32::saturating_add);
+            .fold(decoding_peak, u32::saturating_add);
         self.pool.stats().blocks_total.saturating_sub(promised)
     }
 

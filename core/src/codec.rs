@@ -2,8 +2,8 @@
 //!
 //! Layout (little endian):
 //! ```text
-//! "KVGL" | version u8 = 8 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
-//!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64
+//! "KVGL" | version u8 = 9 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64 | slack u64
 //!        | lease count u32
 //!        | per lease: id u64 | bytes u64 | priority u8 | created_ms u64 | owner u64
 //!                     | eta_ms u64 | held u64 | class length u8 | class bytes (UTF-8)
@@ -15,23 +15,59 @@
 //! 50 bytes per lease plus its class name, 41 per claim, 16 after them. The decoder checks every
 //! length and the ledger invariant; garbage returns an error, never a panic.
 //!
-//! Version 7 (the same, with a lease fingerprint and deadline after `priority` and `created_ms`,
-//! both unused) is still read: a filter upgraded in place under the same `vm_id` (ECDS, a
-//! rolling upgrade) finds the ledger the previous release wrote and keeps its leases. Older
-//! versions are not (their leases had no owner): a new `vm_id` starts an empty ledger. An
+//! Version 8 (the same without `slack`) is still read, with no slack: a filter upgraded in
+//! place under the same `vm_id` (ECDS, a rolling upgrade) finds the ledger the previous release
+//! wrote and keeps its leases. Older versions are not: a new `vm_id` starts an empty ledger. An
 //! unknown version is an error, never an empty ledger.
 
 use crate::ledger::{Claim, Counters, Lease, Ledger, MAX_CLAIMS};
 
 const MAGIC: &[u8; 4] = b"KVGL";
-const VERSION: u8 = 8;
+const VERSION: u8 = 9;
 /// The previous version, still read (see the module header).
-const V7: u8 = 7;
+const V8: u8 = 8;
 const CLAIM_LEN: usize = 5 * 8 + 1;
-const HEADER_LEN: usize = 4 + 1 + 9 * 8 + 4;
+const HEADER_LEN: usize = 4 + 1 + 10 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
 const LEASE_MIN_LEN: usize = 8 + 8 + 1 + 8 + 8 + 8 + 8 + 1;
-const LEASE_MIN_LEN_V7: usize = LEASE_MIN_LEN + 16;
+
+/// A stored ledger's totals from its fixed header (`fleet::peek`: the room of every endpoint
+/// on the request path without decoding their leases).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Totals {
+    pub capacity: u64,
+    pub committed: u64,
+    pub held_back: u64,
+    pub slack: u64,
+    pub leases: u32,
+}
+
+/// [`Totals`] of an encoded ledger; `None` if it is not one this build reads.
+pub fn totals(bytes: &[u8]) -> Option<Totals> {
+    let mut r = Reader(bytes);
+    if r.take(4).ok()? != MAGIC {
+        return None;
+    }
+    let version = r.u8().ok()?;
+    if version != VERSION && version != V8 {
+        return None;
+    }
+    let capacity = r.u64().ok()?;
+    let committed = r.u64().ok()?;
+    r.take(6 * 8).ok()?; // next_id, mean_lease_ms, the four counters
+    let held_back = r.u64().ok()?;
+    let slack = match version {
+        V8 => 0,
+        _ => r.u64().ok()?,
+    };
+    Some(Totals {
+        capacity,
+        committed,
+        held_back,
+        slack,
+        leases: r.u32().ok()?,
+    })
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DecodeError {
@@ -78,6 +114,7 @@ impl Ledger {
             self.counters.released,
             self.counters.reaped,
             self.held_back,
+            self.slack,
         ] {
             out.extend_from_slice(&v.to_le_bytes());
         }
@@ -114,10 +151,9 @@ impl Ledger {
             return Err(DecodeError::BadMagic);
         }
         let version = r.u8()?;
-        if version != VERSION && version != V7 {
+        if version != VERSION && version != V8 {
             return Err(DecodeError::UnsupportedVersion(version));
         }
-        let v7 = version == V7;
         let capacity = r.u64()?;
         let committed = r.u64()?;
         let next_id = r.u64()?;
@@ -129,9 +165,10 @@ impl Ledger {
             reaped: r.u64()?,
         };
         let held_back = r.u64()?;
+        let slack = if version == V8 { 0 } else { r.u64()? };
         let n = r.u32()? as usize;
         // Refuse lease counts the input cannot hold before allocating.
-        if n > r.0.len() / if v7 { LEASE_MIN_LEN_V7 } else { LEASE_MIN_LEN } {
+        if n > r.0.len() / LEASE_MIN_LEN {
             return Err(DecodeError::Truncated);
         }
         let mut leases = Vec::with_capacity(n);
@@ -139,13 +176,7 @@ impl Ledger {
             let id = r.u64()?;
             let bytes = r.u64()?;
             let priority = r.u8()?;
-            if v7 {
-                r.u64()?; // fingerprint
-            }
             let created_ms = r.u64()?;
-            if v7 {
-                r.u64()?; // deadline
-            }
             let owner = r.u64()?;
             let eta_ms = r.u64()?;
             let held = r.u64()?;
@@ -198,6 +229,7 @@ impl Ledger {
             mean_lease_ms,
             counters,
             held_back,
+            slack,
             lendable,
             lendable_to_line,
             leases,
@@ -282,23 +314,17 @@ mod tests {
         assert_eq!(Ledger::decode(&empty.encode()).unwrap(), empty);
     }
 
-    /// `l` as version 7 wrote it: a fingerprint after each lease's priority and a deadline
-    /// after its creation time.
-    fn encode_v7(l: &Ledger) -> Vec<u8> {
+    /// `l` as version 8 wrote it: no slack after `held_back`.
+    fn encode_v8(l: &Ledger) -> Vec<u8> {
         let mut out = l.encode();
-        out[4] = V7;
-        let mut at = HEADER_LEN;
-        for x in l.leases() {
-            let created = at + 8 + 8 + 1;
-            out.splice(created + 8..created + 8, 777u64.to_le_bytes());
-            out.splice(created..created, 0xdead_beefu64.to_le_bytes());
-            at = created + 16 + 8 + 8 + 8 + 8 + 1 + x.class.len();
-        }
+        out[4] = V8;
+        let slack = HEADER_LEN - 4 - 8;
+        out.drain(slack..slack + 8);
         out
     }
 
     #[test]
-    fn a_version_7_ledger_is_read_with_its_leases_and_written_back_as_version_8() {
+    fn a_version_8_ledger_is_read_with_its_leases_and_written_back_as_version_9() {
         let mut l = sample();
         let id = l.leases()[0].id;
         l.set_eta(id, 9_000);
@@ -306,13 +332,15 @@ mod tests {
         l.set_lendable(3_000);
         l.set_lendable_to_line(2_000);
         l.set_held(|x| if x == id { 4_000 } else { 0 });
-        let old = Ledger::decode(&encode_v7(&l)).unwrap();
+        let old = Ledger::decode(&encode_v8(&l)).unwrap();
         assert_eq!(old, l, "every field kept across a rolling upgrade");
         assert_eq!(old.encode()[4], VERSION);
-        // Versions before 7 (leases without owners) are not read.
-        let mut v6 = encode_v7(&l);
-        v6[4] = 6;
-        assert_eq!(Ledger::decode(&v6), Err(DecodeError::UnsupportedVersion(6)));
+        l.set_slack(6_000);
+        assert_eq!(Ledger::decode(&l.encode()).unwrap().slack(), 6_000);
+        // Versions before 8 are not read.
+        let mut v7 = encode_v8(&l);
+        v7[4] = 7;
+        assert_eq!(Ledger::decode(&v7), Err(DecodeError::UnsupportedVersion(7)));
     }
 
     #[test]
@@ -401,8 +429,8 @@ mod tests {
         assert_eq!(Ledger::decode(b""), Err(DecodeError::Truncated));
         assert_eq!(Ledger::decode(b"XXXX\x01"), Err(DecodeError::BadMagic));
         assert_eq!(
-            Ledger::decode(b"KVGL\x09"),
-            Err(DecodeError::UnsupportedVersion(9))
+            Ledger::decode(b"KVGL\x0a"),
+            Err(DecodeError::UnsupportedVersion(10))
         );
         let mut b = sample().encode();
         b.push(0);

@@ -86,25 +86,21 @@ impl View {
 }
 
 /// The totals of a stored ledger from its fixed header, without decoding its leases (claims are
-/// not counted: the room is an upper bound). `None` if the bytes are not a v2+ ledger.
+/// not counted: the room is an upper bound). `None` if the bytes are not a ledger this build
+/// reads.
 pub fn peek(bytes: &[u8]) -> Option<View> {
-    let u64_at = |i: usize| -> Option<u64> {
-        Some(u64::from_le_bytes(bytes.get(i..i + 8)?.try_into().ok()?))
-    };
-    if bytes.get(..4)? != b"KVGL" || *bytes.get(4)? < 2 {
-        return None;
-    }
-    let capacity = u64_at(5)?;
-    let committed = u64_at(13)?;
-    let held_back = u64_at(5 + 8 * 8)?;
-    let leases = u32::from_le_bytes(bytes.get(77..81)?.try_into().ok()?);
+    let t = crate::codec::totals(bytes)?;
     Some(View {
         eligible: false,
-        capacity,
-        room: capacity.saturating_sub(committed).saturating_sub(held_back),
-        committed,
-        held_back,
-        leases: u64::from(leases),
+        capacity: t.capacity,
+        room: t
+            .capacity
+            .saturating_add(t.slack)
+            .saturating_sub(t.committed)
+            .saturating_sub(t.held_back),
+        committed: t.committed,
+        held_back: t.held_back,
+        leases: u64::from(t.leases),
         claimed: 0,
         claims: 0,
         name: 0,

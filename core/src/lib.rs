@@ -14,6 +14,7 @@ pub mod fleet;
 pub mod gate;
 pub mod lease_id;
 pub mod ledger;
+pub mod peak;
 pub mod policy;
 pub mod queue;
 pub mod reconcile;

@@ -16,6 +16,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use crate::ledger::{Lease, Ledger};
+use crate::peak::{peak, Growth};
 use crate::wire::LeaseReport;
 
 /// What one poll of the backend said.
@@ -638,6 +639,30 @@ pub struct Reconciled {
     pub lendable: u64,
     /// Of `lendable`, what requests in line may take: that resume room, not the growth.
     pub lendable_to_line: u64,
+    /// Of the reservations of this ledger's leases decoding there, what they will never all
+    /// hold at once ([`Ledger::set_slack`]).
+    pub slack: u64,
+}
+
+/// A lease decoding at the backend as the time-aware worst case reads it ([`crate::peak`]):
+/// from its progress at the report, growing a token a step until it ends at its cap there.
+/// `None` for one that may stop decoding before it ends (waiting, elastic, resuming), or when
+/// the report does not say how the backend rounds its blocks (an older backend).
+fn growth(e: &LiveEntry, report: &BackendReport) -> Option<Growth> {
+    if !e.running || e.elastic || e.resuming {
+        return None;
+    }
+    let per_token = report.spec.as_ref()?.kv_bytes_per_token()?;
+    let margin = report.scratch_margin_bytes?;
+    let cap = e.prompt_tokens.saturating_add(e.max_tokens);
+    let at = |tokens: u64| tokens.saturating_mul(per_token).saturating_add(margin);
+    // The token it feeds next is not in its cache yet: one more, and a step more to its end.
+    Some(Growth {
+        now: at(e.used_tokens.saturating_add(1).min(cap)),
+        per_step: per_token,
+        most: at(cap),
+        steps_left: cap.saturating_sub(e.used_tokens),
+    })
 }
 
 impl Reconciled {
@@ -719,9 +744,17 @@ pub fn reconcile(
     // Not a preempted one's need to resume: only the largest of those is held back.
     let mut held: HashMap<u64, u64> = HashMap::new();
     let peer_has_own_number = report.other_gateways.contains(&own_gateway);
+    // Own leases decoding within their reservations, as the time-aware worst case reads them,
+    // and what they reserve here.
+    let mut decoding: Vec<Growth> = Vec::new();
+    let mut decoding_reserved = 0u64;
     for e in &report.entries {
         match e.id.and_then(|id| reserved.get(&id).map(|b| (id, b))) {
             Some((id, &(bytes, created_ms))) => {
+                if let Some(g) = growth(e, report).filter(|_| bytes > 0) {
+                    decoding.push(g);
+                    decoding_reserved = decoding_reserved.saturating_add(bytes);
+                }
                 let grown = e.bytes.saturating_sub(bytes);
                 out.grown_bytes = out.grown_bytes.saturating_add(grown);
                 if e.resuming {
@@ -753,6 +786,9 @@ pub fn reconcile(
         }
     }
     ledger.set_held(|id| held.get(&id).copied().unwrap_or(0));
+    // What they will never all hold at once is admitted on top of the capacity.
+    out.slack = decoding_reserved.saturating_sub(peak(&decoding));
+    ledger.set_slack(out.slack);
     if !etas.is_empty() {
         ledger.set_etas(|id| etas.get(&id).copied());
     }
@@ -798,7 +834,7 @@ pub fn reconcile(
     let unpolled = gateways.iter().filter(|g| !polling.contains(*g)).count();
     let others = (report.other_gateways.len() + unpolled) as u64;
     let spare = ledger
-        .capacity()
+        .admits()
         .saturating_sub(ledger.committed())
         .saturating_sub(base);
     out.other_gateways = others;
@@ -896,6 +932,84 @@ mod tests {
         assert_eq!(r.fingerprint.as_deref(), Some("abc"));
         assert!(BackendReport::parse(b"{}").is_err());
         assert!(BackendReport::parse(b"nope").is_err());
+    }
+
+    #[test]
+    fn what_decoding_leases_never_all_hold_at_once_is_admitted_on_top() {
+        // 10 bytes a token, no block rounding. Lease 1: 700 tokens (7,000 B here), 5 steps from
+        // its cap; lease 2: 300 (3,000 B), at 30 of them. At most 7,000 + 360 at once (in 5
+        // steps), or 3,000 later: 2,640 of the 10,000 reserved are never all held.
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 7_000, 0);
+        admit(&mut l, 2, 3_000, 0);
+        let entry = |id, prompt_tokens, max_tokens, used_tokens| LiveEntry {
+            id: Some(id),
+            bytes: (prompt_tokens + max_tokens) * 10,
+            running: true,
+            prompt_tokens,
+            max_tokens,
+            used_tokens,
+            ..Default::default()
+        };
+        let spec = crate::spec::ModelSpec {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 5,
+            kv_dtype_bytes: 1,
+            context_tokens: 1_000,
+        };
+        let report = BackendReport {
+            live: vec![1, 2],
+            used_bytes: 10_000,
+            entries: vec![entry(1, 690, 10, 695), entry(2, 20, 280, 30)],
+            spec: Some(spec),
+            scratch_margin_bytes: Some(0),
+            ..Default::default()
+        };
+        let r = reconcile(&mut l.clone(), &report, 100, 5_000, &BTreeMap::new(), 0);
+        assert_eq!(r.slack, 2_640);
+        reconcile(&mut l, &report, 100, 5_000, &BTreeMap::new(), 0);
+        assert_eq!((l.slack(), l.admits(), l.free()), (2_640, 12_640, 2_640));
+        admit(&mut l, 3, 2_640, 200);
+        // An end takes its bytes off the slack until the next report: it may have been all of it.
+        l.release(2, 300);
+        assert_eq!((l.slack(), l.free()), (0, 10_000 - 7_000 - 2_640));
+        // Waiting, elastic or resuming leases, and a report without the block rounding, count
+        // whole.
+        for e in [
+            LiveEntry {
+                running: false,
+                ..entry(2, 20, 280, 30)
+            },
+            LiveEntry {
+                elastic: true,
+                ..entry(2, 20, 280, 30)
+            },
+            LiveEntry {
+                resuming: true,
+                ..entry(2, 20, 280, 30)
+            },
+        ] {
+            let mut m = Ledger::new(10_000, 1);
+            admit(&mut m, 1, 7_000, 0);
+            admit(&mut m, 2, 3_000, 0);
+            let partial = BackendReport {
+                entries: vec![entry(1, 690, 10, 695), e],
+                ..report.clone()
+            };
+            assert_eq!(
+                reconcile(&mut m, &partial, 100, 5_000, &BTreeMap::new(), 0).slack,
+                0
+            );
+        }
+        let older = BackendReport {
+            scratch_margin_bytes: None,
+            ..report.clone()
+        };
+        assert_eq!(
+            reconcile(&mut l, &older, 400, 5_000, &BTreeMap::new(), 0).slack,
+            0
+        );
     }
 
     #[test]

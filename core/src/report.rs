@@ -30,6 +30,7 @@ pub fn status_json(ledger: &Ledger, cfg: &Config, tokenizer: &str) -> Value {
         "committed_bytes": ledger.committed(),
         "free_bytes": ledger.free(),
         "held_back_bytes": ledger.held_back(),
+        "slack_bytes": ledger.slack(),
         "lendable_bytes": ledger.lendable(),
         "lendable_to_line_bytes": ledger.lendable_to_line(),
         "claims": ledger.claims().len(),

@@ -55,7 +55,7 @@ fn wait_to_free(ledger: &Ledger, bytes: u64, now_ms: u64, cfg: &RetryAfterConfig
     let lent = ledger
         .committed()
         .saturating_add(ledger.held_back())
-        .saturating_sub(ledger.capacity());
+        .saturating_sub(ledger.admits());
     let mut held_room = ledger.held_by_leases().saturating_sub(lent);
     let ends = expected_ends(ledger, now_ms, cfg, |l| (l.bytes, l.held))
         .into_iter()
