@@ -382,9 +382,11 @@ def test_a_queued_request_pushed_back_by_a_higher_class_is_admitted_when_its_cla
         t.join()
     assert (r1["status"], r2["status"], low["status"]) == (200, 200, 200), low
     assert high["r"].status_code == 200, high["r"].text
-    assert r1["done_at"] < low["admitted_at"] < r2["done_at"], (
-        "R_low admitted when L1's end filled its claim, before L2 ended",
-        r1["done_at"], low["admitted_at"], r2["done_at"])
+    # Admitted when L1's end filled its claim, or before: L1 and L2, decoding, never hold both
+    # their caps at once (the time-aware worst case lends that to the line's front). Never left
+    # behind R_high until L2 ended.
+    assert low["admitted_at"] < r2["done_at"], (
+        "R_low admitted before L2 ended", r1["done_at"], low["admitted_at"], r2["done_at"])
     drained(gw, b)
     assert gw.stats()["kvgate.queued"] == 0
 
