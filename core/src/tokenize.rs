@@ -999,8 +999,6 @@ mod tests {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(256))]
-
         /// Text whose pieces are all under the bound counts exactly as tiktoken-rs.
         #[test]
         fn ordinary_text_counts_exactly_as_tiktoken(t in mixed_text()) {
@@ -1225,7 +1223,13 @@ mod tests {
         // Never over when the exact count fits: for chats of every size and mix of roles, the
         // capped count at exactly the exact count is that count.
         for counter in counters() {
-            for n in [1usize, 2, 3, 4, 10, 100, 1_000, 2_000] {
+            // In the wasm VM (a debug build, where rendering is ~10x slower) the same shapes up
+            // to 100 messages: what is compiled differently is checked, not the sizes again.
+            let sizes: &[usize] = match cfg!(target_family = "wasm") {
+                true => &[1, 2, 3, 4, 10, 100],
+                false => &[1, 2, 3, 4, 10, 100, 1_000, 2_000],
+            };
+            for &n in sizes {
                 for roles in [
                     &["user"][..],
                     &["user", "assistant"],
