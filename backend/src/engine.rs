@@ -341,7 +341,8 @@ impl<M: Forward> Engine<M> {
         let alloc = if self.lazy() {
             // A promise: admitted while the live promises fit the pool; no block is taken (and
             // no borrower preempted) until the sequence grows into them.
-            (blocks <= self.unpromised_blocks())
+            let new = self.newcomer(prompt_len, blocks);
+            (self.peak_blocks(Some(new)) <= self.pool.stats().blocks_total)
                 .then(|| self.pool.allocate(0))
                 .flatten()
         } else {
@@ -433,37 +434,57 @@ impl<M: Forward> Engine<M> {
         self.cfg.lazy_blocks && self.cfg.admission == Admission::Reserve
     }
 
-    /// Blocks the live sequences' reservations will never need at any one step (what
-    /// `--lazy-blocks` admits into): the pool less, for the sequences decoding within their
-    /// reservations, the peak of what they can hold as each grows a token a step to its cap
-    /// and ends (the time-aware worst case, `kvgate_core::peak`: every running sequence decodes
-    /// in every step, and none within its reservation is preempted), and less every other
-    /// sequence's whole reservation (waiting, part-way through a prefill, elastic ones, which
-    /// may stop decoding before they end).
-    fn unpromised_blocks(&self) -> u32 {
+    /// The most blocks the live sequences (and `new`, a newcomer) can hold at any one step from
+    /// now on (`--lazy-blocks` admits while it fits the pool): the peak of what they can hold
+    /// together (the time-aware worst case, `kvgate_core::peak`). Each
+    /// grows at most a token a step within its reservation (what it grows past is borrowed, and
+    /// given back on demand). A sequence decoding within its reservation ends within the
+    /// tokens left to its cap: every running sequence decodes in every step, and none within
+    /// its reservation is preempted. Any other (waiting, part-way through a prefill, elastic,
+    /// the newcomer) may start late or stop, so it is never counted on to end: it holds its
+    /// prompt and what it generated, and grows from there.
+    fn peak_blocks(&self, new: Option<Growth>) -> u32 {
         let b = u64::from(self.pool.block_tokens.max(1));
-        let lockstep = |s: &&Seq<M::Kv>| !s.prefilling && !s.elastic;
         // In tokens, each with its last block's rounding: their sum over B bounds the blocks.
-        let decoding: Vec<Growth> = self
-            .running
-            .iter()
-            .filter(lockstep)
-            .map(|s| Growth {
-                now: s.used_tokens() + 1 + (b - 1),
+        let growth = |s: &Seq<M::Kv>| {
+            let decoding = !s.prefilling && !s.elastic && s.kv.is_some();
+            Growth {
+                now: s.prefill_len() as u64 + 1 + (b - 1),
                 per_step: 1,
                 most: u64::from(s.promised_blocks) * b,
-                steps_left: s.params.max_tokens.saturating_sub(s.generated.len() as u64),
-            })
-            .collect();
-        let decoding_peak = u32::try_from(peak(&decoding) / b).unwrap_or(u32::MAX);
-        let promised = self
+                steps_left: match decoding {
+                    true => s.params.max_tokens.saturating_sub(s.generated.len() as u64),
+                    false => u64::MAX,
+                },
+            }
+        };
+        let seqs: Vec<Growth> = self
             .running
             .iter()
-            .filter(|s| !lockstep(s))
             .chain(self.waiting.iter())
-            .map(|s| s.promised_blocks)
-            .fold(decoding_peak, u32::saturating_add);
-        self.pool.stats().blocks_total.saturating_sub(promised)
+            .map(growth)
+            .chain(new)
+            .collect();
+        u32::try_from(peak(&seqs) / b).unwrap_or(u32::MAX)
+    }
+
+    /// Blocks the live sequences will never hold at once (the room `--lazy-blocks` admits into).
+    fn unpromised_blocks(&self) -> u32 {
+        self.pool
+            .stats()
+            .blocks_total
+            .saturating_sub(self.peak_blocks(None))
+    }
+
+    /// A newcomer of `prompt` tokens reserving `blocks`, as [`Engine::peak_blocks`] reads it.
+    fn newcomer(&self, prompt: u64, blocks: u32) -> Growth {
+        let b = u64::from(self.pool.block_tokens.max(1));
+        Growth {
+            now: prompt + 1 + (b - 1),
+            per_step: 1,
+            most: u64::from(blocks) * b,
+            steps_left: u64::MAX,
+        }
     }
 
     fn drop_abandoned(&mut self) {

@@ -5,7 +5,7 @@
 //! [--workload mix|live] [--seed S] [--jobs N] [--clients C | --rate R] [--give-up-s S]
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
-//! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries]
+//! [--backfill on|off] [--lazy-blocks true|false] [--time-aware true|false] [--patience first-token|retries]
 //! [--allowance-by-prompt true|false] [--poll-ms M] [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
 //! defaults), and on stderr, per gateway arm, where the pool went: the ledger's committed, held
 //! back and claimed bytes, the backend's blocks in use and promised, averaged over the polls.
@@ -124,11 +124,12 @@ use kvgate_core::elastic::OutputLengths;
 use kvgate_core::fleet::{self, View};
 use kvgate_core::gate::{self, Decision, Holder, Priced};
 use kvgate_core::ledger::{ClaimTicket, Ledger};
+use kvgate_core::peak::{peak, Growth};
 use kvgate_core::policy::{Action, ClassPolicy, Reservation};
 use kvgate_core::queue::{AdmissionQueue, Waiting};
 use kvgate_core::reconcile::{self, BackendReport, LiveEntry, ProgressTracker};
 use kvgate_core::retry::splitmix64;
-use kvgate_core::{price_request, ErrorKind};
+use kvgate_core::{price_request, ErrorKind, ModelSpec};
 
 type Res<T> = Result<T, String>;
 
@@ -401,6 +402,17 @@ struct Preset {
 }
 
 impl Preset {
+    /// The KV shape as the backend's report gives it.
+    fn model_spec(&self) -> ModelSpec {
+        let (layers, kv_heads, head_dim, kv_dtype_bytes) = self.spec;
+        ModelSpec {
+            layers,
+            kv_heads,
+            head_dim,
+            kv_dtype_bytes,
+            context_tokens: self.model_context,
+        }
+    }
     fn bytes_per_token(&self) -> u64 {
         let (l, h, d, b) = self.spec;
         2 * l * h * d * b
@@ -697,6 +709,10 @@ struct Backend {
     free: u64,
     /// `--lazy-blocks`: a reservation is a promise of blocks, taken as the sequence grows.
     lazy: bool,
+    /// `--time-aware`: lazy promises admitted by the peak of the decoding sequences (engine.rs's
+    /// `unpromised_blocks`), and the report says how blocks round, so the gateway's ledger gets
+    /// its slack (`reconcile`).
+    time_aware: bool,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     inbox: Vec<Cmd>,
@@ -723,11 +739,12 @@ struct StepOut {
 }
 
 impl Backend {
-    fn new(blocks: u64, lazy: bool) -> Self {
+    fn new(blocks: u64, lazy: bool, time_aware: bool) -> Self {
         Backend {
             total: blocks,
             free: blocks,
             lazy,
+            time_aware,
             ..Backend::default()
         }
     }
@@ -812,7 +829,7 @@ impl Backend {
                     if self.lazy && arm.reserve() {
                         // Admitted when the promises fit the pool; no block is taken (nor any
                         // borrower preempted) until the sequence grows into them.
-                        if self.promised_blocks() + blocks > self.total {
+                        if !self.lazy_admits(prompt, blocks) {
                             out.now.push((req, Note::Refused));
                             continue;
                         }
@@ -854,7 +871,41 @@ impl Backend {
         out
     }
 
-    /// What the live sequences' reservations cover, in blocks (`--lazy-blocks` admits against it).
+    /// Whether `--lazy-blocks` admits a newcomer of `prompt` tokens reserving `blocks`:
+    /// engine.rs's `peak_blocks`. With `--time-aware`, the peak of what every sequence and the
+    /// newcomer can hold together (those decoding within their reservations end at their caps;
+    /// the others only grow, from their prompt and output so far) fits the pool; else every
+    /// promise and the newcomer's do.
+    fn lazy_admits(&self, prompt: u64, blocks: u64) -> bool {
+        if !self.time_aware {
+            return self.promised_blocks() + blocks <= self.total;
+        }
+        let growth = |s: &Seq| Growth {
+            now: s.prompt + s.generated + 1 + (BLOCK_TOKENS - 1),
+            per_step: 1,
+            most: blocks_for(s.promised) * BLOCK_TOKENS,
+            steps_left: match !s.elastic && s.kv.is_some() {
+                true => s.max_tokens.saturating_sub(s.generated),
+                false => u64::MAX,
+            },
+        };
+        let new = Growth {
+            now: prompt + 1 + (BLOCK_TOKENS - 1),
+            per_step: 1,
+            most: blocks * BLOCK_TOKENS,
+            steps_left: u64::MAX,
+        };
+        let seqs: Vec<Growth> = self
+            .running
+            .iter()
+            .chain(self.waiting.iter())
+            .map(growth)
+            .chain([new])
+            .collect();
+        peak(&seqs) / BLOCK_TOKENS <= self.total
+    }
+
+    /// What the live sequences' reservations cover, in blocks.
     fn promised_blocks(&self) -> u64 {
         self.running
             .iter()
@@ -1172,6 +1223,8 @@ impl Backend {
             finished: std::mem::take(&mut self.finished_leases),
             finished_outputs: std::mem::take(&mut self.finished_outputs),
             entries,
+            spec: self.time_aware.then(|| p.model_spec()),
+            scratch_margin_bytes: self.time_aware.then_some(bb),
             ..BackendReport::default()
         }
     }
@@ -1566,6 +1619,8 @@ struct Opts {
     poll_ms: u64,
     /// `--lazy-blocks`: the backend's `--lazy-blocks` (see the header).
     lazy_blocks: bool,
+    /// `--time-aware`: the backend and the gateway price decoding sequences over time.
+    time_aware: bool,
 }
 
 struct Sim<'a> {
@@ -1663,7 +1718,7 @@ impl<'a> Sim<'a> {
             next_job: 0,
             resolved: 0,
             backends: (0..o.backends)
-                .map(|_| Backend::new(o.preset.blocks, o.lazy_blocks))
+                .map(|_| Backend::new(o.preset.blocks, o.lazy_blocks, o.time_aware))
                 .collect(),
             gw,
             rr: 0,
@@ -2302,6 +2357,7 @@ fn main() -> Res<()> {
     let mut quantile: f64 = 0.9;
     let mut backfill = true;
     let mut lazy_blocks = true;
+    let mut time_aware = true;
     let mut by_prompt = false;
     let mut cap = None;
     let mut blocks = None;
@@ -2337,6 +2393,7 @@ fn main() -> Res<()> {
             "--backfill" => backfill = either(&a, args.next(), "on", "off")?,
             "--filter-config" => filter_path = parse(&a, args.next())?,
             "--lazy-blocks" => lazy_blocks = either(&a, args.next(), "true", "false")?,
+            "--time-aware" => time_aware = either(&a, args.next(), "true", "false")?,
             "--allowance-by-prompt" => by_prompt = either(&a, args.next(), "true", "false")?,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
@@ -2418,6 +2475,7 @@ fn main() -> Res<()> {
         seed,
         poll_ms,
         lazy_blocks,
+        time_aware,
     };
     let n: usize = workload.iter().map(Vec::len).sum();
     let load = match (clients, rate) {
