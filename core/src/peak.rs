@@ -1,4 +1,5 @@
-//! The time-aware worst case (issue 49; docs/admission.md, "Priced over time").
+//! The time-aware worst case (issue 49; docs/admission.md, "Priced over time";
+//! docs/design/015-time-aware-worst-case.md).
 //!
 //! A lease is priced at prompt + cap, the most it can ever hold. But a sequence that is
 //! decoding grows by at most one token per engine step, and one with `r` tokens left to its cap
