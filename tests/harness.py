@@ -65,8 +65,9 @@ def api_key_entry(key):
 def unclaimed_bytes(status):
     """From a /kvgate/status document, the room neither committed nor held back. Unlike its
     `free_bytes`, what places in the fair-retry line hold counts as room: a refused request's own
-    place holds part of what it waits for."""
-    return status["capacity_bytes"] - status["committed_bytes"] - status["held_back_bytes"]
+    place holds part of what it waits for. The slack (the time-aware worst case) is room too."""
+    return (status["capacity_bytes"] + status["slack_bytes"] - status["committed_bytes"]
+            - status["held_back_bytes"])
 
 
 def shipped_bootstrap():

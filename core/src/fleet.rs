@@ -51,6 +51,8 @@ pub struct View {
     pub room: u64,
     pub committed: u64,
     pub held_back: u64,
+    /// What its decoding leases will never all hold at once ([`Ledger::slack`]).
+    pub slack: u64,
     pub leases: u64,
     /// Bytes claims set aside there (as last decoded; a peek keeps the last value).
     pub claimed: u64,
@@ -68,6 +70,7 @@ impl View {
         self.room = ledger.free();
         self.committed = ledger.committed();
         self.held_back = ledger.held_back();
+        self.slack = ledger.slack();
         self.leases = ledger.leases().len() as u64;
         self.claimed = ledger.claimed();
         self.claims = ledger.claims().len() as u64;
@@ -100,6 +103,7 @@ pub fn peek(bytes: &[u8]) -> Option<View> {
             .saturating_sub(t.held_back),
         committed: t.committed,
         held_back: t.held_back,
+        slack: t.slack,
         leases: u64::from(t.leases),
         claimed: 0,
         claims: 0,

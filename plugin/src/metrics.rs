@@ -27,6 +27,7 @@ pub struct Metrics {
     pub unseen_leases: Metric,
     pub unseen_bytes: Metric,
     pub held_back_bytes: Metric,
+    pub slack_bytes: Metric,
     pub release_unknown: Metric,
     pub ledger_errors: Metric,
     pub backend_poll_failures: Metric,
@@ -82,6 +83,7 @@ impl Metrics {
             unseen_leases: Metric::gauge("kvgate.unseen_leases"),
             unseen_bytes: Metric::gauge("kvgate.unseen_bytes"),
             held_back_bytes: Metric::gauge("kvgate.held_back_bytes"),
+            slack_bytes: Metric::gauge("kvgate.slack_bytes"),
             release_unknown: Metric::counter("kvgate.release_unknown"),
             ledger_errors: Metric::counter("kvgate.ledger_errors"),
             backend_poll_failures: Metric::counter("kvgate.backend_poll_failures"),
@@ -164,6 +166,7 @@ impl Metrics {
             t.capacity = t.capacity.saturating_add(v.capacity);
             t.committed = t.committed.saturating_add(v.committed);
             t.held_back = t.held_back.saturating_add(v.held_back);
+            t.slack = t.slack.saturating_add(v.slack);
             t.leases = t.leases.saturating_add(v.leases);
         }
         self.committed_bytes.set(t.committed);
@@ -171,6 +174,7 @@ impl Metrics {
         self.level.set(level.as_gauge());
         self.live_leases.set(t.leases);
         self.held_back_bytes.set(t.held_back);
+        self.slack_bytes.set(t.slack);
         self.grown_bytes.set(grown);
     }
 }
