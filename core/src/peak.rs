@@ -58,12 +58,12 @@ pub fn peak(seqs: &[Growth]) -> u64 {
     if seqs.len() > MAX_SEQUENCES {
         return whole;
     }
-    seqs.iter()
-        .map(|end| {
-            seqs.iter()
-                .map(|g| g.at(end.steps_left))
-                .fold(0u64, u64::saturating_add)
-        })
+    // Each distinct end once: sequences never counted on to end share one (`u64::MAX`).
+    let mut ends: Vec<u64> = seqs.iter().map(|g| g.steps_left).collect();
+    ends.sort_unstable();
+    ends.dedup();
+    ends.iter()
+        .map(|&k| seqs.iter().map(|g| g.at(k)).fold(0u64, u64::saturating_add))
         .max()
         .unwrap_or(0)
         .min(whole)
