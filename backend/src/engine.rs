@@ -41,12 +41,14 @@
 //! holding their reservations are prefilled before it.
 //!
 //! Lazy blocks (`--lazy-blocks`, with `--admission reserve`): a reservation is a promise of
-//! blocks, not blocks taken. A request is admitted while the promises of the live sequences
-//! fit the pool (so the gateway's ledger and this backend still agree on what is reserved), and
-//! a sequence takes its blocks as it grows into them. Until then those blocks are free, and an
+//! blocks, not blocks taken. A request is admitted while what the live sequences and it can
+//! hold together at any step to come fits the pool (the time-aware worst case, `peak_blocks`:
+//! sequences decoding within their reservations end at their caps; the gateway's ledger prices
+//! them the same way from the lease report), and a sequence takes its blocks as it grows into
+//! them. Until then those blocks are free, and an
 //! elastic sequence grown past its own reservation may borrow them; when the sequence they were
 //! promised to needs one, the youngest borrower gives back what it borrowed and is recomputed
-//! later (the promises fit the pool, so what is missing is always borrowed). While it waits, a
+//! later (that peak fits the pool, so what is missing is always borrowed). While it waits, a
 //! running sequence that needs a block takes the blocks its reservation holds before any
 //! running borrower is preempted (`drop_an_idle_cache`); its reservation stays a promise. So an
 //! admission never preempts a borrower, and a borrower is preempted only when a reservation
@@ -339,8 +341,9 @@ impl<M: Forward> Engine<M> {
         };
         let blocks = self.pool.blocks_for(reserve_tokens);
         let alloc = if self.lazy() {
-            // A promise: admitted while the live promises fit the pool; no block is taken (and
-            // no borrower preempted) until the sequence grows into them.
+            // A promise: admitted while the peak of what the live sequences and it can hold
+            // together fits the pool; no block is taken (and no borrower preempted) until the
+            // sequence grows into them.
             let new = self.newcomer(prompt_len, blocks);
             (self.peak_blocks(Some(new)) <= self.pool.stats().blocks_total)
                 .then(|| self.pool.allocate(0))
@@ -719,8 +722,8 @@ impl<M: Forward> Engine<M> {
                 Room::NoBlock if self.youngest_overgrown().is_some() => {
                     // Borrowed blocks go back first: the youngest sequence grown past its
                     // reservation (perhaps this one) is recomputed later. With lazy blocks a
-                    // sequence within its reservation always finds some here: the promises fit
-                    // the pool, so what it lacks is borrowed, and only running sequences
+                    // sequence within its reservation always finds some here: the peak of what
+                    // the reservations can hold fits the pool, so what it lacks is borrowed, and only running sequences
                     // borrow (a waiting one gave back what it borrowed when it was preempted).
                     let victim = self.youngest_overgrown().unwrap_or(i);
                     let seq = self.running.remove(victim);

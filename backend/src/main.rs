@@ -77,8 +77,9 @@ struct Args {
     #[arg(long, value_enum, default_value_t = OnKvExhaustion::Error)]
     on_kv_exhaustion: OnKvExhaustion,
     /// With `--admission reserve`: a reservation is a promise of blocks, taken as the sequence
-    /// grows into them. Requests are admitted while the promises fit the pool, exactly as
-    /// without it, but blocks promised and not taken yet are free for elastic sequences grown
+    /// grows into them. Requests are admitted while the peak of what the live sequences can
+    /// hold together at any step to come fits the pool (decoding ones end at their caps; see
+    /// docs/admission.md, "Priced over time"), but blocks promised and not taken yet are free for elastic sequences grown
     /// past their reservations to borrow; the one they were promised to takes them back when it
     /// needs them. So admitting a request never preempts a borrower. On by default (`--lazy-blocks
     /// false`: blocks taken at admission).
