@@ -829,7 +829,7 @@ impl Backend {
                     if self.lazy && arm.reserve() {
                         // Admitted when the promises fit the pool; no block is taken (nor any
                         // borrower preempted) until the sequence grows into them.
-                        if !self.lazy_admits(prompt, blocks) {
+                        if !self.lazy_admits(blocks) {
                             out.now.push((req, Note::Refused));
                             continue;
                         }
@@ -871,38 +871,34 @@ impl Backend {
         out
     }
 
-    /// Whether `--lazy-blocks` admits a newcomer of `prompt` tokens reserving `blocks`:
-    /// engine.rs's `peak_blocks`. With `--time-aware`, the peak of what every sequence and the
-    /// newcomer can hold together (those decoding within their reservations end at their caps;
-    /// the others only grow, from their prompt and output so far) fits the pool; else every
-    /// promise and the newcomer's do.
-    fn lazy_admits(&self, prompt: u64, blocks: u64) -> bool {
+    /// Whether `--lazy-blocks` admits a newcomer reserving `blocks`: engine.rs's
+    /// `unpromised_blocks`. With `--time-aware`, the peak of the sequences decoding within
+    /// their reservations (each a token a step to its cap, then gone) plus every other promise
+    /// and the newcomer's fit the pool; else every promise and the newcomer's do.
+    fn lazy_admits(&self, blocks: u64) -> bool {
         if !self.time_aware {
             return self.promised_blocks() + blocks <= self.total;
         }
-        let growth = |s: &Seq| Growth {
-            now: s.prompt + s.generated + 1 + (BLOCK_TOKENS - 1),
-            per_step: 1,
-            most: blocks_for(s.promised) * BLOCK_TOKENS,
-            steps_left: match !s.elastic && s.kv.is_some() {
-                true => s.max_tokens.saturating_sub(s.generated),
-                false => u64::MAX,
-            },
-        };
-        let new = Growth {
-            now: prompt + 1 + (BLOCK_TOKENS - 1),
-            per_step: 1,
-            most: blocks * BLOCK_TOKENS,
-            steps_left: u64::MAX,
-        };
-        let seqs: Vec<Growth> = self
+        let decoding = |s: &&Seq| !s.elastic && s.kv.is_some();
+        let growth: Vec<Growth> = self
             .running
             .iter()
-            .chain(self.waiting.iter())
-            .map(growth)
-            .chain([new])
+            .filter(decoding)
+            .map(|s| Growth {
+                now: s.prompt + s.generated + 1 + (BLOCK_TOKENS - 1),
+                per_step: 1,
+                most: blocks_for(s.promised) * BLOCK_TOKENS,
+                steps_left: s.max_tokens.saturating_sub(s.generated),
+            })
             .collect();
-        peak(&seqs) / BLOCK_TOKENS <= self.total
+        let others: u64 = self
+            .running
+            .iter()
+            .filter(|s| !decoding(s))
+            .chain(self.waiting.iter())
+            .map(|s| blocks_for(s.promised))
+            .sum();
+        peak(&growth) / BLOCK_TOKENS + others + blocks <= self.total
     }
 
     /// What the live sequences' reservations cover, in blocks.
