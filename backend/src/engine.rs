@@ -443,8 +443,9 @@ impl<M: Forward> Engine<M> {
     /// in every step, and none within its reservation is preempted), and less every other
     /// sequence's whole reservation (waiting, part-way through a prefill, elastic ones, which
     /// may stop decoding before they end). Not the newcomer and the waiting ones by their
-    /// growth too: it admitted 1.13x the goodput and completed 50 of 88 requests where this
-    /// completed 70 (docs/design/015-time-aware-worst-case.md).
+    /// growth too: live, against the sum of caps in the same run, it made 1.13x the goodput but
+    /// completed 50 of 88 requests against 73 (this rule, in another run: 70 against 73; docs/
+    /// design/015-time-aware-worst-case.md).
     fn unpromised_blocks(&self) -> u32 {
         let b = u64::from(self.pool.block_tokens.max(1));
         let decoding = |s: &&Seq<M::Kv>| !s.prefilling && !s.elastic && s.kv.is_some();

@@ -69,13 +69,6 @@ pub fn peak(seqs: &[Growth]) -> u64 {
         .min(whole)
 }
 
-/// Of `seqs`' reservations (`most`), what they will never all hold at once: the sum less the
-/// [`peak`].
-pub fn slack(seqs: &[Growth]) -> u64 {
-    let whole = seqs.iter().map(|g| g.most).fold(0u64, u64::saturating_add);
-    whole.saturating_sub(peak(seqs))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -96,20 +89,20 @@ mod tests {
         // or 700 later, never 1,400.
         let seqs = [g(700, 700, 10), g(30, 700, 670)];
         assert_eq!(peak(&seqs), 740);
-        assert_eq!(slack(&seqs), 660);
+        assert_eq!(1_400 - peak(&seqs), 660);
     }
 
     #[test]
     fn sequences_alike_save_nothing() {
         let seqs = [g(100, 200, 100), g(100, 200, 100)];
-        assert_eq!((peak(&seqs), slack(&seqs)), (400, 0));
+        assert_eq!(peak(&seqs), 400);
         assert_eq!(peak(&[]), 0);
     }
 
     #[test]
     fn too_many_sequences_are_priced_whole() {
         let seqs = vec![g(1, 10, 9); MAX_SEQUENCES + 1];
-        assert_eq!(slack(&seqs), 0);
+        assert_eq!(peak(&seqs), 10 * (MAX_SEQUENCES as u64 + 1));
     }
 
     proptest! {

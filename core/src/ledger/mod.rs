@@ -552,7 +552,8 @@ impl Ledger {
         self.slack
     }
     /// From a report: of the reservations of this ledger's leases that are decoding, what they
-    /// will never all hold at once ([`crate::peak::slack`]); at most what they reserve here.
+    /// will never all hold at once (their reservations less their [`crate::peak::peak`]); at
+    /// most what they reserve here.
     pub fn set_slack(&mut self, bytes: u64) {
         self.slack = bytes.min(self.committed);
     }
@@ -959,8 +960,7 @@ impl Ledger {
                 .is_some_and(|l| l.owner == 0 || !owner_alive(l.owner));
             if orphaned {
                 let lease = self.leases.swap_remove(i);
-                self.committed = self.committed.saturating_sub(lease.bytes);
-                self.slack = self.slack.saturating_sub(lease.bytes);
+                self.uncommit(lease.bytes);
                 self.give_back_held(lease.held);
                 reaped.push(lease);
             } else {
@@ -991,9 +991,8 @@ impl Ledger {
         let was = lease.clone();
         lease.bytes = 0;
         lease.held = lease.held.saturating_add(was.bytes);
-        self.committed = self.committed.saturating_sub(was.bytes);
         let slack = self.slack;
-        self.slack = slack.saturating_sub(was.bytes);
+        self.uncommit(was.bytes);
         self.held_back = self.held_back.saturating_add(was.bytes);
         self.lendable = self.lendable.saturating_add(was.bytes);
         if self.slack < slack {
@@ -1028,9 +1027,15 @@ impl Ledger {
     fn take(&mut self, id: u64) -> Option<Lease> {
         let pos = self.leases.iter().position(|l| l.id == id)?;
         let lease = self.leases.swap_remove(pos);
-        self.committed = self.committed.saturating_sub(lease.bytes);
-        self.slack = self.slack.saturating_sub(lease.bytes);
+        self.uncommit(lease.bytes);
         Some(lease)
+    }
+
+    /// A lease's `bytes` are no longer reserved (it ended, or was demoted). They may have been
+    /// all slack: it loses as much, until the next report sets it again.
+    fn uncommit(&mut self, bytes: u64) {
+        self.committed = self.committed.saturating_sub(bytes);
+        self.slack = self.slack.saturating_sub(bytes);
     }
 
     pub fn level(&self, t: &LevelThresholds) -> Level {
