@@ -18,7 +18,7 @@ WASM      := target/wasm32-wasip1/wasm/kvgate_plugin.wasm
 PYTEST_PAR ?= -n 2
 WASI_RUN  := node --no-warnings --no-incremental-marking $(CURDIR)/tools/wasi-run.mjs
 
-.PHONY: bench-llama-cpp backend-test-build bench-prefill bench-stop bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv setup-bench test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
+.PHONY: vllm test-vllm bench-vllm bench-llama-cpp backend-test-build bench-prefill bench-stop bench-fleet fuzz fuzz-quick setup-fuzz soak build-cuda gpu-bundle setup-tools test-configs demo up down test-loop bench-backend model backend backend-build test-backend bench-core bench-gateway help setup setup-rust setup-venv setup-bench test test-core test-plugin test-core-wasm test-gateway lint wasm validate gateway bench
 
 help:
 	@echo "make demo   - run the stack and the adversarial traffic mix, print a summary"
@@ -149,6 +149,13 @@ test-loop: wasm backend-test-build model setup-venv
 # Every config that ships: accepted by Envoy with the real filter; compose and Istio files parse.
 test-configs: wasm setup-venv setup-tools
 	cd tests && ../$(PY) -m pytest -q test_configs.py
+
+# A real vLLM (CPU build, its own 6 GB venv .vllm/, the shipped model converted): never part of
+# `make test`. test-vllm puts the filter in a real Envoy in front of it (docs/vllm.md).
+vllm: model
+	tools/vllm-setup.sh
+test-vllm: vllm wasm backend-test-build setup-venv
+	cd tests && ../$(PY) -m pytest -q --durations=8 test_vllm.py
 
 test: setup lint test-core test-plugin test-core-wasm validate test-configs test-gateway test-backend test-loop fuzz-quick
 

@@ -28,6 +28,8 @@ BLOCK_BYTES = 16 * 46_080  # SmolLM2-135M, f32 KV, 16-token blocks
 SHIPPED = ROOT / "envoy" / "envoy.yaml"
 FLEET = ROOT / "envoy" / "fleet.yaml"
 FLEET_FILTER = ROOT / "envoy" / "fleet-filter.yaml"
+VLLM_SERVE = ROOT / "tools" / "vllm-serve.sh"
+VLLM_BLOCK = 128  # tokens a block of the vLLM tools/vllm-serve.sh starts
 
 
 def _ephemeral_low():
@@ -349,3 +351,85 @@ class Backend(Process):
                 return state
             time.sleep(0.05)
         raise AssertionError(f"backend KV pool not empty: {json.dumps(self.leases())}")
+
+
+class Vllm(Process):
+    """A real vLLM (`make vllm`) serving the shipped model converted for it, with a pool of
+    `blocks` blocks of 128 tokens (tools/vllm-serve.sh)."""
+
+    name = "vllm"
+
+    def __init__(self, workdir, blocks=45, port=None):
+        self.port = port or free_port()
+        self.blocks = blocks
+        self.log_path = Path(workdir) / "vllm.log"
+        self.proc = None
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def context(self):
+        """The context it serves (tools/vllm-serve.sh: the pool less one block)."""
+        return (self.blocks - 1) * VLLM_BLOCK
+
+    def start(self, timeout=400):
+        assert (ROOT / ".vllm" / ".ok").exists(), "no vLLM: run `make vllm`"
+        # Its own process group: the API server starts an engine and workers.
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([str(VLLM_SERVE), str(self.port), str(self.blocks)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                     start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vllm not ready in {timeout}s:\n{self.logs()}")
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if self.proc:
+            self.log.close()
+
+    def metrics(self):
+        """The vLLM gauges and counters kvgate reads, by name (summed over label sets)."""
+        out = {}
+        for line in requests.get(self.url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith("vllm:") and not line.startswith("vllm:cache_config_info"):
+                name = line.split("{")[0].split(" ")[0]
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return out
+
+
+def vllm_plugin_config(vllm, **extra):
+    """The filter in front of `vllm`: the model's spec and exact tokenizer as
+    `kvgate-backend --describe` writes them (bf16 KV, vLLM's context), the pool from its
+    metrics (`backend.api: vllm`), and the shipped config's other settings."""
+    desc = json.loads(subprocess.run(
+        [str(BACKEND), "--model", str(MODEL), "--dtype", "bf16", "--max-context", str(vllm.context),
+         "--describe"], check=True, capture_output=True, text=True).stdout)
+    per_token = 2 * desc["model"]["layers"] * desc["model"]["kv_heads"] * desc["model"]["head_dim"] * 2
+    cfg = {
+        "model": desc["model"],
+        "tokenizer": desc["tokenizer"],
+        "kv_budget_bytes": vllm.blocks * VLLM_BLOCK * per_token,
+        "scratch_margin_bytes": VLLM_BLOCK * per_token,
+        "status_path": "/kvgate/status",
+        "retry_after": {"min_ms": 500, "max_ms": 10000, "jitter": 0.25, "default_lease_ms": 3000},
+        "backend": {"api": "vllm", "cluster": "kvgate_backend", "poll_ms": 500},
+    }
+    cfg.update(extra)
+    return cfg

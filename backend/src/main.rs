@@ -109,6 +109,12 @@ struct Args {
     /// works. Required unless `--host` is a loopback address.
     #[arg(long)]
     admission_secret_file: Option<PathBuf>,
+    /// Print the filter's `model` and exact `tokenizer` for `--model` (its KV shape, with the KV
+    /// type of `--dtype`: f32 unless said, and the context of `--max-context`) as JSON, and
+    /// exit: what the filter prices with in front of a server without kvgate's descriptor,
+    /// such as a vLLM serving the same model (docs/vllm.md).
+    #[arg(long, conflicts_with = "synthetic")]
+    describe: bool,
     /// Test only: sleep this many milliseconds in every busy scheduler step (a slow backend on
     /// demand, for sustained-load tests of the gateway).
     #[arg(long, default_value_t = 0, hide = true)]
@@ -174,6 +180,44 @@ fn abort_on_panic() {
         report(info);
         std::process::abort();
     }));
+}
+
+/// `--describe`: the filter configuration's `model` and `tokenizer` for this model.
+fn describe(cfg: &model::Config, tok: &tokenizer::Tokenizer, dtype: WeightType) -> Result<()> {
+    use kvgate_core::tokenize::ChatTemplate;
+    let mut spec = cfg.kv_spec();
+    spec.kv_dtype_bytes = match dtype {
+        WeightType::Bf16 | WeightType::F16 => 2,
+        WeightType::Auto | WeightType::F32 => 4,
+    };
+    let (bos, eos) = match &tok.bpe.chat_template {
+        ChatTemplate::Jinja {
+            bos_token,
+            eos_token,
+            ..
+        } => (bos_token.as_str(), eos_token.as_str()),
+        ChatTemplate::ChatMl => ("", ""),
+    };
+    let special: std::collections::BTreeMap<&str, u32> = tok
+        .bpe
+        .special_tokens
+        .iter()
+        .map(|(k, v)| (k.as_str(), *v))
+        .collect();
+    let out = serde_json::json!({
+        "model": spec,
+        "tokenizer": {
+            "ranks": tok.bpe.to_tiktoken(),
+            "pattern": tok.bpe.pattern,
+            "special_tokens": special,
+            "chat_template": tok.bpe.chat_template.wire(),
+            "bos_token": bos,
+            "eos_token": eos,
+            "add_bos": tok.bpe.add_bos,
+        },
+    });
+    println!("{out}");
+    Ok(())
 }
 
 /// The admission secrets, from `--admission-secret-file` or else `KVGATE_ADMISSION_SECRET`
@@ -243,6 +287,9 @@ async fn main() -> Result<()> {
                 .with_context(|| format!("reading GGUF {}", args.model.display()))?;
             let cfg = model::Config::from_gguf(&ct, args.max_context)?;
             let tok = tokenizer::Tokenizer::from_gguf(&ct)?;
+            if args.describe {
+                return describe(&cfg, &tok, args.dtype);
+            }
             if let Some(w) = tokenizer::merge_order_warning(&ct) {
                 eprintln!("kvgate-backend: {w}");
             }

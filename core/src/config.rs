@@ -90,10 +90,14 @@ pub struct RawConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RawBackend {
+    /// What the backend speaks: `kvgate` (kvgate-backend's lease API) or `vllm` (a vLLM server:
+    /// its Prometheus metrics are polled, [`crate::vllm`]).
+    pub api: Api,
     /// Envoy cluster of the backend.
     pub cluster: String,
     /// `:authority` of the callout requests.
     pub authority: String,
+    /// The report polled: the lease report, or with `api: vllm` its metrics (`/metrics`).
     pub leases_path: String,
     /// `{id}` is replaced by the lease id. Stops a lease's sequence (its client went away).
     pub cancel_path: String,
@@ -127,6 +131,7 @@ pub struct RawBackend {
 impl Default for RawBackend {
     fn default() -> Self {
         RawBackend {
+            api: Api::Kvgate,
             cluster: "kvgate_backend".into(),
             authority: "kvgate-backend".into(),
             leases_path: "/v1/admission/leases".into(),
@@ -145,6 +150,25 @@ impl Default for RawBackend {
 }
 
 pub type BackendCallout = RawBackend;
+
+/// What the backend speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// kvgate-backend: leases, releases, cancels, demotions, the model descriptor.
+    #[default]
+    Kvgate,
+    /// A vLLM server: its KV pool, use, queue and preemptions from `/metrics`; no lease API, so
+    /// no cancels, demotions, early releases or descriptor.
+    Vllm,
+}
+
+impl RawBackend {
+    /// The server keeps the gateway's leases (cancels, demotions, releases by report).
+    pub fn keeps_leases(&self) -> bool {
+        self.api == Api::Kvgate
+    }
+}
 
 fn d_max_line() -> f64 {
     0.5
@@ -194,6 +218,15 @@ pub struct RawTokenizer {
     pub pattern: Option<String>,
     #[serde(default)]
     pub special_tokens: BTreeMap<String, u32>,
+    /// Custom ranks: the model's Jinja chat template (absent: ChatML), with the strings it
+    /// renders for `bos_token` and `eos_token`, and the BOS id a completions prompt starts with
+    /// (`kvgate-backend --describe` writes all of them from a GGUF).
+    pub chat_template: Option<String>,
+    #[serde(default)]
+    pub bos_token: String,
+    #[serde(default)]
+    pub eos_token: String,
+    pub add_bos: Option<u32>,
     /// Text prompt counts are multiplied by this, because this tokenizer only approximates the
     /// model's own. With `"from_backend"`, until the descriptor's exact tokenizer arrives (in
     /// place of `fallback_token_multiplier`).
@@ -394,14 +427,21 @@ fn template_matches(template: &str, path: &str) -> bool {
 impl TryFrom<RawConfig> for Config {
     type Error = ConfigError;
 
-    fn try_from(raw: RawConfig) -> Result<Config, ConfigError> {
+    fn try_from(mut raw: RawConfig) -> Result<Config, ConfigError> {
+        // A vLLM's report is its metrics.
+        if let Some(b) = raw.backend.as_mut() {
+            if b.api == Api::Vllm && b.leases_path == RawBackend::default().leases_path {
+                b.leases_path = "/metrics".into();
+            }
+        }
         let (spec, from_backend) = match &raw.model {
             serde_json::Value::String(s) if s == "from_backend" => {
-                if raw.backend.is_none() {
+                if !raw.backend.as_ref().is_some_and(RawBackend::keeps_leases) {
                     return Err(ConfigError::new(
                         "model",
                         "\"from_backend\"",
-                        "needs the `backend` callout to fetch the descriptor",
+                        "needs the `backend` callout to kvgate-backend to fetch the descriptor \
+                         (a vLLM publishes none: give the model's spec)",
                     ));
                 }
                 let spec = raw.fallback_model.ok_or_else(|| {
@@ -512,6 +552,15 @@ impl TryFrom<RawConfig> for Config {
             ));
         }
         let policy = PolicyTable::try_from(raw.policy)?;
+        if raw.backend.as_ref().is_some_and(|b| !b.keeps_leases()) {
+            if let Some(c) = policy.classes().iter().find(|c| !c.preempts.is_empty()) {
+                return Err(ConfigError::new(
+                    format!("policy.classes.{}.preempts", c.name),
+                    format!("{:?}", c.preempts),
+                    "needs kvgate-backend: a vLLM cannot be asked to let a lease go",
+                ));
+            }
+        }
         if raw.guarded_paths.is_empty() {
             return Err(ConfigError::new(
                 "guarded_paths",
@@ -752,6 +801,13 @@ fn check_endpoints(endpoints: &[String]) -> Result<(), ConfigError> {
 }
 
 fn tokenizer_spec(raw: RawTokenizer) -> Result<TokenizerSpec, ConfigError> {
+    if raw.ranks.is_none() && (raw.chat_template.is_some() || raw.add_bos.is_some()) {
+        return Err(ConfigError::new(
+            "tokenizer.chat_template/add_bos",
+            "set",
+            "only with custom `ranks` (a built-in encoding renders chats as ChatML)",
+        ));
+    }
     match (raw.encoding, raw.ranks) {
         (Some(_), Some(_)) => Err(ConfigError::new(
             "tokenizer",
@@ -780,7 +836,12 @@ fn tokenizer_spec(raw: RawTokenizer) -> Result<TokenizerSpec, ConfigError> {
                 ranks: CustomBpe::parse_tiktoken(&ranks)?,
                 pattern,
                 special_tokens: raw.special_tokens.into_iter().collect(),
-                ..CustomBpe::default()
+                chat_template: crate::tokenize::ChatTemplate::from_wire(
+                    raw.chat_template.as_deref().unwrap_or_default(),
+                    &raw.bos_token,
+                    &raw.eos_token,
+                ),
+                add_bos: raw.add_bos,
             }))
         }
     }
@@ -1205,5 +1266,48 @@ mod tests {
         );
         let counter = crate::TokenCounter::new(&c.tokenizer).unwrap();
         assert_eq!(counter.encode_text("ab"), vec![2]);
+    }
+
+    #[test]
+    fn a_custom_tokenizer_carries_the_models_chat_template_and_bos() {
+        let c = with(r#""tokenizer":{"ranks":"YQ== 0\nYg== 1\nYWI= 2","pattern":"\\w+|\\s+","special_tokens":{"<s>":3},
+            "chat_template":"{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}","bos_token":"<s>","add_bos":3}"#).unwrap();
+        let counter = crate::TokenCounter::new(&c.tokenizer).unwrap();
+        let msgs = [crate::request::ChatMessage {
+            role: "user".into(),
+            content: "ab".into(),
+            ..Default::default()
+        }];
+        assert_eq!(counter.encode_chat(&msgs).unwrap(), vec![3, 2]);
+        assert_eq!(counter.encode_prompt("ab"), vec![3, 2]);
+        let e = with(r#""tokenizer":{"encoding":"cl100k_base","chat_template":"x"}"#).unwrap_err();
+        assert_eq!(e.field, "tokenizer.chat_template/add_bos");
+    }
+
+    #[test]
+    fn in_front_of_a_vllm_the_metrics_are_polled_and_what_needs_leases_is_refused() {
+        let c = with(r#""backend":{"api":"vllm","cluster":"vllm"}"#).unwrap();
+        let b = c.backend.as_ref().unwrap();
+        assert_eq!(b.leases_path, "/metrics");
+        assert!(!b.keeps_leases());
+        assert_eq!(
+            c.path_kind("/metrics"),
+            PathKind::Internal,
+            "never routed to clients"
+        );
+        let own =
+            with(r#""backend":{"api":"vllm","cluster":"vllm","leases_path":"/stats"}"#).unwrap();
+        assert_eq!(own.backend.unwrap().leases_path, "/stats");
+        let e = with(
+            r#""backend":{"api":"vllm","cluster":"vllm"},
+            "policy":{"classes":{"default":{"priority":1,"preempts":["b"]},"b":{}}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "policy.classes.default.preempts");
+        let e = Config::from_json(br#"{"model":"from_backend","fallback_model":{"layers":1,"kv_heads":1,"head_dim":1,"kv_dtype_bytes":1,"context_tokens":10},
+            "kv_budget_bytes":1000,"backend":{"api":"vllm","cluster":"vllm"}}"#)
+        .unwrap_err();
+        assert_eq!(e.field, "model");
+        assert!(with(r#""backend":{"api":"sglang","cluster":"x"}"#).is_err());
     }
 }

@@ -201,8 +201,11 @@ pub fn decide(
             retry_after,
         } => (reason, need, free, retry_after),
     };
-    if let (Action::Degrade { min_output_tokens }, RejectReason::InsufficientCapacity) =
-        (&class.action, reason)
+    // Degraded to what fits now, also when its cap alone is more than the whole budget holds.
+    if let (
+        Action::Degrade { min_output_tokens },
+        RejectReason::InsufficientCapacity | RejectReason::ExceedsCapacity,
+    ) = (&class.action, reason)
     {
         let fits = largest_cap_that_fits(
             &cfg.pricing,
@@ -697,6 +700,36 @@ mod tests {
         assert!(
             matches!(decide(&mut l, &c, &class, &p, ANY, 0, 1), Decision::Rejected(e) if e.status == 429)
         );
+    }
+
+    #[test]
+    fn degrade_lowers_a_cap_larger_than_the_whole_budget() {
+        let c = cfg(
+            r#"{"classes":{"default":{"action":"degrade","min_output_tokens":100}}}"#,
+            5000,
+        );
+        let class = c.policy.default_class().clone();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        // 200 + 6,000 tokens: more than the 5,000 the budget holds even when empty.
+        let p = priced(
+            &c,
+            &format!(r#"{{"prompt":{:?},"max_tokens":6000}}"#, vec![1; 200]),
+        );
+        match decide(&mut l, &c, &class, &p, ANY, 0, 1) {
+            Decision::Admitted {
+                cap, degraded_from, ..
+            } => assert_eq!((cap, degraded_from), (4800, Some(6000))),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(l.counters().rejected, 0);
+        // A class that rejects still says it can never fit.
+        let reject = cfg("{}", 5000);
+        let mut l = Ledger::new(reject.pricing.capacity_bytes, 1);
+        let class = reject.policy.default_class().clone();
+        assert!(matches!(
+            decide(&mut l, &reject, &class, &priced(&reject, &format!(r#"{{"prompt":{:?},"max_tokens":6000}}"#, vec![1; 200])), ANY, 0, 1),
+            Decision::Rejected(e) if e.status == 413
+        ));
     }
 
     /// A 10k-token budget; batch (priority 1) and vip (5, preempts batch) beside the default

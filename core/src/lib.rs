@@ -25,6 +25,7 @@ pub mod spec;
 pub mod store;
 pub mod tokenize;
 pub mod validate;
+pub mod vllm;
 pub mod wire;
 
 pub use cap::{effective_output_cap, largest_cap_that_fits, price_request, CapDecision, Price};

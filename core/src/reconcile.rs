@@ -51,6 +51,9 @@ pub struct BackendReport {
     pub other_gateways: Vec<u64>,
     /// The address the poll reached there (`None` from an older backend).
     pub served_at: Option<String>,
+    /// The server reports its pool, not its leases (vLLM's metrics: [`crate::vllm`]): no lease
+    /// it does not list is unseen.
+    pub pool_only: bool,
 }
 
 /// One request the backend holds now.
@@ -585,6 +588,7 @@ impl From<&LeaseReport> for BackendReport {
             gateway_note: r.gateway_note,
             other_gateways: r.other_gateways.clone(),
             served_at: r.served_at.clone(),
+            pool_only: false,
             class_outputs: r
                 .finished
                 .iter()
@@ -724,6 +728,7 @@ pub fn reconcile(
     out.unseen = ledger
         .leases()
         .iter()
+        .filter(|_| !report.pool_only)
         .filter(|l| !live.contains(&l.id) && l.created_ms.saturating_add(grace_ms) <= now_ms)
         .cloned()
         .collect();

@@ -59,6 +59,8 @@ struct Poll {
     unseen_warned: Vec<u64>,
     /// The endpoint's decode rate and usual output length (each lease's expected end).
     progress: ProgressTracker,
+    /// A vLLM's preemptions at its last poll (`None` before the first).
+    preemptions: Option<u64>,
 }
 
 impl Poll {
@@ -71,6 +73,7 @@ impl Poll {
             cursor: 0,
             unseen_warned: Vec::new(),
             progress: ProgressTracker::default(),
+            preemptions: None,
         }
     }
 }
@@ -476,15 +479,20 @@ impl Root {
             p.next_ms = now + b.poll_ms;
             let ask = self.want_descriptor && !asking;
             let include = if ask { "&include=tokenizer" } else { "" };
-            // Naming this Envoy, so the backend tells it of the other gateways that poll.
-            let path = format!(
-                "{}?since={}&gateway={}&instance={:016x}&poll_ms={}{include}",
-                b.leases_path,
-                p.cursor,
-                self.worker.gateway(),
-                self.worker.instance(),
-                b.poll_ms
-            );
+            // Naming this Envoy, so the backend tells it of the other gateways that poll (a
+            // vLLM's metrics take no query).
+            let path = if !b.keeps_leases() {
+                b.leases_path.clone()
+            } else {
+                format!(
+                    "{}?since={}&gateway={}&instance={:016x}&poll_ms={}{include}",
+                    b.leases_path,
+                    p.cursor,
+                    self.worker.gateway(),
+                    self.worker.instance(),
+                    b.poll_ms
+                )
+            };
             match host::call_backend(b, p.address.as_deref(), "GET", &path) {
                 Ok(token) => {
                     p.in_flight = Some(token);
@@ -594,7 +602,12 @@ impl Root {
             let unreachable = matches!(status, None | Some(503) | Some(504));
             return self.poll_failed(rt, i, &format!("status {status:?}"), unreachable);
         }
-        let report = match BackendReport::parse(&body) {
+        let parsed = if b.keeps_leases() {
+            BackendReport::parse(&body)
+        } else {
+            self.read_vllm(rt, i, &e, &body)
+        };
+        let report = match parsed {
             Ok(r) => r,
             Err(err) => return self.poll_failed(rt, i, &err, false),
         };
@@ -615,15 +628,18 @@ impl Root {
         // A backend that allocates larger KV blocks than the margin covers (restarted with
         // another --block-size) needs that margin on every reservation: take it now. The margin
         // only grows here, so a fleet ends priced at its largest.
+        // A vLLM publishes its block size, so its margin too.
+        let published = rt.cfg.from_backend || !b.keeps_leases();
         let rt = match report.scratch_margin_bytes {
-            Some(m) if rt.cfg.from_backend && m > rt.cfg.pricing.scratch_margin_bytes => {
+            Some(m) if published && m > rt.cfg.pricing.scratch_margin_bytes => {
                 self.raise_margin(&rt, m).unwrap_or(rt)
             }
             _ => rt,
         };
         // Each endpoint's capacity follows its own pool once the model is known.
-        let capacity = (rt.cfg.from_backend && self.descriptor_fingerprint.is_some())
-            .then(|| usable_capacity(report.capacity_bytes, rt.cfg.pricing.safety_fraction));
+        let capacity = ((rt.cfg.from_backend && self.descriptor_fingerprint.is_some())
+            || !b.keeps_leases())
+        .then(|| usable_capacity(report.capacity_bytes, rt.cfg.pricing.safety_fraction));
         let now = host::now_ms();
         let progress = self
             .polls
@@ -738,6 +754,38 @@ impl Root {
 }
 
 impl Root {
+    /// A vLLM's metrics as a report (its pool and use, no leases), priced per token as this
+    /// filter prices. A preemption counter that moved is an alarm: every admission is priced at
+    /// its worst case, so a vLLM behind this gateway alone never has to preempt; one that does
+    /// serves requests that bypassed it, or holds a smaller pool than it says.
+    fn read_vllm(
+        &mut self,
+        rt: &Runtime,
+        i: usize,
+        e: &Endpoint,
+        body: &[u8],
+    ) -> Result<BackendReport, String> {
+        let m = kvgate_core::vllm::Metrics::parse(body)?;
+        if let Some(p) = self.polls.get_mut(i) {
+            let moved = p
+                .preemptions
+                .map_or(0, |was| m.preemptions.saturating_sub(was));
+            p.preemptions = Some(m.preemptions);
+            if moved > 0 {
+                self.worker.metrics.backend_preemptions.add(moved);
+                host::warn(&format!(
+                    "kvgate: the vLLM {} preempted {moved} sequences ({} running, {} waiting, {} of {} blocks used): it serves more than this gateway admitted",
+                    e.name(&rt.cfg),
+                    m.running,
+                    m.waiting,
+                    m.used_blocks,
+                    m.blocks
+                ));
+            }
+        }
+        Ok(m.report(rt.cfg.pricing.bytes_per_token))
+    }
+
     /// `"model": "from_backend"`: take the descriptor when a poll asked for it. Returns whether
     /// this endpoint serves another model than the one priced with: with one endpoint that
     /// means fetching its descriptor again (live leases keep the fingerprint that priced them);

@@ -648,7 +648,8 @@ pub enum Call {
 /// `http_call`), so one sent as a stream ends outlives that stream; the SDK delivers the answer
 /// to the context that was active when it was sent, or drops it if that one is gone.
 pub fn lease_call(rt: &Runtime, endpoint: &Endpoint, id: u64, call: Call) -> Option<u32> {
-    let b = rt.cfg.backend.as_ref()?;
+    // A vLLM keeps no leases: a request that ends early is stopped by its stream's reset.
+    let b = rt.cfg.backend.as_ref().filter(|b| b.keeps_leases())?;
     let template = match call {
         Call::Cancel => &b.cancel_path,
         Call::Demote => &b.demote_path,

@@ -1,0 +1,229 @@
+//! A vLLM server as the filter's backend: what its Prometheus metrics (`GET /metrics`) say.
+//!
+//! vLLM has no lease API: it does not know the gateway's reservations, so it reports no leases
+//! and never releases one early (a lease ends with its request, as without a callout). What it
+//! publishes is enough for the rest of reconciliation: its KV pool (`vllm:cache_config_info`:
+//! blocks and block size), the share of it in use (`vllm:kv_cache_usage_perc`), its running and
+//! waiting requests, and the preemptions it had to make (`vllm:num_preemptions_total`: with
+//! every admission priced at its worst case, one that moves is an alarm). Use beyond the
+//! ledger's reservations (requests that bypassed the gateway) is held back as with kvgate's
+//! backend.
+
+use crate::reconcile::BackendReport;
+
+/// The metrics of one vLLM server (summed over its engines when it runs several).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Metrics {
+    /// KV blocks of its pool, and tokens a block holds.
+    pub blocks: u64,
+    pub block_size: u64,
+    /// Blocks in use (the usage share times the pool; cached blocks no request holds are free).
+    pub used_blocks: u64,
+    pub running: u64,
+    pub waiting: u64,
+    /// Preemptions since it started.
+    pub preemptions: u64,
+    /// The served model (`model_name` label), when it says.
+    pub model: Option<String>,
+}
+
+/// Longest metrics document read, and longest line: a real one is tens of kilobytes.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+impl Metrics {
+    /// Parse the text exposition format. Errors when the pool is not described (no
+    /// `vllm:cache_config_info` with `num_gpu_blocks` and `block_size`): the body is not a
+    /// vLLM's metrics, or the pool is not sized yet.
+    pub fn parse(body: &[u8]) -> Result<Metrics, String> {
+        if body.len() > MAX_BODY_BYTES {
+            return Err(format!(
+                "metrics of {} B are over {MAX_BODY_BYTES} B",
+                body.len()
+            ));
+        }
+        let text = std::str::from_utf8(body).map_err(|_| "metrics are not UTF-8".to_string())?;
+        let mut m = Metrics::default();
+        // Engines (data-parallel ranks) each report their own pool and usage.
+        let (mut engines, mut usage) = (0u64, 0f64);
+        for line in text.lines() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let Some((name, labels, value)) = sample(line) else {
+                continue;
+            };
+            let count = || {
+                // Counters and gauges are floats; a negative or absurd one reads as 0.
+                if value.is_finite() && value > 0.0 {
+                    value.min(u64::MAX as f64) as u64
+                } else {
+                    0
+                }
+            };
+            match name {
+                "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                    usage += if value.is_finite() {
+                        value.clamp(0.0, 1.0)
+                    } else {
+                        1.0
+                    };
+                }
+                "vllm:num_requests_running" => m.running = m.running.saturating_add(count()),
+                "vllm:num_requests_waiting" => m.waiting = m.waiting.saturating_add(count()),
+                "vllm:num_preemptions_total" | "vllm:num_preemptions" => {
+                    m.preemptions = m.preemptions.saturating_add(count());
+                }
+                "vllm:cache_config_info" => {
+                    let n = |k: &str| label(labels, k).and_then(|v| v.parse::<u64>().ok());
+                    if let (Some(blocks), Some(size)) = (n("num_gpu_blocks"), n("block_size")) {
+                        engines += 1;
+                        m.blocks = m.blocks.saturating_add(blocks);
+                        m.block_size = size;
+                    }
+                }
+                _ => continue,
+            }
+            if m.model.is_none() {
+                m.model = label(labels, "model_name").map(str::to_string);
+            }
+        }
+        if engines == 0 || m.blocks == 0 || m.block_size == 0 {
+            return Err("no vllm:cache_config_info with num_gpu_blocks and block_size".into());
+        }
+        // The mean share over engines of equal pools, of the whole pool.
+        let share = (usage / engines as f64).clamp(0.0, 1.0);
+        m.used_blocks = ((m.blocks as f64) * share).ceil() as u64;
+        Ok(m)
+    }
+
+    /// The report reconciliation reads, for KV of `bytes_per_token`: the pool and its use, no
+    /// leases (`pool_only`), and a block's bytes as the margin each request needs
+    /// (vLLM allocates whole blocks).
+    pub fn report(&self, bytes_per_token: u64) -> BackendReport {
+        let block = self.block_size.saturating_mul(bytes_per_token);
+        BackendReport {
+            capacity_bytes: self.blocks.saturating_mul(block),
+            used_bytes: self.used_blocks.saturating_mul(block),
+            model: self.model.clone(),
+            scratch_margin_bytes: Some(block),
+            admission: "none".into(),
+            pool_only: true,
+            ..BackendReport::default()
+        }
+    }
+}
+
+/// `name{labels} value [timestamp]` → (name, labels, value).
+fn sample(line: &str) -> Option<(&str, &str, f64)> {
+    let (name, rest) = match line.find(['{', ' ']) {
+        Some(i) => line.split_at(i),
+        None => return None,
+    };
+    let (labels, rest) = match rest.strip_prefix('{') {
+        // Label values may hold `}` only inside quotes; vLLM's never do, and a line that
+        // breaks this reads as no sample.
+        Some(r) => r.split_once('}')?,
+        None => ("", rest),
+    };
+    let value = rest.split_whitespace().next()?;
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    Some((name, labels, value))
+}
+
+/// The value of label `key` in `a="x",b="y"` (escapes are not undone: vLLM's numbers and model
+/// names hold none).
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    while !rest.is_empty() {
+        let (k, after) = rest.split_once('=')?;
+        let after = after.strip_prefix('"')?;
+        let end = after.find('"')?;
+        if k.trim() == key {
+            return after.get(..end);
+        }
+        rest = after.get(end + 1..)?.trim_start_matches(',').trim_start();
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lines as vLLM 0.32 (CPU) writes them, trimmed.
+    const BODY: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="smollm2"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="smollm2"} 2.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.2
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{engine="0",model_name="smollm2"} 7.0
+vllm:num_preemptions_created{engine="0",model_name="smollm2"} 1.796663318104149e+09
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",num_cpu_blocks="None",num_gpu_blocks="45",num_gpu_blocks_override="45"} 1.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="smollm2"} 12.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="smollm2"} 12.0
+"#;
+
+    #[test]
+    fn reads_the_pool_its_use_the_queue_and_preemptions() {
+        let m = Metrics::parse(BODY.as_bytes()).unwrap();
+        assert_eq!((m.blocks, m.block_size), (45, 128));
+        assert_eq!(m.used_blocks, 9, "20 % of 45 blocks");
+        assert_eq!((m.running, m.waiting, m.preemptions), (3, 2, 7));
+        assert_eq!(m.model.as_deref(), Some("smollm2"));
+        let r = m.report(10);
+        assert_eq!(r.capacity_bytes, 45 * 128 * 10);
+        assert_eq!(r.used_bytes, 9 * 128 * 10);
+        assert_eq!(r.scratch_margin_bytes, Some(1280), "one block a request");
+        assert!(r.pool_only && r.entries.is_empty());
+    }
+
+    #[test]
+    fn two_engines_add_their_pools() {
+        let body = BODY.to_string()
+            + "vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"smollm2\"} 0.6\n"
+            + "vllm:cache_config_info{block_size=\"128\",engine=\"1\",num_gpu_blocks=\"45\"} 1.0\n"
+            + "vllm:num_requests_running{engine=\"1\",model_name=\"smollm2\"} 1\n";
+        let m = Metrics::parse(body.as_bytes()).unwrap();
+        assert_eq!(m.blocks, 90);
+        assert_eq!(m.used_blocks, 36, "a mean share of 40 % of 90 blocks");
+        assert_eq!(m.running, 4);
+    }
+
+    #[test]
+    fn what_is_not_a_vllms_metrics_is_refused_and_odd_values_are_bounded() {
+        for bad in ["", "{}", "vllm:kv_cache_usage_perc 0.5\n", "\u{0}\u{1}"] {
+            assert!(Metrics::parse(bad.as_bytes()).is_err(), "{bad:?}");
+        }
+        assert!(Metrics::parse(&[0xff, 0xfe]).is_err());
+        assert!(Metrics::parse(&vec![b'#'; MAX_BODY_BYTES + 1]).is_err());
+        let odd = "vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"10\"} 1\n\
+                   vllm:kv_cache_usage_perc NaN\n\
+                   vllm:num_requests_running -3\n\
+                   vllm:num_preemptions_total 1e300\n\
+                   vllm:num_requests_waiting{broken 4\n\
+                   garbage line\n";
+        let m = Metrics::parse(odd.as_bytes()).unwrap();
+        assert_eq!(m.used_blocks, 10, "an unreadable use is a full pool");
+        assert_eq!(m.running, 0);
+        assert_eq!(m.preemptions, u64::MAX);
+        assert_eq!(m.waiting, 0);
+    }
+
+    #[test]
+    fn labels_are_read_by_name() {
+        assert_eq!(label(r#"a="1",b="x y""#, "b"), Some("x y"));
+        assert_eq!(label(r#"a="1", b="2""#, "b"), Some("2"));
+        assert_eq!(label(r#"a="1""#, "c"), None);
+        assert_eq!(label(r#"a=1"#, "a"), None);
+        assert_eq!(label("", "a"), None);
+    }
+}
