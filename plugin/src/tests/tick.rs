@@ -863,6 +863,88 @@ fn the_backend_report_informs_unknown_is_drift_and_finished_releases_early() {
     assert_eq!(Vm::metric("kvgate.ledger_errors"), 0);
 }
 
+/// vLLM's metrics: a pool of `blocks` blocks of 16 tokens, `usage` of it in use, `preemptions`
+/// so far.
+fn vllm_metrics(blocks: u64, usage: f64, preemptions: u64) -> Vec<u8> {
+    format!(
+        "# TYPE vllm:kv_cache_usage_perc gauge\n\
+         vllm:kv_cache_usage_perc{{engine=\"0\",model_name=\"m\"}} {usage}\n\
+         vllm:num_requests_running{{engine=\"0\",model_name=\"m\"}} 1.0\n\
+         vllm:num_preemptions_total{{engine=\"0\",model_name=\"m\"}} {preemptions}.0\n\
+         vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"{blocks}\"}} 1.0\n"
+    )
+    .into_bytes()
+}
+
+#[test]
+fn in_front_of_a_vllm_its_pool_sizes_the_ledger_its_use_is_held_back_and_preemptions_alarm() {
+    let mut vm = start(
+        20_000,
+        json!({"backend": {"api": "vllm", "cluster": "vllm", "poll_ms": 200}}),
+    );
+    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    let id = lease_of(s);
+    // The request reaches vLLM without kvgate's note in its body (it would take it for a field).
+    let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
+    assert!(forwarded.get("kvgate").is_none());
+    vm.advance_ms(5_000);
+    vm.tick();
+    let polls = calls_to("/metrics");
+    assert_eq!(polls.len(), 1);
+    assert_eq!(polls[0].header(":path"), Some("/metrics"), "no query");
+    // 1,000 blocks of 16 tokens, 30 % in use: 4,800 tokens, 2,600 more than the lease reserves
+    // with its block of margin.
+    vm.answer_call(polls[0].token, 200, &vllm_metrics(1_000, 0.3, 2));
+    let l = ledger();
+    assert_eq!(
+        l.capacity(),
+        16_000 * PER_TOKEN,
+        "the ledger follows vLLM's pool"
+    );
+    assert_eq!(
+        l.lease(id).map(|l| l.bytes),
+        Some(200 * PER_TOKEN),
+        "not released early"
+    );
+    assert_eq!(l.held_back(), (4_800 - 200) * PER_TOKEN);
+    assert_eq!(
+        Vm::metric("kvgate.unseen_leases"),
+        0,
+        "vLLM lists no leases: none unseen"
+    );
+    assert_eq!(
+        Vm::metric("kvgate.backend_preemptions"),
+        0,
+        "the first poll sets the mark"
+    );
+    // Later, fewer in use, and 3 more preemptions: counted and logged.
+    vm.advance_ms(300);
+    vm.tick();
+    let polls = calls_to("/metrics");
+    vm.answer_call(polls[1].token, 200, &vllm_metrics(1_000, 0.0, 5));
+    assert_eq!(ledger().held_back(), 0);
+    assert_eq!(Vm::metric("kvgate.backend_preemptions"), 3);
+    assert!(logs().iter().any(|m| m.contains("preempted 3 sequences")));
+    // A new request is priced with vLLM's block as its margin.
+    let (s2, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    assert_eq!(
+        ledger().lease(lease_of(s2)).map(|l| l.bytes),
+        Some(216 * PER_TOKEN)
+    );
+    // Ends release; a client gone sends vLLM no cancel (its stream's reset stops it).
+    vm.respond(s);
+    vm.finish(s);
+    vm.finish(s2);
+    assert_eq!(ledger().committed(), 0);
+    assert!(calls_to("cancel").is_empty());
+    // What is not a vLLM's metrics is a failed poll.
+    vm.advance_ms(300);
+    vm.tick();
+    let polls = calls_to("/metrics");
+    vm.answer_call(polls[2].token, 200, b"{}");
+    assert_eq!(Vm::metric("kvgate.backend_poll_failures"), 1);
+}
+
 #[test]
 fn failed_polls_mark_the_backend_down_and_an_answer_brings_it_back() {
     let vm = start(
