@@ -9,6 +9,9 @@ Arms:
   kvgate         Envoy + the filter (`backend.api: vllm`, the model's exact tokenizer from
                  `kvgate-backend --describe`, the shipped classes and keys; `vip` does not preempt:
                  a vLLM cannot be asked to demote)
+  kvgate-elastic as kvgate, every class reserving elastically: the 0.9 quantile of the output
+                 lengths vLLM's `vllm:request_generation_tokens` histogram shows (a prior of 64
+                 tokens until 5 have finished); vLLM preempts if they outgrow it
 
 Workloads (admission_bench's seeded mix, scaled to the served context):
   moderate       `--clients` closed-loop clients
@@ -45,13 +48,17 @@ HEADING = "## In front of vLLM"
 ab.MODEL = "smollm2"  # the name tools/vllm-serve.sh serves
 
 
-def filter_config(vllm):
-    """The shipped policy (envoy/kvgate-filter.yaml) in front of `vllm`, no class preempting."""
+def filter_config(vllm, elastic=False):
+    """The shipped policy (envoy/kvgate-filter.yaml) in front of `vllm`, no class preempting;
+    `elastic`: every class reserving the 0.9 quantile of what it has learned."""
     doc = yaml.safe_load((ROOT / "envoy" / "kvgate-filter.yaml").read_text())
     shipped = json.loads(doc["resources"][0]["typed_config"]["config"]["configuration"]["value"])
     policy = shipped["policy"]
     for c in policy["classes"].values():
         c.pop("preempts", None)
+        if elastic:
+            c.update({"reservation": "elastic", "elastic_quantile": 0.9, "elastic_min_samples": 5,
+                      "elastic_prior_tokens": 64})
     return vllm_plugin_config(vllm, policy=policy, retry_after=shipped["retry_after"],
                               backend={"api": "vllm", "cluster": "kvgate_backend", "poll_ms": 500})
 
@@ -63,8 +70,9 @@ def run_arm(arm, rnd, workload, a, work):
     procs = [vllm]
     try:
         url = vllm.url
-        if arm in ("kvgate", "vllm-envoy"):
-            envoy = Envoy(d, vllm.port, filter_config(vllm), plain=arm == "vllm-envoy").start()
+        if arm in ("kvgate", "kvgate-elastic", "vllm-envoy"):
+            envoy = Envoy(d, vllm.port, filter_config(vllm, elastic=arm == "kvgate-elastic"),
+                          plain=arm == "vllm-envoy").start()
             procs.append(envoy)
             url = envoy.url
         before = vllm.metrics()
@@ -74,8 +82,9 @@ def run_arm(arm, rnd, workload, a, work):
             f"  [{arm} r{rnd} {time.monotonic() - t0:5.0f}s] {len(run.results)} done", flush=True))
         makespan = time.monotonic() - t0
         after = vllm.metrics()
-        gstats = procs[1].stats() if arm == "kvgate" else {}
-        committed = procs[1].status()["committed_bytes"] if arm == "kvgate" else 0
+        gated = arm.startswith("kvgate")
+        gstats = procs[1].stats() if gated else {}
+        committed = procs[1].status()["committed_bytes"] if gated else 0
     finally:
         for p in reversed(procs):
             p.stop()

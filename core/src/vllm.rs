@@ -9,7 +9,7 @@
 //! ledger's reservations (requests that bypassed the gateway) is held back as with kvgate's
 //! backend.
 
-use crate::reconcile::BackendReport;
+use crate::reconcile::{BackendReport, Output};
 
 /// The metrics of one vLLM server (summed over its engines when it runs several).
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -25,6 +25,10 @@ pub struct Metrics {
     pub preemptions: u64,
     /// The served model (`model_name` label), when it says.
     pub model: Option<String>,
+    /// The output lengths of the requests it finished (`vllm:request_generation_tokens`, a
+    /// histogram): (bucket bound in tokens, requests at most that long so far), by bound; the
+    /// last bound is `u64::MAX` (`+Inf`).
+    pub generated: Vec<(u64, u64)>,
 }
 
 /// Longest metrics document read, and longest line: a real one is tens of kilobytes.
@@ -74,6 +78,25 @@ impl Metrics {
                 "vllm:num_preemptions_total" | "vllm:num_preemptions" => {
                     m.preemptions = m.preemptions.saturating_add(count());
                 }
+                "vllm:request_generation_tokens_bucket" => {
+                    let bound = match label(labels, "le") {
+                        Some("+Inf") => u64::MAX,
+                        Some(le) => match le.parse::<f64>() {
+                            Ok(v) if v.is_finite() && v >= 0.0 => v as u64,
+                            _ => continue,
+                        },
+                        None => continue,
+                    };
+                    match m.generated.binary_search_by_key(&bound, |b| b.0) {
+                        Ok(i) => {
+                            if let Some(b) = m.generated.get_mut(i) {
+                                b.1 = b.1.saturating_add(count());
+                            }
+                        }
+                        // A few dozen buckets at most in a real one; bounded by the body.
+                        Err(i) => m.generated.insert(i, (bound, count())),
+                    }
+                }
                 "vllm:cache_config_info" => {
                     let n = |k: &str| label(labels, k).and_then(|v| v.parse::<u64>().ok());
                     if let (Some(blocks), Some(size)) = (n("num_gpu_blocks"), n("block_size")) {
@@ -95,6 +118,45 @@ impl Metrics {
         let share = (usage / engines as f64).clamp(0.0, 1.0);
         m.used_blocks = ((m.blocks as f64) * share).ceil() as u64;
         Ok(m)
+    }
+
+    /// The output lengths of the requests finished since `before` (an earlier poll of the same
+    /// server; `None`: since it started), at most `most` of them, as [`Output`]s: each at its
+    /// bucket's upper bound (the histogram says no more), and one past the last finite bound
+    /// as at least that long (censored). A server restarted since reads as nothing new.
+    pub fn outputs_since(&self, before: Option<&Metrics>, most: usize) -> Vec<Output> {
+        let cumulative = |m: &Metrics, bound: u64| {
+            m.generated
+                .iter()
+                .find(|b| b.0 == bound)
+                .map_or(0, |b| b.1)
+        };
+        let mut out = Vec::new();
+        let (mut below_now, mut below_then, mut last_finite) = (0u64, 0u64, 0u64);
+        for &(bound, now) in &self.generated {
+            let then = before.map_or(0, |b| cumulative(b, bound));
+            let new = now
+                .saturating_sub(below_now)
+                .saturating_sub(then.saturating_sub(below_then));
+            (below_now, below_then) = (now, then);
+            let (tokens, at_cap) = if bound == u64::MAX {
+                (last_finite, true)
+            } else {
+                last_finite = bound;
+                (bound, false)
+            };
+            let room = most.saturating_sub(out.len());
+            let n = usize::try_from(new).unwrap_or(usize::MAX).min(room);
+            out.extend(std::iter::repeat_n(
+                Output {
+                    tokens,
+                    at_cap,
+                    prompt_tokens: 0,
+                },
+                n,
+            ));
+        }
+        out
     }
 
     /// The report reconciliation reads, for KV of `bytes_per_token`: the pool and its use, no
@@ -170,6 +232,12 @@ vllm:num_preemptions_created{engine="0",model_name="smollm2"} 1.796663318104149e
 vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",num_cpu_blocks="None",num_gpu_blocks="45",num_gpu_blocks_override="45"} 1.0
 vllm:request_success_total{engine="0",finished_reason="stop",model_name="smollm2"} 12.0
 vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="smollm2"} 12.0
+vllm:request_generation_tokens_bucket{engine="0",le="1.0",model_name="smollm2"} 0.0
+vllm:request_generation_tokens_bucket{engine="0",le="10.0",model_name="smollm2"} 2.0
+vllm:request_generation_tokens_bucket{engine="0",le="100.0",model_name="smollm2"} 9.0
+vllm:request_generation_tokens_bucket{engine="0",le="1000.0",model_name="smollm2"} 11.0
+vllm:request_generation_tokens_bucket{engine="0",le="+Inf",model_name="smollm2"} 12.0
+vllm:request_generation_tokens_count{engine="0",model_name="smollm2"} 12.0
 "#;
 
     #[test]
@@ -184,6 +252,29 @@ vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="smollm2
         assert_eq!(r.used_bytes, 9 * 128 * 10);
         assert_eq!(r.scratch_margin_bytes, Some(1280), "one block a request");
         assert!(r.pool_only && r.entries.is_empty());
+    }
+
+    #[test]
+    fn output_lengths_are_learned_from_the_histogram_at_their_buckets_upper_bounds() {
+        let m = Metrics::parse(BODY.as_bytes()).unwrap();
+        let lengths = |outs: Vec<Output>| -> Vec<(u64, bool)> {
+            outs.iter().map(|o| (o.tokens, o.at_cap)).collect()
+        };
+        let all = lengths(m.outputs_since(None, 100));
+        assert_eq!(all.len(), 12);
+        assert_eq!(&all[..2], &[(10, false), (10, false)]);
+        assert_eq!(all.iter().filter(|o| **o == (100, false)).count(), 7);
+        assert_eq!(all.iter().filter(|o| **o == (1000, false)).count(), 2);
+        assert_eq!(all.last(), Some(&(1000, true)), "past the last bound: at least that long");
+        assert_eq!(m.outputs_since(None, 3).len(), 3, "bounded");
+        // Since an earlier poll: only what finished in between.
+        let later = BODY.replace("le=\"100.0\",model_name=\"smollm2\"} 9.0", "le=\"100.0\",model_name=\"smollm2\"} 10.0")
+            .replace("le=\"1000.0\",model_name=\"smollm2\"} 11.0", "le=\"1000.0\",model_name=\"smollm2\"} 12.0")
+            .replace("le=\"+Inf\",model_name=\"smollm2\"} 12.0\nvllm:request_generation_tokens_count", "le=\"+Inf\",model_name=\"smollm2\"} 13.0\nvllm:request_generation_tokens_count");
+        let now = Metrics::parse(later.as_bytes()).unwrap();
+        assert_eq!(lengths(now.outputs_since(Some(&m), 100)), vec![(100, false)]);
+        // A restarted server (counts fell) reads as nothing new.
+        assert!(m.outputs_since(Some(&now), 100).is_empty());
     }
 
     #[test]

@@ -59,8 +59,8 @@ struct Poll {
     unseen_warned: Vec<u64>,
     /// The endpoint's decode rate and usual output length (each lease's expected end).
     progress: ProgressTracker,
-    /// A vLLM's preemptions at its last poll (`None` before the first).
-    preemptions: Option<u64>,
+    /// A vLLM's metrics at its last poll (`None` before the first).
+    vllm: Option<kvgate_core::vllm::Metrics>,
 }
 
 impl Poll {
@@ -73,7 +73,7 @@ impl Poll {
             cursor: 0,
             unseen_warned: Vec::new(),
             progress: ProgressTracker::default(),
-            preemptions: None,
+            vllm: None,
         }
     }
 }
@@ -755,9 +755,11 @@ impl Root {
 
 impl Root {
     /// A vLLM's metrics as a report (its pool and use, no leases), priced per token as this
-    /// filter prices. A preemption counter that moved is an alarm: every admission is priced at
-    /// its worst case, so a vLLM behind this gateway alone never has to preempt; one that does
-    /// serves requests that bypassed it, or holds a smaller pool than it says.
+    /// filter prices, and the output lengths it finished since the last poll, learned by the
+    /// elastic classes. A preemption counter that moved is an alarm: priced at their worst case,
+    /// requests behind this gateway alone never make it preempt; it does when requests bypass
+    /// the gateway, when its pool is smaller than it says, or when elastic reservations turn out
+    /// short.
     fn read_vllm(
         &mut self,
         rt: &Runtime,
@@ -768,9 +770,21 @@ impl Root {
         let m = kvgate_core::vllm::Metrics::parse(body)?;
         if let Some(p) = self.polls.get_mut(i) {
             let moved = p
-                .preemptions
-                .map_or(0, |was| m.preemptions.saturating_sub(was));
-            p.preemptions = Some(m.preemptions);
+                .vllm
+                .as_ref()
+                .map_or(0, |was| m.preemptions.saturating_sub(was.preemptions));
+            // What it finished since, for the elastic classes (vLLM does not say which class a
+            // request was: every elastic class learns every output).
+            let outputs = m.outputs_since(p.vllm.as_ref(), kvgate_core::elastic::OUTPUTS_KEPT);
+            let learned: Vec<(String, kvgate_core::reconcile::Output)> = rt
+                .cfg
+                .policy
+                .classes()
+                .iter()
+                .filter(|c| matches!(c.reservation, kvgate_core::Reservation::Elastic(_)))
+                .flat_map(|c| outputs.iter().map(|o| (c.name.clone(), *o)))
+                .collect();
+            self.worker.learn_outputs(&rt.cfg, &learned);
             if moved > 0 {
                 self.worker.metrics.backend_preemptions.add(moved);
                 host::warn(&format!(
@@ -782,6 +796,9 @@ impl Root {
                     m.blocks
                 ));
             }
+            let report = m.report(rt.cfg.pricing.bytes_per_token);
+            p.vllm = Some(m);
+            return Ok(report);
         }
         Ok(m.report(rt.cfg.pricing.bytes_per_token))
     }

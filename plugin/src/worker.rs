@@ -568,13 +568,22 @@ impl Worker {
             return None;
         };
         // Only a backend that reserves what it is told, and lends and reclaims past it, keeps
-        // the guarantee; until every endpoint has said so, the worst case.
-        if !self.endpoints.borrow().iter().all(|e| e.lends.get()) {
+        // the guarantee; until every endpoint has said so, the worst case. A vLLM reclaims by
+        // itself (it preempts and recomputes): what a sequence holds past its reservation shows
+        // in its use and is held back (docs/vllm.md).
+        if !self.endpoints.borrow().iter().all(|e| e.lends.get()) && !self.behind_vllm() {
             return None;
         }
         let learned = self.outputs.borrow();
         Some(p.allowance_for(learned.get(&class.name), prompt_tokens, u64::MAX))
             .filter(|a| *a < u64::MAX)
+    }
+
+    /// The backend is a vLLM (`backend.api: vllm`).
+    fn behind_vllm(&self) -> bool {
+        self.runtime()
+            .and_then(|rt| rt.cfg.backend.as_ref().map(|b| !b.keeps_leases()))
+            .unwrap_or(false)
     }
 
     /// What each elastic class reserves now, for `/kvgate/status`.
@@ -598,7 +607,7 @@ impl Worker {
                     "by_prompt": p.by_prompt,
                     // False until every endpoint has reported `--admission reserve`: until
                     // then the class is priced at its worst case.
-                    "active": self.endpoints.borrow().iter().all(|e| e.lends.get()),
+                    "active": self.endpoints.borrow().iter().all(|e| e.lends.get()) || self.behind_vllm(),
                     "reserved_output_tokens": self.elastic_allowance(c, 0),
                 }),
             );

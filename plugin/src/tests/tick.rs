@@ -946,6 +946,46 @@ fn in_front_of_a_vllm_its_pool_sizes_the_ledger_its_use_is_held_back_and_preempt
 }
 
 #[test]
+fn in_front_of_a_vllm_an_elastic_class_reserves_what_its_histogram_says_outputs_run_to() {
+    let mut vm = start(
+        20_000,
+        json!({"backend": {"api": "vllm", "cluster": "vllm", "poll_ms": 200},
+               "policy": {"classes": {"default": {"reservation": "elastic",
+                   "elastic_min_samples": 5, "elastic_prior_tokens": 64, "elastic_quantile": 0.9}}}}),
+    );
+    // Before anything finished: the prior.
+    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(4_000)));
+    assert_eq!(
+        ledger().lease(lease_of(s)).map(|l| l.bytes),
+        Some((100 + 64) * PER_TOKEN)
+    );
+    vm.respond(s);
+    vm.finish(s);
+    // Ten outputs of at most 50 tokens, one of at most 200.
+    let mut body = vllm_metrics(1_000, 0.0, 0);
+    body.extend_from_slice(
+        b"vllm:request_generation_tokens_bucket{le=\"50.0\"} 10\n\
+          vllm:request_generation_tokens_bucket{le=\"200.0\"} 11\n\
+          vllm:request_generation_tokens_bucket{le=\"+Inf\"} 11\n",
+    );
+    vm.advance_ms(300);
+    vm.tick();
+    let polls = calls_to("/metrics");
+    vm.answer_call(polls[0].token, 200, &body);
+    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(4_000)));
+    let lease = ledger().lease(lease_of(s)).map(|l| l.bytes);
+    // The 0.9 quantile of eleven: the tenth, 50 tokens, and a vLLM block of 16; the request
+    // keeps its cap of 4,000.
+    assert_eq!(lease, Some((100 + 50 + 16) * PER_TOKEN));
+    let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
+    assert_eq!(forwarded["max_tokens"], 4_000);
+    assert!(forwarded.get("kvgate").is_none(), "vLLM gets no note");
+    vm.respond(s);
+    vm.finish(s);
+    assert_eq!(ledger().committed(), 0);
+}
+
+#[test]
 fn failed_polls_mark_the_backend_down_and_an_answer_brings_it_back() {
     let vm = start(
         20_000,
