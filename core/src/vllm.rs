@@ -125,12 +125,8 @@ impl Metrics {
     /// bucket's upper bound (the histogram says no more), and one past the last finite bound
     /// as at least that long (censored). A server restarted since reads as nothing new.
     pub fn outputs_since(&self, before: Option<&Metrics>, most: usize) -> Vec<Output> {
-        let cumulative = |m: &Metrics, bound: u64| {
-            m.generated
-                .iter()
-                .find(|b| b.0 == bound)
-                .map_or(0, |b| b.1)
-        };
+        let cumulative =
+            |m: &Metrics, bound: u64| m.generated.iter().find(|b| b.0 == bound).map_or(0, |b| b.1);
         let mut out = Vec::new();
         let (mut below_now, mut below_then, mut last_finite) = (0u64, 0u64, 0u64);
         for &(bound, now) in &self.generated {
@@ -265,14 +261,31 @@ vllm:request_generation_tokens_count{engine="0",model_name="smollm2"} 12.0
         assert_eq!(&all[..2], &[(10, false), (10, false)]);
         assert_eq!(all.iter().filter(|o| **o == (100, false)).count(), 7);
         assert_eq!(all.iter().filter(|o| **o == (1000, false)).count(), 2);
-        assert_eq!(all.last(), Some(&(1000, true)), "past the last bound: at least that long");
+        assert_eq!(
+            all.last(),
+            Some(&(1000, true)),
+            "past the last bound: at least that long"
+        );
         assert_eq!(m.outputs_since(None, 3).len(), 3, "bounded");
         // Since an earlier poll: only what finished in between.
-        let later = BODY.replace("le=\"100.0\",model_name=\"smollm2\"} 9.0", "le=\"100.0\",model_name=\"smollm2\"} 10.0")
-            .replace("le=\"1000.0\",model_name=\"smollm2\"} 11.0", "le=\"1000.0\",model_name=\"smollm2\"} 12.0")
-            .replace("le=\"+Inf\",model_name=\"smollm2\"} 12.0\nvllm:request_generation_tokens_count", "le=\"+Inf\",model_name=\"smollm2\"} 13.0\nvllm:request_generation_tokens_count");
+        let later = BODY
+            .replace(
+                "le=\"100.0\",model_name=\"smollm2\"} 9.0",
+                "le=\"100.0\",model_name=\"smollm2\"} 10.0",
+            )
+            .replace(
+                "le=\"1000.0\",model_name=\"smollm2\"} 11.0",
+                "le=\"1000.0\",model_name=\"smollm2\"} 12.0",
+            )
+            .replace(
+                "le=\"+Inf\",model_name=\"smollm2\"} 12.0\nvllm:request_generation_tokens_count",
+                "le=\"+Inf\",model_name=\"smollm2\"} 13.0\nvllm:request_generation_tokens_count",
+            );
         let now = Metrics::parse(later.as_bytes()).unwrap();
-        assert_eq!(lengths(now.outputs_since(Some(&m), 100)), vec![(100, false)]);
+        assert_eq!(
+            lengths(now.outputs_since(Some(&m), 100)),
+            vec![(100, false)]
+        );
         // A restarted server (counts fell) reads as nothing new.
         assert!(m.outputs_since(Some(&now), 100).is_empty());
     }

@@ -46,7 +46,8 @@ pub struct Metrics {
     pub drift_bytes: Metric,
     pub backend_refused: Metric,
     pub upstream_mismatch: Metric,
-    /// Sequences a vLLM backend preempted (its `vllm:num_preemptions_total` moving).
+    /// Sequences the vLLM backends preempted since they started (their
+    /// `vllm:num_preemptions_total`, as last polled).
     pub backend_preemptions: Metric,
     pub elastic_admitted: Metric,
     /// Admitted ahead of the fair-retry line: expected to be done before its front could start.
@@ -104,7 +105,7 @@ impl Metrics {
             drift_bytes: Metric::gauge("kvgate.drift_bytes"),
             backend_refused: Metric::counter("kvgate.backend_refused"),
             upstream_mismatch: Metric::counter("kvgate.upstream_mismatch"),
-            backend_preemptions: Metric::counter("kvgate.backend_preemptions"),
+            backend_preemptions: Metric::gauge("kvgate.backend_preemptions"),
             stranded: Metric::counter("kvgate.stranded"),
             forfeited: Metric::counter("kvgate.forfeited"),
             elastic_admitted: Metric::counter("kvgate.elastic_admitted"),

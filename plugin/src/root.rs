@@ -786,7 +786,6 @@ impl Root {
                 .collect();
             self.worker.learn_outputs(&rt.cfg, &learned);
             if moved > 0 {
-                self.worker.metrics.backend_preemptions.add(moved);
                 host::warn(&format!(
                     "kvgate: the vLLM {} preempted {moved} sequences ({} running, {} waiting, {} of {} blocks used): it serves more than this gateway admitted",
                     e.name(&rt.cfg),
@@ -798,6 +797,14 @@ impl Root {
             }
             let report = m.report(rt.cfg.pricing.bytes_per_token);
             p.vllm = Some(m);
+            // Every worker polls: the gauge is the servers' own counters (each worker sets the
+            // same), not a count of what each worker saw move.
+            let total = self
+                .polls
+                .iter()
+                .filter_map(|p| p.vllm.as_ref())
+                .fold(0u64, |t, m| t.saturating_add(m.preemptions));
+            self.worker.metrics.backend_preemptions.set(total);
             return Ok(report);
         }
         Ok(m.report(rt.cfg.pricing.bytes_per_token))
