@@ -156,6 +156,10 @@ vllm: model
 	tools/vllm-setup.sh
 test-vllm: vllm wasm backend-test-build setup-venv
 	cd tests && ../$(PY) -m pytest -q --durations=8 test_vllm.py
+# vLLM alone against it behind kvgate, the overload mix (BENCHMARKS.md, "In front of vLLM").
+bench-vllm: vllm wasm backend-test-build setup-venv
+	$(PY) bench/vllm_bench.py --workload overload --rate 1.5 --jobs 30 --blocks 24 --rounds 2 \
+	  --give-up-s 60 --arms vllm,kvgate,kvgate-elastic
 
 test: setup lint test-core test-plugin test-core-wasm validate test-configs test-gateway test-backend test-loop fuzz-quick
 
