@@ -552,7 +552,25 @@ impl TryFrom<RawConfig> for Config {
             ));
         }
         let policy = PolicyTable::try_from(raw.policy)?;
-        if raw.backend.as_ref().is_some_and(|b| !b.keeps_leases()) {
+        if let Some(b) = raw.backend.as_ref().filter(|b| !b.keeps_leases()) {
+            if !b.secret.is_empty() {
+                return Err(ConfigError::new(
+                    "backend.secret",
+                    "set",
+                    "is kvgate-backend's: never sent to a vLLM",
+                ));
+            }
+            if let Some(c) = policy
+                .classes()
+                .iter()
+                .find(|c| matches!(c.reservation, crate::Reservation::Elastic(p) if p.by_prompt))
+            {
+                return Err(ConfigError::new(
+                    format!("policy.classes.{}.elastic_by_prompt", c.name),
+                    "true",
+                    "needs kvgate-backend: a vLLM's output lengths do not say their prompts",
+                ));
+            }
             if let Some(c) = policy.classes().iter().find(|c| !c.preempts.is_empty()) {
                 return Err(ConfigError::new(
                     format!("policy.classes.{}.preempts", c.name),
@@ -1309,5 +1327,13 @@ mod tests {
         .unwrap_err();
         assert_eq!(e.field, "model");
         assert!(with(r#""backend":{"api":"sglang","cluster":"x"}"#).is_err());
+        let e = with(r#""backend":{"api":"vllm","cluster":"vllm","secret":"s"}"#).unwrap_err();
+        assert_eq!(e.field, "backend.secret");
+        let e = with(
+            r#""backend":{"api":"vllm","cluster":"vllm"},
+            "policy":{"classes":{"default":{"reservation":"elastic","elastic_by_prompt":true}}}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "policy.classes.default.elastic_by_prompt");
     }
 }

@@ -178,6 +178,38 @@ pub fn decide(
     now_ms: u64,
     jitter_seed: u64,
 ) -> Decision {
+    // A degrade class asking for more than the whole budget can ever hold: priced at the
+    // largest cap it holds, then as any other request (admitted, degraded further to what is
+    // free now, or told when to come back). Below `min_output_tokens` it stays too large (413).
+    let at_budget;
+    let (priced, asked) = match &class.action {
+        Action::Degrade { min_output_tokens }
+            if priced.elastic.is_none() && priced.price.bytes > ledger.capacity() =>
+        {
+            let cap = priced.price.cap.cap;
+            match largest_cap_that_fits(
+                &cfg.pricing,
+                &priced.prompt_tokens,
+                priced.choices,
+                cap,
+                ledger.capacity(),
+            )
+            .filter(|c| *c >= (*min_output_tokens).min(cap))
+            .and_then(|c| {
+                price_request(&cfg.pricing, &priced.prompt_tokens, Some(c), priced.choices).ok()
+            }) {
+                Some(price) => {
+                    at_budget = Priced {
+                        price,
+                        ..priced.clone()
+                    };
+                    (&at_budget, Some(cap))
+                }
+                None => (priced, None),
+            }
+        }
+        _ => (priced, None),
+    };
     let cap = priced.price.cap.cap;
     let request = |bytes: u64| admit_request(class, holder, bytes, now_ms);
     let outcome = ledger.try_admit(
@@ -190,7 +222,7 @@ pub fn decide(
             return Decision::Admitted {
                 lease,
                 cap,
-                degraded_from: None,
+                degraded_from: asked,
                 preempted: Vec::new(),
             }
         }
@@ -201,11 +233,8 @@ pub fn decide(
             retry_after,
         } => (reason, need, free, retry_after),
     };
-    // Degraded to what fits now, also when its cap alone is more than the whole budget holds.
-    if let (
-        Action::Degrade { min_output_tokens },
-        RejectReason::InsufficientCapacity | RejectReason::ExceedsCapacity,
-    ) = (&class.action, reason)
+    if let (Action::Degrade { min_output_tokens }, RejectReason::InsufficientCapacity) =
+        (&class.action, reason)
     {
         let fits = largest_cap_that_fits(
             &cfg.pricing,
@@ -229,7 +258,7 @@ pub fn decide(
                     return Decision::Admitted {
                         lease,
                         cap: smaller,
-                        degraded_from: Some(cap),
+                        degraded_from: Some(asked.unwrap_or(cap)),
                         preempted: Vec::new(),
                     };
                 }
@@ -722,6 +751,30 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(l.counters().rejected, 0);
+        // With room for 800 tokens left: degraded further, still from the cap it asked for.
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let small = priced(
+            &c,
+            &format!(r#"{{"prompt":{:?},"max_tokens":4000}}"#, vec![1; 200]),
+        );
+        assert!(matches!(
+            decide(&mut l, &c, &class, &small, ANY, 0, 1),
+            Decision::Admitted { .. }
+        ));
+        match decide(&mut l, &c, &class, &p, ANY, 0, 1) {
+            Decision::Admitted {
+                cap, degraded_from, ..
+            } => assert_eq!((cap, degraded_from), (600, Some(6000))),
+            other => panic!("{other:?}"),
+        }
+        // Nothing left: a 429 to come back after, not a 413 that says retrying cannot help.
+        match decide(&mut l, &c, &class, &p, ANY, 0, 1) {
+            Decision::Rejected(e) => {
+                assert_eq!(e.status, 429);
+                assert!(e.retry_after_ms.is_some());
+            }
+            other => panic!("{other:?}"),
+        }
         // A class that rejects still says it can never fit.
         let reject = cfg("{}", 5000);
         let mut l = Ledger::new(reject.pricing.capacity_bytes, 1);

@@ -884,7 +884,14 @@ pub fn drift(ledger: &Ledger, report: &BackendReport) -> i128 {
 /// gateway accounts for (bypass traffic, a lease released here that the backend still runs) or
 /// reservations the backend does not hold.
 pub fn unexplained_drift(ledger: &Ledger, report: &BackendReport, rec: &Reconciled) -> i128 {
-    drift(ledger, report) + i128::from(rec.grown_bytes) + i128::from(rec.peer_bytes)
+    let d = drift(ledger, report) + i128::from(rec.grown_bytes) + i128::from(rec.peer_bytes);
+    // A server that reports only its pool (vLLM) uses less than the worst cases reserved there
+    // as a rule, with no lease to say which: only use beyond the reservations disagrees.
+    if report.pool_only {
+        d.min(0)
+    } else {
+        d
+    }
 }
 
 #[cfg(test)]

@@ -31,8 +31,11 @@ pub struct Metrics {
     pub generated: Vec<(u64, u64)>,
 }
 
-/// Longest metrics document read, and longest line: a real one is tens of kilobytes.
+/// Longest metrics document read: a real one is tens of kilobytes.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
+
+/// Most buckets of the output-length histogram read (vLLM's 1-2-5 series has a dozen or so).
+pub const MAX_BUCKETS: usize = 64;
 
 impl Metrics {
     /// Parse the text exposition format. Errors when the pool is not described (no
@@ -47,8 +50,9 @@ impl Metrics {
         }
         let text = std::str::from_utf8(body).map_err(|_| "metrics are not UTF-8".to_string())?;
         let mut m = Metrics::default();
-        // Engines (data-parallel ranks) each report their own pool and usage.
-        let (mut engines, mut usage) = (0u64, 0f64);
+        // Engines (data-parallel ranks) each report their own pool and usage. The older name of
+        // the usage gauge counts only where the newer is absent (a server may expose both).
+        let (mut engines, mut usage, mut old_usage) = (0u64, None::<f64>, 0f64);
         for line in text.lines() {
             let line = line.trim();
             if line.is_empty() || line.starts_with('#') {
@@ -67,11 +71,16 @@ impl Metrics {
             };
             match name {
                 "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
-                    usage += if value.is_finite() {
+                    let share = if value.is_finite() {
                         value.clamp(0.0, 1.0)
                     } else {
                         1.0
                     };
+                    if name == "vllm:kv_cache_usage_perc" {
+                        usage = Some(usage.unwrap_or(0.0) + share);
+                    } else {
+                        old_usage += share;
+                    }
                 }
                 "vllm:num_requests_running" => m.running = m.running.saturating_add(count()),
                 "vllm:num_requests_waiting" => m.waiting = m.waiting.saturating_add(count()),
@@ -82,7 +91,7 @@ impl Metrics {
                     let bound = match label(labels, "le") {
                         Some("+Inf") => u64::MAX,
                         Some(le) => match le.parse::<f64>() {
-                            Ok(v) if v.is_finite() && v >= 0.0 => v as u64,
+                            Ok(v) if (0.0..1e15).contains(&v) => v as u64,
                             _ => continue,
                         },
                         None => continue,
@@ -93,7 +102,13 @@ impl Metrics {
                                 b.1 = b.1.saturating_add(count());
                             }
                         }
-                        // A few dozen buckets at most in a real one; bounded by the body.
+                        // A real one has a dozen or two; more is not a vLLM's (and would make
+                        // this insertion quadratic).
+                        Err(_) if m.generated.len() >= MAX_BUCKETS => {
+                            return Err(format!(
+                                "more than {MAX_BUCKETS} buckets of vllm:request_generation_tokens"
+                            ));
+                        }
                         Err(i) => m.generated.insert(i, (bound, count())),
                     }
                 }
@@ -115,23 +130,37 @@ impl Metrics {
             return Err("no vllm:cache_config_info with num_gpu_blocks and block_size".into());
         }
         // The mean share over engines of equal pools, of the whole pool.
+        let usage = usage.unwrap_or(old_usage);
         let share = (usage / engines as f64).clamp(0.0, 1.0);
         m.used_blocks = ((m.blocks as f64) * share).ceil() as u64;
         Ok(m)
     }
 
+    /// Did the server start again since `before` (a counter fell)?
+    pub fn restarted_since(&self, before: &Metrics) -> bool {
+        let finished = |m: &Metrics| m.generated.last().map_or(0, |b| b.1);
+        self.preemptions < before.preemptions || finished(self) < finished(before)
+    }
+
     /// The output lengths of the requests finished since `before` (an earlier poll of the same
-    /// server; `None`: since it started), at most `most` of them, as [`Output`]s: each at its
-    /// bucket's upper bound (the histogram says no more), and one past the last finite bound
-    /// as at least that long (censored). A server restarted since reads as nothing new.
+    /// server that has not restarted since; `None`: since it started), as [`Output`]s: each at
+    /// its bucket's upper bound (the histogram says no more), one past the last finite bound as
+    /// at least that long (censored). At most `most`, drawn from every bucket in proportion, so
+    /// that a busy interval does not keep only the shortest.
     pub fn outputs_since(&self, before: Option<&Metrics>, most: usize) -> Vec<Output> {
-        let cumulative =
-            |m: &Metrics, bound: u64| m.generated.iter().find(|b| b.0 == bound).map_or(0, |b| b.1);
-        let mut out = Vec::new();
+        let cumulative = |m: &Metrics, bound: u64| {
+            m.generated
+                .binary_search_by_key(&bound, |b| b.0)
+                .ok()
+                .and_then(|i| m.generated.get(i))
+                .map_or(0, |b| b.1)
+        };
+        // New outputs per bucket: (tokens, censored, how many).
+        let mut new = Vec::with_capacity(self.generated.len());
         let (mut below_now, mut below_then, mut last_finite) = (0u64, 0u64, 0u64);
         for &(bound, now) in &self.generated {
             let then = before.map_or(0, |b| cumulative(b, bound));
-            let new = now
+            let n = now
                 .saturating_sub(below_now)
                 .saturating_sub(then.saturating_sub(below_then));
             (below_now, below_then) = (now, then);
@@ -141,15 +170,26 @@ impl Metrics {
                 last_finite = bound;
                 (bound, false)
             };
-            let room = most.saturating_sub(out.len());
-            let n = usize::try_from(new).unwrap_or(usize::MAX).min(room);
+            new.push((tokens, at_cap, n));
+        }
+        let total = new.iter().fold(0u64, |t, b| t.saturating_add(b.2));
+        let most = most as u64;
+        let mut out = Vec::new();
+        for (tokens, at_cap, n) in new {
+            // Each bucket's share of `most`, rounded up so that no bucket that had outputs is
+            // left out (at most one more per bucket than `most` in all).
+            let n = if total > most {
+                (u128::from(n) * u128::from(most)).div_ceil(u128::from(total)) as u64
+            } else {
+                n
+            };
             out.extend(std::iter::repeat_n(
                 Output {
                     tokens,
                     at_cap,
                     prompt_tokens: 0,
                 },
-                n,
+                usize::try_from(n).unwrap_or(0),
             ));
         }
         out
@@ -266,7 +306,20 @@ vllm:request_generation_tokens_count{engine="0",model_name="smollm2"} 12.0
             Some(&(1000, true)),
             "past the last bound: at least that long"
         );
-        assert_eq!(m.outputs_since(None, 3).len(), 3, "bounded");
+        // Bounded, every bucket in proportion: of 12, 2 at 10, 7 at 100, 2 at 1,000, 1 past.
+        let few = lengths(m.outputs_since(None, 6));
+        assert_eq!(
+            few,
+            vec![
+                (10, false),
+                (100, false),
+                (100, false),
+                (100, false),
+                (100, false),
+                (1000, false),
+                (1000, true)
+            ]
+        );
         // Since an earlier poll: only what finished in between.
         let later = BODY
             .replace(
@@ -286,8 +339,9 @@ vllm:request_generation_tokens_count{engine="0",model_name="smollm2"} 12.0
             lengths(now.outputs_since(Some(&m), 100)),
             vec![(100, false)]
         );
-        // A restarted server (counts fell) reads as nothing new.
-        assert!(m.outputs_since(Some(&now), 100).is_empty());
+        // A restarted server: its counts fell.
+        assert!(m.restarted_since(&now));
+        assert!(!now.restarted_since(&m));
     }
 
     #[test]
@@ -320,6 +374,34 @@ vllm:request_generation_tokens_count{engine="0",model_name="smollm2"} 12.0
         assert_eq!(m.running, 0);
         assert_eq!(m.preemptions, u64::MAX);
         assert_eq!(m.waiting, 0);
+    }
+
+    #[test]
+    fn a_hostile_histogram_is_refused_and_the_older_usage_name_does_not_add_up() {
+        let mut body = BODY.to_string();
+        for i in 0..=MAX_BUCKETS {
+            body += &format!(
+                "vllm:request_generation_tokens_bucket{{le=\"{}\"}} 1\n",
+                5000 - i
+            );
+        }
+        assert!(Metrics::parse(body.as_bytes())
+            .unwrap_err()
+            .contains("buckets"));
+        let huge = BODY.to_string() + "vllm:request_generation_tokens_bucket{le=\"1e30\"} 5\n";
+        let m = Metrics::parse(huge.as_bytes()).unwrap();
+        assert!(m
+            .generated
+            .iter()
+            .all(|b| b.0 == u64::MAX || b.0 < 1_000_000_000_000_000));
+        let both = BODY.to_string() + "vllm:gpu_cache_usage_perc{engine=\"0\"} 0.2\n";
+        assert_eq!(
+            Metrics::parse(both.as_bytes()).unwrap().used_blocks,
+            9,
+            "not 18"
+        );
+        let old = BODY.replace("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc");
+        assert_eq!(Metrics::parse(old.as_bytes()).unwrap().used_blocks, 9);
     }
 
     #[test]

@@ -863,6 +863,19 @@ fn the_backend_report_informs_unknown_is_drift_and_finished_releases_early() {
     assert_eq!(Vm::metric("kvgate.ledger_errors"), 0);
 }
 
+/// Post `body` in front of a vLLM (which is told no lease id): the stream and the lease it added.
+fn post_for_lease(vm: &mut Vm, body: &str) -> (Stream, u64) {
+    let before: Vec<u64> = ledger().leases().iter().map(|l| l.id).collect();
+    let (s, _) = vm.post("/v1/completions", &[], body);
+    let id = ledger()
+        .leases()
+        .iter()
+        .map(|l| l.id)
+        .find(|id| !before.contains(id))
+        .expect("a lease was added");
+    (s, id)
+}
+
 /// vLLM's metrics: a pool of `blocks` blocks of 16 tokens, `usage` of it in use, `preemptions`
 /// so far.
 fn vllm_metrics(blocks: u64, usage: f64, preemptions: u64) -> Vec<u8> {
@@ -882,11 +895,18 @@ fn in_front_of_a_vllm_its_pool_sizes_the_ledger_its_use_is_held_back_and_preempt
         20_000,
         json!({"backend": {"api": "vllm", "cluster": "vllm", "poll_ms": 200}}),
     );
-    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
-    let id = lease_of(s);
+    let (s, id) = post_for_lease(&mut vm, &completion(100, Some(100)));
     // The request reaches vLLM without kvgate's note in its body (it would take it for a field).
     let forwarded: Value = serde_json::from_slice(&Vm::body(s)).unwrap();
     assert!(forwarded.get("kvgate").is_none());
+    for h in [
+        "x-kvgate-lease",
+        "x-kvgate-class",
+        "x-kvgate-note",
+        "x-kvgate-secret",
+    ] {
+        assert_eq!(Vm::request_header(s, h), None, "{h} is not told to vLLM");
+    }
     vm.advance_ms(5_000);
     vm.tick();
     let polls = calls_to("/metrics");
@@ -926,9 +946,9 @@ fn in_front_of_a_vllm_its_pool_sizes_the_ledger_its_use_is_held_back_and_preempt
     assert_eq!(Vm::metric("kvgate.backend_preemptions"), 5);
     assert!(logs().iter().any(|m| m.contains("preempted 3 sequences")));
     // A new request is priced with vLLM's block as its margin.
-    let (s2, _) = vm.post("/v1/completions", &[], &completion(100, Some(100)));
+    let (s2, id2) = post_for_lease(&mut vm, &completion(100, Some(100)));
     assert_eq!(
-        ledger().lease(lease_of(s2)).map(|l| l.bytes),
+        ledger().lease(id2).map(|l| l.bytes),
         Some(216 * PER_TOKEN)
     );
     // Ends release; a client gone sends vLLM no cancel (its stream's reset stops it).
@@ -954,14 +974,19 @@ fn in_front_of_a_vllm_an_elastic_class_reserves_what_its_histogram_says_outputs_
                    "elastic_min_samples": 5, "elastic_prior_tokens": 64, "elastic_quantile": 0.9}}}}),
     );
     // Before anything finished: the prior.
-    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(4_000)));
+    let (s, id) = post_for_lease(&mut vm, &completion(100, Some(4_000)));
     assert_eq!(
-        ledger().lease(lease_of(s)).map(|l| l.bytes),
+        ledger().lease(id).map(|l| l.bytes),
         Some((100 + 64) * PER_TOKEN)
     );
     vm.respond(s);
     vm.finish(s);
-    // Ten outputs of at most 50 tokens, one of at most 200.
+    // The first poll is the baseline (nothing finished yet); then ten outputs of at most 50
+    // tokens, one of at most 200.
+    vm.advance_ms(300);
+    vm.tick();
+    let polls = calls_to("/metrics");
+    vm.answer_call(polls[0].token, 200, &vllm_metrics(1_000, 0.0, 0));
     let mut body = vllm_metrics(1_000, 0.0, 0);
     body.extend_from_slice(
         b"vllm:request_generation_tokens_bucket{le=\"50.0\"} 10\n\
@@ -971,9 +996,9 @@ fn in_front_of_a_vllm_an_elastic_class_reserves_what_its_histogram_says_outputs_
     vm.advance_ms(300);
     vm.tick();
     let polls = calls_to("/metrics");
-    vm.answer_call(polls[0].token, 200, &body);
-    let (s, _) = vm.post("/v1/completions", &[], &completion(100, Some(4_000)));
-    let lease = ledger().lease(lease_of(s)).map(|l| l.bytes);
+    vm.answer_call(polls[1].token, 200, &body);
+    let (s, id) = post_for_lease(&mut vm, &completion(100, Some(4_000)));
+    let lease = ledger().lease(id).map(|l| l.bytes);
     // The 0.9 quantile of eleven: the tenth, 50 tokens, and a vLLM block of 16; the request
     // keeps its cap of 4,000.
     assert_eq!(lease, Some((100 + 50 + 16) * PER_TOKEN));
