@@ -136,6 +136,23 @@ impl Metrics {
         Ok(m)
     }
 
+    /// What happened since the previous poll `before` of the same server: the preemptions it
+    /// made and the outputs it finished (at most `most`, [`Metrics::outputs_since`]). The first
+    /// poll (`None`) is the baseline: what the server did before this gateway polled it is not
+    /// counted. A server restarted since: all of its counts are new.
+    pub fn since(&self, before: Option<&Metrics>, most: usize) -> (u64, Vec<Output>) {
+        match before {
+            None => (0, Vec::new()),
+            Some(was) if self.restarted_since(was) => {
+                (self.preemptions, self.outputs_since(None, most))
+            }
+            Some(was) => (
+                self.preemptions.saturating_sub(was.preemptions),
+                self.outputs_since(Some(was), most),
+            ),
+        }
+    }
+
     /// Did the server start again since `before` (a counter fell)?
     pub fn restarted_since(&self, before: &Metrics) -> bool {
         let finished = |m: &Metrics| m.generated.last().map_or(0, |b| b.1);
@@ -339,9 +356,19 @@ vllm:request_generation_tokens_count{engine="0",model_name="smollm2"} 12.0
             lengths(now.outputs_since(Some(&m), 100)),
             vec![(100, false)]
         );
-        // A restarted server: its counts fell.
+        // A restarted server: its counts fell, and all it has are new.
         assert!(m.restarted_since(&now));
         assert!(!now.restarted_since(&m));
+        assert_eq!(m.since(Some(&now), 100), (7, m.outputs_since(None, 100)));
+        assert_eq!(
+            now.since(Some(&m), 100),
+            (0, now.outputs_since(Some(&m), 100))
+        );
+        assert_eq!(
+            m.since(None, 100),
+            (0, Vec::new()),
+            "the first poll is the baseline"
+        );
     }
 
     #[test]

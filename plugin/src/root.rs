@@ -769,19 +769,7 @@ impl Root {
     ) -> Result<BackendReport, String> {
         let m = kvgate_core::vllm::Metrics::parse(body)?;
         if let Some(p) = self.polls.get_mut(i) {
-            // The first poll is the baseline: what the server did before this gateway polled
-            // it is not learned. A server restarted since the last poll: all of its counts are new.
-            let (moved, outputs) = match p.vllm.as_ref() {
-                None => (0, Vec::new()),
-                Some(was) if m.restarted_since(was) => (
-                    m.preemptions,
-                    m.outputs_since(None, kvgate_core::elastic::OUTPUTS_KEPT),
-                ),
-                Some(was) => (
-                    m.preemptions.saturating_sub(was.preemptions),
-                    m.outputs_since(Some(was), kvgate_core::elastic::OUTPUTS_KEPT),
-                ),
-            };
+            let (moved, outputs) = m.since(p.vllm.as_ref(), kvgate_core::elastic::OUTPUTS_KEPT);
             // For the elastic classes (vLLM does not say which class a request was: every
             // elastic class learns every output).
             let learned: Vec<(String, kvgate_core::reconcile::Output)> = rt

@@ -947,10 +947,7 @@ fn in_front_of_a_vllm_its_pool_sizes_the_ledger_its_use_is_held_back_and_preempt
     assert!(logs().iter().any(|m| m.contains("preempted 3 sequences")));
     // A new request is priced with vLLM's block as its margin.
     let (s2, id2) = post_for_lease(&mut vm, &completion(100, Some(100)));
-    assert_eq!(
-        ledger().lease(id2).map(|l| l.bytes),
-        Some(216 * PER_TOKEN)
-    );
+    assert_eq!(ledger().lease(id2).map(|l| l.bytes), Some(216 * PER_TOKEN));
     // Ends release; a client gone sends vLLM no cancel (its stream's reset stops it).
     vm.respond(s);
     vm.finish(s);
