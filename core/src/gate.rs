@@ -691,18 +691,31 @@ mod tests {
         assert_eq!(l.counters().rejected, 1);
     }
 
-    #[test]
-    fn degrade_lowers_the_cap_and_says_so() {
+    /// A 5,000-token budget whose default class degrades (to at least 100 tokens), an empty
+    /// ledger, and a pricer of 200-token prompts asking for `max_tokens`.
+    fn degrading() -> (Config, ClassPolicy, Ledger, impl Fn(&Config, u64) -> Priced) {
         let c = cfg(
             r#"{"classes":{"default":{"action":"degrade","min_output_tokens":100}}}"#,
             5000,
         );
         let class = c.policy.default_class().clone();
-        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
-        let p = priced(
-            &c,
-            &format!(r#"{{"prompt":{:?},"max_tokens":4000}}"#, vec![1; 200]),
-        );
+        let l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let ask = |c: &Config, max_tokens: u64| {
+            priced(
+                c,
+                &format!(
+                    r#"{{"prompt":{:?},"max_tokens":{max_tokens}}}"#,
+                    vec![1; 200]
+                ),
+            )
+        };
+        (c, class, l, ask)
+    }
+
+    #[test]
+    fn degrade_lowers_the_cap_and_says_so() {
+        let (c, class, mut l, ask) = degrading();
+        let p = ask(&c, 4000);
         assert!(matches!(
             decide(&mut l, &c, &class, &p, ANY, 0, 1),
             Decision::Admitted {
@@ -733,17 +746,9 @@ mod tests {
 
     #[test]
     fn degrade_lowers_a_cap_larger_than_the_whole_budget() {
-        let c = cfg(
-            r#"{"classes":{"default":{"action":"degrade","min_output_tokens":100}}}"#,
-            5000,
-        );
-        let class = c.policy.default_class().clone();
-        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let (c, class, mut l, ask) = degrading();
         // 200 + 6,000 tokens: more than the 5,000 the budget holds even when empty.
-        let p = priced(
-            &c,
-            &format!(r#"{{"prompt":{:?},"max_tokens":6000}}"#, vec![1; 200]),
-        );
+        let p = ask(&c, 6000);
         match decide(&mut l, &c, &class, &p, ANY, 0, 1) {
             Decision::Admitted {
                 cap, degraded_from, ..
@@ -753,10 +758,7 @@ mod tests {
         assert_eq!(l.counters().rejected, 0);
         // With room for 800 tokens left: degraded further, still from the cap it asked for.
         let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
-        let small = priced(
-            &c,
-            &format!(r#"{{"prompt":{:?},"max_tokens":4000}}"#, vec![1; 200]),
-        );
+        let small = ask(&c, 4000);
         assert!(matches!(
             decide(&mut l, &c, &class, &small, ANY, 0, 1),
             Decision::Admitted { .. }
