@@ -521,34 +521,28 @@ impl HttpContext for Filter {
         // Announce the lease and class; drop content-length (the body will be rewritten; the
         // buffer filter sets the new length once the whole body is known).
         let secret = rt.cfg.backend.as_ref().map_or("", |b| b.secret.as_str());
+        let lease = lease_id.to_string();
+        let mut told: Vec<(&str, &str)> = Vec::new();
         // A vLLM keeps no leases: it is told none of them.
-        let tells = rt.cfg.backend.as_ref().is_none_or(|b| b.keeps_leases());
-        let set = abi::remove_header(REQ, "content-length")
-            .and_then(|()| match tells {
-                true => abi::set_header(REQ, "x-kvgate-lease", &lease_id.to_string()),
-                false => Ok(()),
-            })
-            .and_then(|()| match tells {
-                true => abi::set_header(REQ, "x-kvgate-class", &class),
-                false => Ok(()),
-            })
-            .and_then(|()| {
-                // The body this filter forwards carries its note (`kvgate`), or none: the
-                // backend reads that field only beside this header, so a client's own copy
-                // is never read (shadow mode and unguarded paths forward bodies unchanged).
-                if rt.cfg.mode == kvgate_core::config::Mode::Shadow || !tells {
-                    Ok(())
-                } else {
-                    abi::set_header(REQ, NOTE_HEADER, "body")
-                }
-            })
-            .and_then(|()| {
-                if secret.is_empty() {
-                    Ok(())
-                } else {
-                    abi::set_header(REQ, "x-kvgate-secret", secret)
-                }
-            });
+        if rt.cfg.backend.as_ref().is_none_or(|b| b.keeps_leases()) {
+            told.extend([
+                ("x-kvgate-lease", lease.as_str()),
+                ("x-kvgate-class", &class),
+            ]);
+            // The body this filter forwards carries its note (`kvgate`), or none: the backend
+            // reads that field only beside this header, so a client's own copy is never read
+            // (shadow mode and unguarded paths forward bodies unchanged).
+            if rt.cfg.mode != kvgate_core::config::Mode::Shadow {
+                told.push((NOTE_HEADER, "body"));
+            }
+        }
+        if !secret.is_empty() {
+            told.push(("x-kvgate-secret", secret));
+        }
+        let set = abi::remove_header(REQ, "content-length").and_then(|()| {
+            told.iter()
+                .try_for_each(|(k, v)| abi::set_header(REQ, k, v))
+        });
         if let Err(s) = set {
             let err = ApiError::new(
                 ErrorKind::Internal,

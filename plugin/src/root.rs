@@ -768,6 +768,7 @@ impl Root {
         body: &[u8],
     ) -> Result<BackendReport, String> {
         let m = kvgate_core::vllm::Metrics::parse(body)?;
+        let report = m.report(rt.cfg.pricing.bytes_per_token);
         if let Some(p) = self.polls.get_mut(i) {
             let (moved, outputs) = m.since(p.vllm.as_ref(), kvgate_core::elastic::OUTPUTS_KEPT);
             // For the elastic classes (vLLM does not say which class a request was: every
@@ -791,7 +792,6 @@ impl Root {
                     m.blocks
                 ));
             }
-            let report = m.report(rt.cfg.pricing.bytes_per_token);
             p.vllm = Some(m);
             // Every worker polls: the gauge is the servers' own counters (each worker sets the
             // same), not a count of what each worker saw move.
@@ -801,9 +801,8 @@ impl Root {
                 .filter_map(|p| p.vllm.as_ref())
                 .fold(0u64, |t, m| t.saturating_add(m.preemptions));
             self.worker.metrics.backend_preemptions.set(total);
-            return Ok(report);
         }
-        Ok(m.report(rt.cfg.pricing.bytes_per_token))
+        Ok(report)
     }
 
     /// `"model": "from_backend"`: take the descriptor when a poll asked for it. Returns whether
