@@ -1,16 +1,30 @@
-//! The KV block pool: the backend's allocator for KV cache, with a hard byte budget.
+//! The KV block pool: the backend's allocator for KV cache, with a hard byte budget, and its
+//! prefix cache.
 //!
 //! Design: `total` blocks of `block_tokens` tokens each; a flat `Vec<u32>` links free blocks by
 //! index (`next[i]` is the free block after `i`), so allocation and release are O(blocks moved)
-//! with no per-block heap objects. An `Allocation` owns its block ids and returns them to the
-//! pool when dropped, so a sequence that ends for any reason (finished, cancelled, client gone,
-//! error) frees its KV.
+//! with no per-block heap objects. An `Allocation` owns references to its block ids and gives
+//! them back when dropped, so a sequence that ends for any reason (finished, cancelled, client
+//! gone, error) frees its KV.
 //!
-//! Costs: `allocate(n)` O(n), all-or-nothing; `grow(n)` O(n); drop and `release` O(held);
-//! stats O(1).
-//! Invariant (checked by `check` in tests, `debug_assert!` on every operation): the free list
-//! has exactly `free` entries, no block is both free and held.
+//! Prefix cache: a full block of a prompt is keyed by a hash chained over the token ids of every
+//! block up to it ([`BlockPool::prefix_hashes`], keyed per process so no client can aim at
+//! another's hash). Once written, a block is registered under its hash (`Allocation::register`);
+//! a later prompt that starts with the same blocks takes references to them
+//! (`Allocation::adopt`) and skips their prefill. A block is given back to the pool when its
+//! last reference goes: unregistered, to the free list; registered, to the cached list, where it
+//! still counts as free and is taken (least recently used first, its hash forgotten) only when
+//! the free list is empty. A shared block is never written again: a sequence writes only past
+//! the prompt blocks it adopted.
+//!
+//! Costs: `allocate(n)` O(n), all-or-nothing; `grow(n)` O(n log c) (c cached blocks); drop and
+//! `release` O(held log c); `adopt` O(hit blocks log c); stats O(1).
+//! Invariant (checked by `check` in tests): the free list has exactly `free` entries, no block
+//! is both free and held, cached blocks are registered and unreferenced.
 
+use std::collections::hash_map::RandomState;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 const NIL: u32 = u32::MAX;
@@ -19,7 +33,18 @@ const NIL: u32 = u32::MAX;
 struct State {
     next: Vec<u32>,
     free_head: u32,
+    /// Blocks on the free list (cached blocks are free too: `free + cached.len()`).
     free: u32,
+    /// References to each block (sequences holding it).
+    refs: Vec<u32>,
+    /// The prefix hash a block is registered under (0: none).
+    hash_of: Vec<u64>,
+    index: HashMap<u64, u32>,
+    /// Registered blocks nobody references, by when they were last given back (oldest first).
+    cached: BTreeMap<u64, u32>,
+    /// Each cached block's key in `cached`.
+    cached_at: Vec<u64>,
+    tick: u64,
 }
 
 /// Shared handle to the pool. Cloning shares the same blocks.
@@ -29,12 +54,13 @@ pub struct BlockPool {
     total: u32,
     pub block_tokens: u32,
     pub block_bytes: u64,
+    keys: RandomState,
 }
 
 /// The pool's state as the lease report carries it (one type for the wire and the pool).
 pub use kvgate_core::wire::PoolReport as PoolStats;
 
-/// Blocks held by one sequence; returned to the pool on drop.
+/// Blocks held by one sequence; given back to the pool on drop.
 #[derive(Debug)]
 pub struct Allocation {
     pool: BlockPool,
@@ -56,10 +82,17 @@ impl BlockPool {
                 next,
                 free_head: if total > 0 { 0 } else { NIL },
                 free: total,
+                refs: vec![0; total as usize],
+                hash_of: vec![0; total as usize],
+                index: HashMap::new(),
+                cached: BTreeMap::new(),
+                cached_at: vec![0; total as usize],
+                tick: 0,
             })),
             total,
             block_tokens,
             block_bytes,
+            keys: RandomState::new(),
         }
     }
 
@@ -73,8 +106,25 @@ impl BlockPool {
         u32::try_from(tokens.div_ceil(u64::from(self.block_tokens))).unwrap_or(u32::MAX)
     }
 
+    /// The prefix hashes of `tokens`' first `blocks` full blocks: each over its block's token
+    /// ids and the hash before it, so equal hashes mean equal prefixes (never 0: 0 is "none").
+    pub fn prefix_hashes(&self, tokens: &[u32], blocks: usize) -> Vec<u64> {
+        let mut parent = 0u64;
+        tokens
+            .chunks_exact(self.block_tokens.max(1) as usize)
+            .take(blocks)
+            .map(|chunk| {
+                parent = self.keys.hash_one((parent, chunk)) | 1;
+                parent
+            })
+            .collect()
+    }
+
     pub fn stats(&self) -> PoolStats {
-        let free = self.lock().free;
+        let free = {
+            let s = self.lock();
+            s.free + s.cached.len() as u32
+        };
         let used = self.total - free;
         PoolStats {
             blocks_total: self.total,
@@ -86,6 +136,11 @@ impl BlockPool {
             free_bytes: u64::from(free) * self.block_bytes,
             promised_bytes: 0,
         }
+    }
+
+    /// Blocks kept for their prefix that nobody holds (free, taken last).
+    pub fn cached_blocks(&self) -> u32 {
+        self.lock().cached.len() as u32
     }
 
     /// Take `n` blocks, all or nothing.
@@ -101,36 +156,90 @@ impl BlockPool {
         }
     }
 
+    /// Take `n` blocks, all or nothing: from the free list, then the least recently used cached
+    /// blocks (their prefixes are forgotten).
     fn take(&self, n: u32, out: &mut Vec<u32>) -> bool {
         let mut s = self.lock();
-        if s.free < n {
+        if s.free.saturating_add(s.cached.len() as u32) < n {
             return false;
         }
         out.reserve(n as usize);
         for _ in 0..n {
-            let b = s.free_head;
-            s.free_head = s.next.get(b as usize).copied().unwrap_or(NIL);
+            let b = if s.free_head != NIL {
+                let b = s.free_head;
+                s.free_head = s.next.get(b as usize).copied().unwrap_or(NIL);
+                s.free -= 1;
+                b
+            } else {
+                let Some((_, b)) = s.cached.pop_first() else {
+                    break;
+                };
+                let h = std::mem::take(&mut s.hash_of[b as usize]);
+                s.index.remove(&h);
+                b
+            };
+            s.refs[b as usize] = 1;
             out.push(b);
         }
-        s.free -= n;
         debug_assert!(s.free > 0 || s.free_head == NIL);
         true
+    }
+
+    /// Take a reference to each cached block `hashes` name, in order, up to the first that is
+    /// not cached; their ids.
+    fn adopt(&self, hashes: &[u64], out: &mut Vec<u32>) -> usize {
+        let mut s = self.lock();
+        let mut n = 0;
+        for h in hashes {
+            let Some(&b) = s.index.get(h) else {
+                break;
+            };
+            let i = b as usize;
+            if s.refs[i] == 0 {
+                let at = s.cached_at[i];
+                s.cached.remove(&at);
+            }
+            s.refs[i] += 1;
+            out.push(b);
+            n += 1;
+        }
+        n
+    }
+
+    /// Whether a written block is cached under `hash` (for a sequence deciding whether to wait
+    /// for a prefix another one is writing).
+    pub fn is_cached(&self, hash: u64) -> bool {
+        self.lock().index.contains_key(&hash)
     }
 
     fn give_back(&self, blocks: &[u32]) {
         let mut s = self.lock();
         for &b in blocks {
-            let head = s.free_head;
-            if let Some(slot) = s.next.get_mut(b as usize) {
-                *slot = head;
+            let i = b as usize;
+            let Some(r) = s.refs.get_mut(i) else {
+                continue;
+            };
+            *r = r.saturating_sub(1);
+            if *r > 0 {
+                continue;
+            }
+            if s.hash_of[i] != 0 {
+                s.tick += 1;
+                let t = s.tick;
+                s.cached_at[i] = t;
+                s.cached.insert(t, b);
+            } else {
+                let head = s.free_head;
+                s.next[i] = head;
                 s.free_head = b;
                 s.free += 1;
             }
         }
-        debug_assert!(s.free <= self.total);
+        debug_assert!(s.free + s.cached.len() as u32 <= self.total);
     }
 
-    /// Walk the free list: its length must equal the free count and hold no duplicates.
+    /// Walk the free list: its length must equal the free count and hold no duplicates; cached
+    /// blocks are registered and unreferenced; held blocks are on neither list.
     #[cfg(test)]
     pub fn check(&self) -> Result<(), String> {
         let s = self.lock();
@@ -146,10 +255,25 @@ impl BlockPool {
             }
             *slot = true;
             n += 1;
+            if s.refs[at as usize] != 0 || s.hash_of[at as usize] != 0 {
+                return Err(format!("free block {at} is held or registered"));
+            }
             at = s.next[at as usize];
         }
         if n != s.free {
             return Err(format!("free list has {n} blocks, count says {}", s.free));
+        }
+        for &b in s.cached.values() {
+            let i = b as usize;
+            if seen[i] || s.refs[i] != 0 || s.index.get(&s.hash_of[i]) != Some(&b) {
+                return Err(format!("cached block {b} is free, held or unregistered"));
+            }
+            seen[i] = true;
+        }
+        for (i, seen) in seen.iter().enumerate() {
+            if !seen && s.refs[i] == 0 {
+                return Err(format!("block {i} is neither free, cached nor held"));
+            }
         }
         Ok(())
     }
@@ -172,6 +296,27 @@ impl Allocation {
 
     pub fn bytes(&self) -> u64 {
         u64::from(self.blocks()) * self.pool.block_bytes
+    }
+
+    /// Take references to the cached blocks that start `hashes` (as many as are cached, in
+    /// order) after the blocks it holds; how many. Only an allocation holding nothing but
+    /// adopted blocks adopts more (a block's position is its place in the prompt).
+    pub fn adopt(&mut self, hashes: &[u64]) -> usize {
+        let pool = self.pool.clone();
+        pool.adopt(hashes, &mut self.blocks)
+    }
+
+    /// Its `i`th block now holds the prompt block `hash` names: cached under it, unless another
+    /// block is already (this one then stays its own).
+    pub fn register(&self, i: usize, hash: u64) {
+        let Some(&b) = self.blocks.get(i) else {
+            return;
+        };
+        let mut s = self.pool.lock();
+        if s.hash_of[b as usize] == 0 && !s.index.contains_key(&hash) {
+            s.hash_of[b as usize] = hash;
+            s.index.insert(hash, b);
+        }
     }
 
     /// Take `n` more blocks, all or nothing.
@@ -248,6 +393,75 @@ mod tests {
         drop(b);
         assert_eq!(p.stats().blocks_free, 4);
         p.check().unwrap();
+    }
+
+    #[test]
+    fn a_registered_prefix_is_shared_kept_as_free_room_and_evicted_last_used_first() {
+        let p = BlockPool::new(6 * 4, 4, 1);
+        let prompt: Vec<u32> = (0..13).collect();
+        let hashes = p.prefix_hashes(&prompt, 3);
+        assert_eq!(hashes.len(), 3);
+        assert_eq!(p.prefix_hashes(&prompt[..8], 9), hashes[..2], "chained, full blocks only");
+        let mut other = prompt.clone();
+        other[0] = 99;
+        assert_ne!(p.prefix_hashes(&other, 3)[2], hashes[2], "a block's hash covers the prefix");
+
+        let mut a = p.allocate(0).unwrap();
+        assert_eq!(a.adopt(&hashes), 0, "nothing cached yet");
+        assert!(a.grow(4));
+        for (i, h) in hashes.iter().enumerate() {
+            a.register(i, *h);
+        }
+        let mut b = p.allocate(0).unwrap();
+        assert_eq!(b.adopt(&hashes), 3, "the same prompt shares all three");
+        assert!(b.grow(1));
+        assert_eq!(b.ids()[..3], a.ids()[..3]);
+        assert_eq!(p.stats().blocks_free, 1, "4 + 1 blocks held, 3 of them shared");
+        drop(a);
+        assert_eq!(p.stats().blocks_free, 2, "only a's own block went back");
+        drop(b);
+        assert_eq!((p.stats().blocks_free, p.cached_blocks()), (6, 3));
+        p.check().unwrap();
+
+        // Cached blocks are free room, taken after the free list, least recently used first.
+        let c = p.allocate(4).unwrap();
+        assert_eq!(p.cached_blocks(), 2, "three free blocks, then one cached one");
+        let mut d = p.allocate(0).unwrap();
+        assert_eq!(d.adopt(&hashes), 0, "the first block's hash was forgotten");
+        assert!(p.is_cached(hashes[2]));
+        drop((c, d));
+        p.check().unwrap();
+    }
+
+    proptest! {
+        #[test]
+        fn invariants_with_shared_prefixes(ops in proptest::collection::vec((0u8..4, 0u32..6), 1..200)) {
+            let p = BlockPool::new(16 * 2, 2, 1);
+            let prompts: Vec<Vec<u32>> = (0..3u32).map(|k| (0..12).map(|i| i / (4 + k)).collect()).collect();
+            let mut held: Vec<Allocation> = Vec::new();
+            for (op, n) in ops {
+                let hashes = p.prefix_hashes(&prompts[n as usize % 3], 6);
+                match op {
+                    0 => {
+                        let mut a = p.allocate(0).unwrap();
+                        let k = a.adopt(&hashes);
+                        if a.grow(6 - k as u32) {
+                            for (i, h) in hashes.iter().enumerate() {
+                                a.register(i, *h);
+                            }
+                            held.push(a);
+                        }
+                    }
+                    1 => if !held.is_empty() { held.swap_remove(n as usize % held.len()); },
+                    2 => if let Some(a) = held.last_mut() { a.grow(n); },
+                    _ => if let Some(a) = held.first_mut() { a.shrink_to_tokens(u64::from(n)); },
+                }
+                prop_assert!(p.check().is_ok(), "{:?}", p.check());
+            }
+            held.clear();
+            prop_assert_eq!(p.stats().blocks_free, 16);
+            prop_assert!(p.check().is_ok());
+        }
     }
 
     proptest! {
