@@ -137,6 +137,7 @@ fn stall_arm(o: &Opts, chunk: usize) {
             max_batch: 16,
             prefill_token_budget: chunk,
             lazy_blocks: false,
+            prefix_caching: false,
             step_delay: Duration::ZERO,
         },
         Arc::new(kvgate_backend::metrics::Metrics::default()),

@@ -104,6 +104,7 @@ fn run_arm(
             max_batch: 16,
             prefill_token_budget: 2048,
             lazy_blocks: false,
+            prefix_caching: false,
             step_delay: Duration::ZERO,
         },
         Arc::new(kvgate_backend::metrics::Metrics::default()),

@@ -61,7 +61,7 @@
 //! `kvgate_core::wire`), stop-string hold-back in `tokenizer::TextStream`, metrics in
 //! `metrics.rs`.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -118,6 +118,9 @@ pub struct EngineConfig {
     /// A reservation is a promise of blocks, taken as the sequence grows (`--admission reserve`
     /// only; see the module header).
     pub lazy_blocks: bool,
+    /// Keep written prompt blocks for the prompts that start with them (a paged model only;
+    /// see `pool`).
+    pub prefix_caching: bool,
     /// Test-only: sleep this long in every scheduler step (a slow backend on demand).
     pub step_delay: Duration,
 }
@@ -153,6 +156,11 @@ struct Seq<K> {
     /// Prompt tokens counted as prefilled so far (a prompt fed again after a preemption counts
     /// as recomputed).
     prompt_fed: usize,
+    /// The prefix hashes of its prompt's full blocks, all but the last token (a prefill feeds
+    /// at least one token, for its logits); empty without prefix caching.
+    prefix: Vec<u64>,
+    /// Its first blocks that were cached when it took them: written, never written again.
+    adopted: usize,
 }
 
 impl<K: KvState> Seq<K> {
@@ -175,6 +183,20 @@ impl<K: KvState> Seq<K> {
 
     fn prefill_len(&self) -> usize {
         self.prompt.len() + self.generated.len()
+    }
+
+    /// Its prefix blocks within its reservation: each is promised once among all the live
+    /// sequences whose reservations hold it (`Engine::promised_blocks`).
+    fn counted_prefix(&self) -> &[u64] {
+        let n = self.prefix.len().min(self.promised_blocks as usize);
+        self.prefix.get(..n).unwrap_or_default()
+    }
+
+    /// Give back every block and the cache they hold (recomputed when it runs again).
+    fn drop_cache(&mut self) {
+        self.alloc.release();
+        self.kv = None;
+        self.adopted = 0;
     }
 
     /// Holds blocks beyond its reservation (counted in blocks: the reservation's last block may
@@ -340,22 +362,37 @@ impl<M: Forward> Engine<M> {
             Admission::None => 0,
         };
         let blocks = self.pool.blocks_for(reserve_tokens);
+        let prefix = match self.cfg.prefix_caching && self.model.shares_blocks() {
+            true => self.pool.prefix_hashes(
+                &s.prompt,
+                s.prompt.len().saturating_sub(1) / self.pool.block_tokens.max(1) as usize,
+            ),
+            false => Vec::new(),
+        };
+        // The cached blocks its prompt starts with are its own from now on (no longer free to
+        // be taken), as far as its reservation reaches.
+        let mut alloc = self.pool.allocate(0);
+        let adopted = alloc.as_mut().map_or(0, |a| {
+            a.adopt(prefix.get(..(blocks as usize).min(prefix.len())).unwrap_or_default())
+        });
         let alloc = if self.lazy() {
             // A promise: admitted while the peak of what the live sequences can hold together,
-            // and its whole reservation, fit the pool; no block is taken (and no borrower
-            // preempted) until the sequence grows into them.
-            (blocks <= self.unpromised_blocks())
-                .then(|| self.pool.allocate(0))
-                .flatten()
+            // and its whole reservation, fit the pool (its prefix blocks promised once among
+            // the sequences that share them); no block is taken (and no borrower preempted)
+            // until the sequence grows into them.
+            let counted = prefix.get(..(blocks as usize).min(prefix.len()));
+            let held = self.promised_blocks(Some((counted.unwrap_or_default(), blocks)));
+            alloc.filter(|_| held <= self.pool.stats().blocks_total)
         } else {
             // Blocks lent to elastic sequences come back first: the gateway admitted this one.
             // Only when that makes room: a borrower preempted for a reservation refused anyway
             // would be recomputed for nothing (and again at every retry of the same request).
+            let need = blocks.saturating_sub(adopted as u32);
             let free = self.pool.stats().blocks_free;
-            if free < blocks && free.saturating_add(self.borrowed_blocks()) >= blocks {
-                self.reclaim_borrowed(blocks);
+            if free < need && free.saturating_add(self.borrowed_blocks()) >= need {
+                self.reclaim_borrowed(need);
             }
-            self.pool.allocate(blocks)
+            alloc.and_then(|mut a| a.grow(need).then_some(a))
         };
         let Some(alloc) = alloc else {
             self.metrics.rejected_kv.inc();
@@ -419,6 +456,8 @@ impl<M: Forward> Engine<M> {
             last_token: None,
             prefilling: false,
             prompt_fed: 0,
+            prefix,
+            adopted,
         });
         // The lease report reads the promises (and the allocator, as far as it had taken
         // blocks) from what was published: a promise published only after the step that takes
@@ -431,45 +470,91 @@ impl<M: Forward> Engine<M> {
         }
     }
 
+    /// Whether waiting sequence `i`, about to start, waits for an older live sequence to write
+    /// the next block of its prefix (lazy blocks: that block is promised once, so it must not
+    /// be written twice). First it takes the blocks of its prefix cached since it arrived, as
+    /// long as it holds nothing else (a block's place is its place in the prompt).
+    fn waits_for_its_prefix(&mut self, i: usize) -> bool {
+        let lazy = self.lazy();
+        let Some(s) = self.waiting.get_mut(i) else {
+            return false;
+        };
+        if s.kv.is_some() || s.alloc.blocks() as usize != s.adopted {
+            return false;
+        }
+        let rest = s.prefix.get(s.adopted..).unwrap_or_default();
+        s.adopted += s.alloc.adopt(rest);
+        let (order, at) = (s.order, s.adopted);
+        let Some(&next) = s.prefix.get(at) else {
+            return false;
+        };
+        lazy && self
+            .running
+            .iter()
+            .chain(self.waiting.iter())
+            .any(|o| o.order < order && o.prefix.get(at) == Some(&next))
+    }
+
     /// `--lazy-blocks` under `--admission reserve`.
     fn lazy(&self) -> bool {
         self.cfg.lazy_blocks && self.cfg.admission == Admission::Reserve
     }
 
     /// Blocks the live sequences' reservations will never need at any one step (what
-    /// `--lazy-blocks` admits into): the pool less, for the sequences decoding within their
-    /// reservations, the peak of what they can hold as each grows a token a step to its cap
-    /// and ends (the time-aware worst case, `kvgate_core::peak`: every running sequence decodes
-    /// in every step, and none within its reservation is preempted), and less every other
+    /// `--lazy-blocks` admits into): the pool less [`Self::promised_blocks`].
+    fn unpromised_blocks(&self) -> u32 {
+        let held = self.promised_blocks(None);
+        self.pool.stats().blocks_total.saturating_sub(held)
+    }
+
+    /// The most blocks the live sequences' reservations (and `newcomer`'s: its prefix hashes
+    /// and reservation) can hold at any one step to come: for the sequences decoding within
+    /// their reservations, the peak of what they can hold as each grows a token a step to its
+    /// cap and ends (the time-aware worst case, `kvgate_core::peak`: every running sequence
+    /// decodes in every step, and none within its reservation is preempted), plus every other
     /// sequence's whole reservation (waiting, part-way through a prefill, elastic ones, which
     /// may stop decoding before they end). Not the newcomer and the waiting ones by their
     /// growth too: live, against the sum of caps in the same run, it made 1.13x the goodput but
     /// completed 50 of 88 requests against 73 (this rule, in another run: 70 against 73; docs/
     /// design/015-time-aware-worst-case.md).
-    fn unpromised_blocks(&self) -> u32 {
+    ///
+    /// A prefix block that several reservations hold is counted once, on the holder that may
+    /// hold it longest: one counted whole if any, else the decoding one furthest from its end.
+    fn promised_blocks(&self, newcomer: Option<(&[u64], u32)>) -> u32 {
         let b = u64::from(self.pool.block_tokens.max(1));
         let decoding = |s: &&Seq<M::Kv>| !s.prefilling && !s.elastic && s.kv.is_some();
-        // In tokens, each with its last block's rounding: their sum over B bounds the blocks.
-        let growth: Vec<Growth> = self
-            .running
-            .iter()
-            .filter(decoding)
-            .map(|s| Growth {
-                now: s.prefill_len() as u64 + 1 + (b - 1),
-                per_step: 1,
-                most: u64::from(s.promised_blocks) * b,
-                steps_left: s.params.max_tokens.saturating_sub(s.generated.len() as u64),
-            })
-            .collect();
-        let decoding_peak = u32::try_from(peak(&growth) / b).unwrap_or(u32::MAX);
-        let held = self
+        let steps_left = |s: &Seq<M::Kv>| s.params.max_tokens.saturating_sub(s.generated.len() as u64);
+        let mut counted: HashSet<u64> = HashSet::new();
+        // Of a reservation's prefix blocks, those another holder counts.
+        let mut shared = |prefix: &[u64]| prefix.iter().filter(|h| !counted.insert(**h)).count() as u32;
+        let mut held: u32 = 0;
+        let whole = self
             .running
             .iter()
             .filter(|s| !decoding(s))
             .chain(self.waiting.iter())
-            .map(|s| s.promised_blocks)
-            .fold(decoding_peak, u32::saturating_add);
-        self.pool.stats().blocks_total.saturating_sub(held)
+            .map(|s| (s.counted_prefix(), s.promised_blocks))
+            .chain(newcomer);
+        for (prefix, promised) in whole {
+            held = held.saturating_add(promised.saturating_sub(shared(prefix)));
+        }
+        let mut decoders: Vec<&Seq<M::Kv>> = self.running.iter().filter(decoding).collect();
+        decoders.sort_by_key(|s| std::cmp::Reverse(steps_left(s)));
+        // In tokens, each with its last block's rounding: their sum over B bounds the blocks.
+        let growth: Vec<Growth> = decoders
+            .into_iter()
+            .map(|s| {
+                let elsewhere = u64::from(shared(s.counted_prefix())) * b;
+                Growth {
+                    now: (s.prefill_len() as u64 + 1 + (b - 1)).saturating_sub(elsewhere),
+                    per_step: 1,
+                    most: (u64::from(s.promised_blocks) * b).saturating_sub(elsewhere),
+                    steps_left: steps_left(s),
+                }
+            })
+            .collect();
+        let decoding_peak = u32::try_from(peak(&growth) / b).unwrap_or(u32::MAX);
+        held.saturating_add(decoding_peak)
     }
 
     fn drop_abandoned(&mut self) {
@@ -518,6 +603,10 @@ impl<M: Forward> Engine<M> {
         let mut passed = 0;
         let lazy = self.lazy();
         while budget > 0 && self.running.len() < self.cfg.max_batch {
+            if self.waits_for_its_prefix(passed) {
+                passed += 1;
+                continue;
+            }
             let Some(front) = self.waiting.get_mut(passed) else {
                 break;
             };
@@ -572,8 +661,7 @@ impl<M: Forward> Engine<M> {
                     .iter_mut()
                     .filter(|s| s.elastic && s.order > order)
                 {
-                    s.alloc.release();
-                    s.kv = None;
+                    s.drop_cache();
                 }
                 passed = oldest;
                 room = self.waiting.get_mut(passed).is_some_and(|f| {
@@ -610,7 +698,17 @@ impl<M: Forward> Engine<M> {
                     .model
                     .grow_kv(&mut kv, seq.alloc.ids(), tokens)
                     .map(|()| kv),
-                None => self.model.new_kv(seq.alloc.ids(), tokens),
+                None => {
+                    // Its first blocks hold a cached prefix: fed from after them.
+                    let b = self.pool.block_tokens as usize;
+                    seq.adopted = seq.adopted.min(seq.alloc.blocks() as usize);
+                    let cached = seq.prompt.get(..seq.adopted * b).unwrap_or_default();
+                    self.metrics
+                        .prefix_cached_tokens
+                        .inc_by(cached.len() as u64);
+                    seq.prompt_fed = seq.prompt_fed.max(cached.len());
+                    self.model.new_kv(seq.alloc.ids(), tokens, cached)
+                }
             };
             match kv {
                 Ok(kv) => {
@@ -645,6 +743,11 @@ impl<M: Forward> Engine<M> {
                 return n;
             }
         };
+        // Its prompt blocks written now are cached for the prompts that start with them.
+        let written = seq.kv.as_ref().map_or(0, |kv| kv.len()) / self.pool.block_tokens as usize;
+        for (i, h) in seq.prefix.iter().enumerate().take(written).skip(seq.adopted) {
+            seq.alloc.register(i, *h);
+        }
         // Prompt positions fed for the first time count as prompt; the rest was recomputed,
         // except the token sampled last before a preemption, which was never fed.
         let fresh = (done + n)
@@ -928,6 +1031,10 @@ impl<M: Forward> Engine<M> {
                     .elastic
                     .then(|| s.promised.saturating_sub(s.prompt.len() as u64)),
                 resuming,
+                prefix_tokens: match lazy {
+                    true => s.counted_prefix().len() as u64 * block_tokens,
+                    false => 0,
+                },
             }
         };
         let leases: Vec<LeaseEntry> = self

@@ -7,8 +7,14 @@ use crate::model::{Llama, SeqKv};
 
 pub trait Forward {
     type Kv: KvState + Send;
-    /// An empty cache for `capacity` tokens in the KV blocks `blocks` (the pool's ids).
-    fn new_kv(&self, blocks: &[u32], capacity: usize) -> anyhow::Result<Self::Kv>;
+    /// A cache for `capacity` tokens in the KV blocks `blocks` (the pool's ids), holding
+    /// `cached`: the tokens its first blocks already hold (a shared prefix; empty unless
+    /// `shares_blocks`).
+    fn new_kv(&self, blocks: &[u32], capacity: usize, cached: &[u32])
+        -> anyhow::Result<Self::Kv>;
+    /// Whether a block written for one sequence can be read by another (the paged arena): what
+    /// prefix caching needs.
+    fn shares_blocks(&self) -> bool;
     /// Grow to `capacity` tokens in `blocks` (the blocks it had, then new ones).
     fn grow_kv(&self, kv: &mut Self::Kv, blocks: &[u32], capacity: usize) -> anyhow::Result<()>;
     /// Cut back to the first `blocks` of those it had and `capacity` tokens, keeping the
@@ -42,8 +48,11 @@ impl KvState for SeqKv {
 
 impl Forward for Llama {
     type Kv = SeqKv;
-    fn new_kv(&self, blocks: &[u32], capacity: usize) -> anyhow::Result<SeqKv> {
-        Llama::new_kv(self, blocks, capacity)
+    fn new_kv(&self, blocks: &[u32], capacity: usize, cached: &[u32]) -> anyhow::Result<SeqKv> {
+        Llama::new_kv(self, blocks, capacity)?.starting_at(cached.len())
+    }
+    fn shares_blocks(&self) -> bool {
+        self.is_paged()
     }
     fn grow_kv(&self, kv: &mut SeqKv, blocks: &[u32], capacity: usize) -> anyhow::Result<()> {
         Llama::grow_kv(self, kv, blocks, capacity)

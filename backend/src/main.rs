@@ -85,6 +85,13 @@ struct Args {
     /// false`: blocks taken at admission).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     lazy_blocks: bool,
+    /// Keep the KV blocks of prompts for the prompts that start the same way (agents sharing a
+    /// system prompt): such a prompt shares the cached blocks and skips their prefill, and under
+    /// lazy blocks a block several reservations hold is promised once. Cached blocks nobody
+    /// holds count as free (taken least recently used first). Needs the paged KV arena
+    /// (`--kv-layout paged`).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    prefix_caching: bool,
     /// Most sequences decoded together in one batched step.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
@@ -367,6 +374,7 @@ async fn main() -> Result<()> {
             max_batch: args.max_batch.max(1),
             prefill_token_budget,
             lazy_blocks: args.lazy_blocks,
+            prefix_caching: args.prefix_caching,
             step_delay: std::time::Duration::from_millis(args.step_delay_ms),
         },
         metrics,

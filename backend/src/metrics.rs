@@ -37,6 +37,9 @@ pub struct Metrics {
     pub recompute_preemptions: Counter,
     /// Tokens prefilled again for preempted sequences (prompt + generated so far).
     pub recomputed_tokens: Counter,
+    /// Tokens not prefilled (at a first start or a restart): their KV blocks were cached (a
+    /// shared prefix).
+    pub prefix_cached_tokens: Counter,
     pub preempted: Counter,
     pub demoted: Counter,
     pub cancelled: Counter,
@@ -80,6 +83,7 @@ impl Metrics {
             kv_oom: Counter::default(),
             recompute_preemptions: Counter::default(),
             recomputed_tokens: Counter::default(),
+            prefix_cached_tokens: Counter::default(),
             preempted: Counter::default(),
             demoted: Counter::default(),
             cancelled: Counter::default(),
@@ -118,6 +122,11 @@ impl Metrics {
                 "recomputed_tokens",
                 "Tokens prefilled again for preempted sequences (prompt + generated so far)",
                 &m.recomputed_tokens,
+            ),
+            (
+                "prefix_cached_tokens",
+                "Prompt tokens not prefilled (first start or restart) because their KV blocks were cached",
+                &m.prefix_cached_tokens,
             ),
             (
                 "preempted",

@@ -178,6 +178,16 @@ impl SeqKv {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
+
+    /// A paged cache whose first `len` positions are already in its blocks (a shared prefix
+    /// another sequence wrote): it starts after them.
+    pub fn starting_at(mut self, len: usize) -> Result<SeqKv> {
+        if len > 0 && (self.table.is_empty() || len > self.capacity) {
+            bail!("only a paged cache starts after positions its blocks hold ({len})");
+        }
+        self.len = len;
+        Ok(self)
+    }
 }
 
 impl Llama {
@@ -355,6 +365,11 @@ impl Llama {
             blocks,
         });
         Ok(self)
+    }
+
+    /// Whether sequences' caches live in one arena, so that blocks can be shared.
+    pub fn is_paged(&self) -> bool {
+        self.arena.is_some()
     }
 
     /// An empty KV cache holding room for `capacity` tokens, in the KV blocks `blocks`.

@@ -139,7 +139,7 @@ pub fn tokenizer(vocab: usize) -> Result<Tokenizer> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Llama;
+    use crate::model::{Llama, SeqKv};
     use crate::random_weights::{fill_uniform, CHUNK};
     use candle_core::Device;
 
@@ -222,6 +222,10 @@ mod tests {
             .fold(0f32, f32::max);
         assert!(diff < 1e-4, "{diff}");
         assert!(full.iter().all(|v| v.is_finite()));
+    }
+
+    fn argmax(v: &[f32]) -> u32 {
+        (0..v.len()).fold(0, |best, i| if v[i] > v[best] { i } else { best }) as u32
     }
 
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -391,6 +395,42 @@ mod tests {
         // A paged cache may keep only blocks it had, first ones first.
         let mut kv = paged.new_kv(&table[..3], 12).unwrap();
         assert!(paged.shrink_kv(&mut kv, &table[1..3], 8).is_err());
+    }
+
+    #[test]
+    fn a_cache_that_starts_in_another_sequences_blocks_gives_the_same_tokens() {
+        // Prefix caching: B's first two blocks are A's (A wrote them); B is fed only the rest
+        // of the same prompt and then decodes: the logits and greedy tokens are A's.
+        let cfg = config("tiny", 256).unwrap();
+        let dev = Device::Cpu;
+        let m = Llama::synthetic(cfg, 6, &dev)
+            .unwrap()
+            .with_paged_kv(16, 4, candle_core::DType::F32)
+            .unwrap();
+        let prompt: Vec<u32> = (0..11u32).map(|i| (i * 37 + 5) % 512).collect();
+        let greedy = |kv: &mut SeqKv, first: Vec<f32>| {
+            let mut out = vec![argmax(&first)];
+            for _ in 0..8 {
+                let last = *out.last().unwrap();
+                let row = m.decode(&[last], &mut [kv]).unwrap().to_vec2::<f32>().unwrap();
+                out.push(argmax(&row[0]));
+            }
+            out
+        };
+        let a_table = [3u32, 8, 1, 12, 6];
+        let mut a = m.new_kv(&a_table, 20).unwrap();
+        let la = m.prefill(&prompt, &mut a).unwrap().to_vec1::<f32>().unwrap();
+        let b_table = [3u32, 8, 0, 15, 9];
+        let mut b = m.new_kv(&b_table, 20).unwrap().starting_at(8).unwrap();
+        let lb = m.prefill(&prompt[8..], &mut b).unwrap().to_vec1::<f32>().unwrap();
+        assert!(max_diff(&la, &lb) < 1e-5, "{}", max_diff(&la, &lb));
+        // B decodes first (it must not write into A's blocks), then A.
+        let tb = greedy(&mut b, lb);
+        let ta = greedy(&mut a, la);
+        assert_eq!(ta, tb);
+        // Only a paged cache starts after positions its blocks hold.
+        let host = Llama::synthetic(config("tiny", 256).unwrap(), 6, &dev).unwrap();
+        assert!(host.new_kv(&[], 20).unwrap().starting_at(4).is_err());
     }
 
     #[test]

@@ -211,6 +211,12 @@ pub struct LeaseEntry {
     /// needs to resume, not what it holds.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub resuming: bool,
+    /// Of `reserved_tokens`, the tokens of its prompt's first blocks that are a cached prefix
+    /// (prefix caching): the backend holds each such block once for every live lease whose
+    /// prompt starts with it, so a gateway that charged a shared prefix once counts these
+    /// tokens once.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub prefix_tokens: u64,
 }
 
 /// Why a sequence ended, as the lease report says; also the OpenAI `finish_reason` of the ones
@@ -336,6 +342,7 @@ mod tests {
                 used_bytes: 5,
                 elastic_output_tokens: Some(1),
                 resuming: false,
+                prefix_tokens: 0,
             }],
             finished: vec![FinishedEntry {
                 cursor: 1,

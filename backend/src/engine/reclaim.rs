@@ -125,8 +125,7 @@ impl<M: Forward> Engine<M> {
                 // it kept would be borrowed, and borrowers are taken back from only while they
                 // run (decode_step), so a waiting one holding them could leave a sequence
                 // within its reservation without one.
-                seq.alloc.release();
-                seq.kv = None;
+                seq.drop_cache();
             }
             Some(i) if !seq.prefilling => {
                 // Decoding, it keeps what it has written; a cache that cannot be cut back is
@@ -165,8 +164,7 @@ impl<M: Forward> Engine<M> {
         else {
             return false;
         };
-        s.alloc.release();
-        s.kv = None;
+        s.drop_cache();
         // Its blocks are promised and no longer held: published now, or a report read during
         // this step's forward pass would count them as neither.
         self.publish();
@@ -213,8 +211,7 @@ impl<M: Forward> Engine<M> {
         } else {
             // Everything goes back (vLLM's way): blocks held while waiting could be the ones a
             // running sequence needs to finish.
-            seq.kv = None;
-            seq.alloc.release();
+            seq.drop_cache();
         }
         self.waiting.push_front(seq);
     }

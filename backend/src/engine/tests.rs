@@ -47,11 +47,14 @@ impl Fake {
 }
 impl Forward for Fake {
     type Kv = FakeKv;
-    fn new_kv(&self, _blocks: &[u32], capacity: usize) -> anyhow::Result<FakeKv> {
+    fn new_kv(&self, _blocks: &[u32], capacity: usize, cached: &[u32]) -> anyhow::Result<FakeKv> {
         Ok(FakeKv {
-            context: Vec::new(),
+            context: cached.to_vec(),
             cap: capacity,
         })
+    }
+    fn shares_blocks(&self) -> bool {
+        true
     }
     fn grow_kv(&self, kv: &mut FakeKv, _blocks: &[u32], capacity: usize) -> anyhow::Result<()> {
         kv.cap = kv.cap.max(capacity);
@@ -128,6 +131,7 @@ fn engine_on(
             max_batch,
             prefill_token_budget: 64,
             lazy_blocks: false,
+            prefix_caching: false,
             step_delay: Duration::ZERO,
         },
         Arc::new(Metrics::default()),
@@ -1173,9 +1177,9 @@ fn a_sustained_mix_of_worst_case_and_elastic_arrivals_never_fails_and_never_pree
     // and the pool is empty.
     const BLOCKS: u64 = 24;
     const REQUESTS: usize = 40;
-    for lazy in [false, true] {
+    for (lazy, caching) in [(false, false), (true, false), (false, true), (true, true)] {
         for seed in 1..=4u64 {
-            let at = format!("seed {seed}, lazy {lazy}");
+            let at = format!("seed {seed}, lazy {lazy}, prefix caching {caching}");
             let mut rng = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
             let mut draw = |n: u64| {
                 rng ^= rng << 13;
@@ -1195,6 +1199,8 @@ fn a_sustained_mix_of_worst_case_and_elastic_arrivals_never_fails_and_never_pree
                 .collect();
             let mut e = engine(BLOCKS, Admission::Reserve, usize::MAX, 8);
             e.cfg.lazy_blocks = lazy;
+            // Every prompt is all `a`: with prefix caching, each shares its blocks with all.
+            e.cfg.prefix_caching = caching;
             let mut rx: Vec<Option<UnboundedReceiver<Event>>> =
                 (0..REQUESTS).map(|_| None).collect();
             let mut evs: Vec<Vec<Event>> = (0..REQUESTS).map(|_| Vec::new()).collect();
@@ -1259,6 +1265,7 @@ fn a_sustained_mix_of_worst_case_and_elastic_arrivals_never_fails_and_never_pree
                 "{at}: elastic sequences made way"
             );
             assert_eq!(e.pool.stats().blocks_free, BLOCKS as u32, "{at}");
+            assert_eq!(e.metrics.prefix_cached_tokens.get() > 0, caching, "{at}");
         }
     }
 }
@@ -1569,4 +1576,138 @@ fn the_lease_report_counts_a_block_taken_after_the_leases_were_published_only_on
     assert_eq!(h.lease_report(0).0.used_bytes, before.used_bytes);
     e.publish();
     assert_eq!(h.lease_report(0).0.used_bytes, before.used_bytes);
+}
+
+/// What a prompt of token ids produces alone in a pool that never runs dry.
+fn solo_tokens(prompt: Vec<u32>, max_tokens: u64) -> String {
+    let mut e = engine(64, Admission::None, usize::MAX, 8);
+    let mut rx = submit_tokens(&mut e, "solo", prompt, max_tokens);
+    let mut evs = Vec::new();
+    while finished(&evs).is_none() {
+        e.step();
+        evs.extend(events(&mut rx));
+    }
+    text(&evs)
+}
+
+/// A swarm's prompts: the same 64-token prefix (four blocks), then a 5-token task of their own.
+fn agent(k: u32) -> Vec<u32> {
+    let mut p = mixed(64);
+    p.extend((0..5).map(|i| 1 + (k + i) % 3));
+    p
+}
+
+#[test]
+fn a_shared_prefix_is_promised_once_prefilled_once_and_changes_no_output() {
+    // Each agent reserves 69 + 20 tokens: 6 blocks, of which 4 are the shared prefix. In 12
+    // blocks two fit without sharing; with it, four (6 + 3 x 2).
+    for caching in [false, true] {
+        let mut e = lazy_engine(12);
+        e.cfg.prefix_caching = caching;
+        let mut rx: Vec<_> = (0..5)
+            .map(|k| submit_tokens(&mut e, &format!("a{k}"), agent(k), 20))
+            .collect();
+        let admitted: Vec<bool> = rx
+            .iter_mut()
+            .map(|r| matches!(events(r).first(), Some(Event::Admitted { .. })))
+            .collect();
+        let fit = if caching { 4 } else { 2 };
+        assert_eq!(admitted, (0..5).map(|k| k < fit).collect::<Vec<_>>(), "caching {caching}");
+        let report = e.published().leases.clone();
+        let prefix: Vec<u64> = report.iter().map(|l| l.prefix_tokens).collect();
+        assert_eq!(prefix, vec![if caching { 64 } else { 0 }; fit], "the report says so");
+        let mut evs: Vec<Vec<Event>> = (0..5).map(|_| Vec::new()).collect();
+        let mut most_running = 0;
+        for _ in 0..400 {
+            e.step();
+            e.pool.check().unwrap();
+            most_running = most_running.max(e.running.len());
+            for (r, ev) in rx.iter_mut().zip(evs.iter_mut()) {
+                ev.extend(events(r));
+            }
+            // Never more blocks taken than promised: the prefix is held once.
+            assert!(e.pool.stats().blocks_free as i64 >= 0);
+        }
+        assert_eq!(most_running, fit, "caching {caching}");
+        for (k, ev) in evs.iter().enumerate().take(fit) {
+            assert_eq!(finished(ev), Some((FinishReason::Length, 20, false)), "a{k}");
+            assert_eq!(text(ev), solo_tokens(agent(k as u32), 20), "a{k}: same output");
+        }
+        // The first wrote the prefix; the others waited for it and skipped its prefill.
+        let skipped = if caching { 64 * (fit as u64 - 1) } else { 0 };
+        assert_eq!(e.metrics.prefix_cached_tokens.get(), skipped);
+        assert_eq!(e.metrics.prompt_tokens.get(), 69 * fit as u64 - skipped);
+        assert_eq!(e.metrics.kv_oom.get(), 0);
+        // Nobody holds the prefix now: cached, counted free.
+        assert_eq!(e.pool.stats().blocks_free, 12);
+        assert_eq!(e.pool.cached_blocks(), if caching { 4 } else { 0 });
+    }
+}
+
+#[test]
+fn cached_prefix_blocks_are_taken_for_other_work_when_needed_and_the_prefix_is_recomputed() {
+    let mut e = lazy_engine(12);
+    e.cfg.prefix_caching = true;
+    let mut a = submit_tokens(&mut e, "a", agent(0), 20);
+    let evs = grow_until(&mut e, &mut a, 6);
+    assert!(matches!(evs.first(), Some(Event::Admitted { .. })));
+    let mut evs = evs;
+    while finished(&evs).is_none() {
+        e.step();
+        evs.extend(events(&mut a));
+    }
+    assert_eq!(e.pool.cached_blocks(), 4);
+    // A request that needs the whole pool: admitted (cached blocks are free room) and given
+    // the cached blocks once the free list is empty.
+    let other: Vec<u32> = (0..100).map(|i| 1 + (i % 2)).collect();
+    let mut b = submit_tokens(&mut e, "b", other.clone(), 92);
+    let mut evs = Vec::new();
+    while finished(&evs).is_none() {
+        e.step();
+        e.pool.check().unwrap();
+        evs.extend(events(&mut b));
+    }
+    assert_eq!(finished(&evs), Some((FinishReason::Length, 92, false)));
+    assert_eq!(text(&evs), solo_tokens(other, 92));
+    assert_eq!(e.pool.cached_blocks(), 6, "b's prompt blocks are cached now, the agent's went");
+    // The agent again: nothing cached to share; it prefills its whole prompt, same output.
+    let mut c = submit_tokens(&mut e, "c", agent(0), 20);
+    let mut evs = Vec::new();
+    while finished(&evs).is_none() {
+        e.step();
+        evs.extend(events(&mut c));
+    }
+    assert_eq!(text(&evs), solo_tokens(agent(0), 20));
+    assert_eq!(e.metrics.prefix_cached_tokens.get(), 0);
+}
+
+#[test]
+fn a_preempted_sequence_that_shared_a_prefix_resumes_from_the_cached_prefix() {
+    // vLLM's way (no reservations, recompute on a dry pool): two agents sharing the prefix
+    // outgrow a 9-block pool together; the younger is preempted, gives its blocks back (the
+    // shared ones stay with the older), and resumes from the cached prefix.
+    let mut e = engine_on(9, Admission::None, OnKvExhaustion::Recompute, usize::MAX, 8);
+    e.cfg.prefix_caching = true;
+    let mut rx: Vec<_> = (0..2)
+        .map(|k| submit_tokens(&mut e, &format!("a{k}"), agent(k), 60))
+        .collect();
+    let mut evs: Vec<Vec<Event>> = (0..2).map(|_| Vec::new()).collect();
+    for _ in 0..600 {
+        e.step();
+        e.pool.check().unwrap();
+        for (r, ev) in rx.iter_mut().zip(evs.iter_mut()) {
+            ev.extend(events(r));
+        }
+    }
+    assert!(e.metrics.recompute_preemptions.get() > 0, "the pool ran dry");
+    for (k, ev) in evs.iter().enumerate() {
+        assert_eq!(finished(ev), Some((FinishReason::Length, 60, false)), "a{k}");
+        assert_eq!(text(ev), solo_tokens(agent(k as u32), 60), "a{k}");
+    }
+    assert!(
+        e.metrics.prefix_cached_tokens.get() >= 128,
+        "the second start and the restart skipped the prefix: {}",
+        e.metrics.prefix_cached_tokens.get()
+    );
+    assert_eq!(e.metrics.kv_oom.get(), 0);
 }
