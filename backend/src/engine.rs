@@ -373,7 +373,11 @@ impl<M: Forward> Engine<M> {
         // be taken), as far as its reservation reaches.
         let mut alloc = self.pool.allocate(0);
         let adopted = alloc.as_mut().map_or(0, |a| {
-            a.adopt(prefix.get(..(blocks as usize).min(prefix.len())).unwrap_or_default())
+            a.adopt(
+                prefix
+                    .get(..(blocks as usize).min(prefix.len()))
+                    .unwrap_or_default(),
+            )
         });
         let alloc = if self.lazy() {
             // A promise: admitted while the peak of what the live sequences can hold together,
@@ -523,10 +527,12 @@ impl<M: Forward> Engine<M> {
     fn promised_blocks(&self, newcomer: Option<(&[u64], u32)>) -> u32 {
         let b = u64::from(self.pool.block_tokens.max(1));
         let decoding = |s: &&Seq<M::Kv>| !s.prefilling && !s.elastic && s.kv.is_some();
-        let steps_left = |s: &Seq<M::Kv>| s.params.max_tokens.saturating_sub(s.generated.len() as u64);
+        let steps_left =
+            |s: &Seq<M::Kv>| s.params.max_tokens.saturating_sub(s.generated.len() as u64);
         let mut counted: HashSet<u64> = HashSet::new();
         // Of a reservation's prefix blocks, those another holder counts.
-        let mut shared = |prefix: &[u64]| prefix.iter().filter(|h| !counted.insert(**h)).count() as u32;
+        let mut shared =
+            |prefix: &[u64]| prefix.iter().filter(|h| !counted.insert(**h)).count() as u32;
         let mut held: u32 = 0;
         let whole = self
             .running
@@ -745,7 +751,13 @@ impl<M: Forward> Engine<M> {
         };
         // Its prompt blocks written now are cached for the prompts that start with them.
         let written = seq.kv.as_ref().map_or(0, |kv| kv.len()) / self.pool.block_tokens as usize;
-        for (i, h) in seq.prefix.iter().enumerate().take(written).skip(seq.adopted) {
+        for (i, h) in seq
+            .prefix
+            .iter()
+            .enumerate()
+            .take(written)
+            .skip(seq.adopted)
+        {
             seq.alloc.register(i, *h);
         }
         // Prompt positions fed for the first time count as prompt; the rest was recomputed,

@@ -10,8 +10,7 @@ pub trait Forward {
     /// A cache for `capacity` tokens in the KV blocks `blocks` (the pool's ids), holding
     /// `cached`: the tokens its first blocks already hold (a shared prefix; empty unless
     /// `shares_blocks`).
-    fn new_kv(&self, blocks: &[u32], capacity: usize, cached: &[u32])
-        -> anyhow::Result<Self::Kv>;
+    fn new_kv(&self, blocks: &[u32], capacity: usize, cached: &[u32]) -> anyhow::Result<Self::Kv>;
     /// Whether a block written for one sequence can be read by another (the paged arena): what
     /// prefix caching needs.
     fn shares_blocks(&self) -> bool;

@@ -35,16 +35,22 @@ struct State {
     free_head: u32,
     /// Blocks on the free list (cached blocks are free too: `free + cached.len()`).
     free: u32,
-    /// References to each block (sequences holding it).
-    refs: Vec<u32>,
-    /// The prefix hash a block is registered under (0: none).
-    hash_of: Vec<u64>,
+    meta: Vec<Meta>,
     index: HashMap<u64, u32>,
     /// Registered blocks nobody references, by when they were last given back (oldest first).
     cached: BTreeMap<u64, u32>,
-    /// Each cached block's key in `cached`.
-    cached_at: Vec<u64>,
     tick: u64,
+}
+
+/// One block's sharing.
+#[derive(Debug, Clone, Copy, Default)]
+struct Meta {
+    /// Sequences holding it.
+    refs: u32,
+    /// The prefix hash it is registered under (0: none).
+    hash: u64,
+    /// Its key in `cached`, while cached.
+    cached_at: u64,
 }
 
 /// Shared handle to the pool. Cloning shares the same blocks.
@@ -82,11 +88,9 @@ impl BlockPool {
                 next,
                 free_head: if total > 0 { 0 } else { NIL },
                 free: total,
-                refs: vec![0; total as usize],
-                hash_of: vec![0; total as usize],
+                meta: vec![Meta::default(); total as usize],
                 index: HashMap::new(),
                 cached: BTreeMap::new(),
-                cached_at: vec![0; total as usize],
                 tick: 0,
             })),
             total,
@@ -174,11 +178,16 @@ impl BlockPool {
                 let Some((_, b)) = s.cached.pop_first() else {
                     break;
                 };
-                let h = std::mem::take(&mut s.hash_of[b as usize]);
+                let h = s
+                    .meta
+                    .get_mut(b as usize)
+                    .map_or(0, |m| std::mem::take(&mut m.hash));
                 s.index.remove(&h);
                 b
             };
-            s.refs[b as usize] = 1;
+            if let Some(m) = s.meta.get_mut(b as usize) {
+                m.refs = 1;
+            }
             out.push(b);
         }
         debug_assert!(s.free > 0 || s.free_head == NIL);
@@ -194,12 +203,14 @@ impl BlockPool {
             let Some(&b) = s.index.get(h) else {
                 break;
             };
-            let i = b as usize;
-            if s.refs[i] == 0 {
-                let at = s.cached_at[i];
+            let Some(m) = s.meta.get_mut(b as usize) else {
+                break;
+            };
+            m.refs += 1;
+            if m.refs == 1 {
+                let at = m.cached_at;
                 s.cached.remove(&at);
             }
-            s.refs[i] += 1;
             out.push(b);
             n += 1;
         }
@@ -216,21 +227,20 @@ impl BlockPool {
         let mut s = self.lock();
         for &b in blocks {
             let i = b as usize;
-            let Some(r) = s.refs.get_mut(i) else {
+            s.tick += 1;
+            let (tick, head) = (s.tick, s.free_head);
+            let Some(m) = s.meta.get_mut(i) else {
                 continue;
             };
-            *r = r.saturating_sub(1);
-            if *r > 0 {
+            m.refs = m.refs.saturating_sub(1);
+            if m.refs > 0 {
                 continue;
             }
-            if s.hash_of[i] != 0 {
-                s.tick += 1;
-                let t = s.tick;
-                s.cached_at[i] = t;
-                s.cached.insert(t, b);
-            } else {
-                let head = s.free_head;
-                s.next[i] = head;
+            if m.hash != 0 {
+                m.cached_at = tick;
+                s.cached.insert(tick, b);
+            } else if let Some(slot) = s.next.get_mut(i) {
+                *slot = head;
                 s.free_head = b;
                 s.free += 1;
             }
@@ -255,7 +265,8 @@ impl BlockPool {
             }
             *slot = true;
             n += 1;
-            if s.refs[at as usize] != 0 || s.hash_of[at as usize] != 0 {
+            let m = s.meta[at as usize];
+            if m.refs != 0 || m.hash != 0 {
                 return Err(format!("free block {at} is held or registered"));
             }
             at = s.next[at as usize];
@@ -265,13 +276,14 @@ impl BlockPool {
         }
         for &b in s.cached.values() {
             let i = b as usize;
-            if seen[i] || s.refs[i] != 0 || s.index.get(&s.hash_of[i]) != Some(&b) {
+            let m = s.meta[i];
+            if seen[i] || m.refs != 0 || s.index.get(&m.hash) != Some(&b) {
                 return Err(format!("cached block {b} is free, held or unregistered"));
             }
             seen[i] = true;
         }
         for (i, seen) in seen.iter().enumerate() {
-            if !seen && s.refs[i] == 0 {
+            if !seen && s.meta[i].refs == 0 {
                 return Err(format!("block {i} is neither free, cached nor held"));
             }
         }
@@ -313,8 +325,11 @@ impl Allocation {
             return;
         };
         let mut s = self.pool.lock();
-        if s.hash_of[b as usize] == 0 && !s.index.contains_key(&hash) {
-            s.hash_of[b as usize] = hash;
+        if s.index.contains_key(&hash) {
+            return;
+        }
+        if let Some(m) = s.meta.get_mut(b as usize).filter(|m| m.hash == 0) {
+            m.hash = hash;
             s.index.insert(hash, b);
         }
     }
@@ -401,10 +416,18 @@ mod tests {
         let prompt: Vec<u32> = (0..13).collect();
         let hashes = p.prefix_hashes(&prompt, 3);
         assert_eq!(hashes.len(), 3);
-        assert_eq!(p.prefix_hashes(&prompt[..8], 9), hashes[..2], "chained, full blocks only");
+        assert_eq!(
+            p.prefix_hashes(&prompt[..8], 9),
+            hashes[..2],
+            "chained, full blocks only"
+        );
         let mut other = prompt.clone();
         other[0] = 99;
-        assert_ne!(p.prefix_hashes(&other, 3)[2], hashes[2], "a block's hash covers the prefix");
+        assert_ne!(
+            p.prefix_hashes(&other, 3)[2],
+            hashes[2],
+            "a block's hash covers the prefix"
+        );
 
         let mut a = p.allocate(0).unwrap();
         assert_eq!(a.adopt(&hashes), 0, "nothing cached yet");
@@ -416,7 +439,11 @@ mod tests {
         assert_eq!(b.adopt(&hashes), 3, "the same prompt shares all three");
         assert!(b.grow(1));
         assert_eq!(b.ids()[..3], a.ids()[..3]);
-        assert_eq!(p.stats().blocks_free, 1, "4 + 1 blocks held, 3 of them shared");
+        assert_eq!(
+            p.stats().blocks_free,
+            1,
+            "4 + 1 blocks held, 3 of them shared"
+        );
         drop(a);
         assert_eq!(p.stats().blocks_free, 2, "only a's own block went back");
         drop(b);
@@ -425,7 +452,11 @@ mod tests {
 
         // Cached blocks are free room, taken after the free list, least recently used first.
         let c = p.allocate(4).unwrap();
-        assert_eq!(p.cached_blocks(), 2, "three free blocks, then one cached one");
+        assert_eq!(
+            p.cached_blocks(),
+            2,
+            "three free blocks, then one cached one"
+        );
         let mut d = p.allocate(0).unwrap();
         assert_eq!(d.adopt(&hashes), 0, "the first block's hash was forgotten");
         assert!(p.is_cached(hashes[2]));

@@ -412,17 +412,29 @@ mod tests {
             let mut out = vec![argmax(&first)];
             for _ in 0..8 {
                 let last = *out.last().unwrap();
-                let row = m.decode(&[last], &mut [kv]).unwrap().to_vec2::<f32>().unwrap();
+                let row = m
+                    .decode(&[last], &mut [kv])
+                    .unwrap()
+                    .to_vec2::<f32>()
+                    .unwrap();
                 out.push(argmax(&row[0]));
             }
             out
         };
         let a_table = [3u32, 8, 1, 12, 6];
         let mut a = m.new_kv(&a_table, 20).unwrap();
-        let la = m.prefill(&prompt, &mut a).unwrap().to_vec1::<f32>().unwrap();
+        let la = m
+            .prefill(&prompt, &mut a)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         let b_table = [3u32, 8, 0, 15, 9];
         let mut b = m.new_kv(&b_table, 20).unwrap().starting_at(8).unwrap();
-        let lb = m.prefill(&prompt[8..], &mut b).unwrap().to_vec1::<f32>().unwrap();
+        let lb = m
+            .prefill(&prompt[8..], &mut b)
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         assert!(max_diff(&la, &lb) < 1e-5, "{}", max_diff(&la, &lb));
         // B decodes first (it must not write into A's blocks), then A.
         let tb = greedy(&mut b, lb);

@@ -1190,6 +1190,7 @@ impl Backend {
                     prompt_tokens: s.prompt,
                     max_tokens: s.max_tokens,
                     used_tokens: s.kv.unwrap_or(0),
+                    prefix_bytes: 0,
                 });
             }
         }
@@ -1308,6 +1309,7 @@ impl Gateway {
             choices: 1,
             price,
             elastic: None,
+            prefix: None,
         };
         if let Reservation::Elastic(p) = class.reservation {
             let a = p.allowance_for(self.learned.get(&class.name), r.req.prompt, u64::MAX);

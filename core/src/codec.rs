@@ -2,20 +2,22 @@
 //!
 //! Layout (little endian):
 //! ```text
-//! "KVGL" | version u8 = 9 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
+//! "KVGL" | version u8 = 10 | capacity u64 | committed u64 | next_id u64 | mean_lease_ms u64
 //!        | admitted u64 | rejected u64 | released u64 | reaped u64 | held_back u64 | slack u64
 //!        | lease count u32
 //!        | per lease: id u64 | bytes u64 | priority u8 | created_ms u64 | owner u64
-//!                     | eta_ms u64 | held u64 | class length u8 | class bytes (UTF-8)
+//!                     | eta_ms u64 | held u64 | prefix u64 | credit u64
+//!                     | class length u8 | class bytes (UTF-8)
 //!        | claim count u32
 //!        | per claim: key u64 | bytes u64 | held u64 | first_ms u64 | expires_ms u64
 //!                     | flags u8 (bit 0: active, bit 1: waits)
 //!        | lendable u64 | lendable_to_line u64
 //! ```
-//! 50 bytes per lease plus its class name, 41 per claim, 16 after them. The decoder checks every
+//! 66 bytes per lease plus its class name, 41 per claim, 16 after them. The decoder checks every
 //! length and the ledger invariant; garbage returns an error, never a panic.
 //!
-//! Version 8 (the same without `slack`) is still read, with no slack: a filter upgraded in
+//! Versions 9 (the same without `prefix` and `credit`) and 8 (also without `slack`) are still
+//! read, with neither: a filter upgraded in
 //! place under the same `vm_id` (ECDS, a rolling upgrade) finds the ledger the previous release
 //! wrote and keeps its leases. Older versions are not: a new `vm_id` starts an empty ledger. An
 //! unknown version is an error, never an empty ledger.
@@ -23,12 +25,14 @@
 use crate::ledger::{Claim, Counters, Lease, Ledger, MAX_CLAIMS};
 
 const MAGIC: &[u8; 4] = b"KVGL";
-const VERSION: u8 = 9;
-/// The previous version, still read (see the module header).
+const VERSION: u8 = 10;
+/// Previous versions, still read (see the module header).
+const V9: u8 = 9;
 const V8: u8 = 8;
 const CLAIM_LEN: usize = 5 * 8 + 1;
 const HEADER_LEN: usize = 4 + 1 + 10 * 8 + 4;
 const MAX_CLASS_LEN: usize = u8::MAX as usize;
+/// A lease's length in the smallest version read (the encoder's is 16 more).
 const LEASE_MIN_LEN: usize = 8 + 8 + 1 + 8 + 8 + 8 + 8 + 1;
 
 /// A stored ledger's totals from its fixed header (`fleet::peek`: the room of every endpoint
@@ -49,7 +53,7 @@ pub fn totals(bytes: &[u8]) -> Option<Totals> {
         return None;
     }
     let version = r.u8().ok()?;
-    if version != VERSION && version != V8 {
+    if version != VERSION && version != V9 && version != V8 {
         return None;
     }
     let capacity = r.u64().ok()?;
@@ -96,6 +100,11 @@ impl std::error::Error for DecodeError {}
 
 impl Ledger {
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_as(VERSION)
+    }
+
+    /// As `version` lays it out (a previous one: what an older filter wrote).
+    fn encode_as(&self, version: u8) -> Vec<u8> {
         let classes: usize = self
             .leases
             .iter()
@@ -103,7 +112,7 @@ impl Ledger {
             .sum();
         let mut out = Vec::with_capacity(HEADER_LEN + self.leases.len() * LEASE_MIN_LEN + classes);
         out.extend_from_slice(MAGIC);
-        out.push(VERSION);
+        out.push(version);
         for v in [
             self.capacity,
             self.committed,
@@ -114,9 +123,11 @@ impl Ledger {
             self.counters.released,
             self.counters.reaped,
             self.held_back,
-            self.slack,
         ] {
             out.extend_from_slice(&v.to_le_bytes());
+        }
+        if version != V8 {
+            out.extend_from_slice(&self.slack.to_le_bytes());
         }
         let n = u32::try_from(self.leases.len()).unwrap_or(u32::MAX);
         out.extend_from_slice(&n.to_le_bytes());
@@ -128,6 +139,10 @@ impl Ledger {
             out.extend_from_slice(&l.owner.to_le_bytes());
             out.extend_from_slice(&l.eta_ms.to_le_bytes());
             out.extend_from_slice(&l.held.to_le_bytes());
+            if version == VERSION {
+                out.extend_from_slice(&l.prefix.to_le_bytes());
+                out.extend_from_slice(&l.credit.to_le_bytes());
+            }
             let class = truncate_utf8(&l.class, MAX_CLASS_LEN);
             out.push(class.len() as u8);
             out.extend_from_slice(class.as_bytes());
@@ -151,7 +166,7 @@ impl Ledger {
             return Err(DecodeError::BadMagic);
         }
         let version = r.u8()?;
-        if version != VERSION && version != V8 {
+        if version != VERSION && version != V9 && version != V8 {
             return Err(DecodeError::UnsupportedVersion(version));
         }
         let capacity = r.u64()?;
@@ -180,6 +195,10 @@ impl Ledger {
             let owner = r.u64()?;
             let eta_ms = r.u64()?;
             let held = r.u64()?;
+            let (prefix, credit) = match version {
+                VERSION => (r.u64()?, r.u64()?),
+                _ => (0, 0),
+            };
             let len = r.u8()? as usize;
             let class = std::str::from_utf8(r.take(len)?)
                 .map_err(|_| DecodeError::BadClassName)?
@@ -193,6 +212,8 @@ impl Ledger {
                 owner,
                 eta_ms,
                 held,
+                prefix,
+                credit,
             });
         }
         let n = r.u32()? as usize;
@@ -314,13 +335,28 @@ mod tests {
         assert_eq!(Ledger::decode(&empty.encode()).unwrap(), empty);
     }
 
-    /// `l` as version 8 wrote it: no slack after `held_back`.
+    /// `l` as version 8 wrote it: no slack after `held_back`, no prefix in a lease.
     fn encode_v8(l: &Ledger) -> Vec<u8> {
-        let mut out = l.encode();
-        out[4] = V8;
-        let slack = HEADER_LEN - 4 - 8;
-        out.drain(slack..slack + 8);
-        out
+        l.encode_as(V8)
+    }
+
+    #[test]
+    fn a_version_9_ledger_is_read_with_no_prefixes_and_a_prefix_round_trips() {
+        let mut l = sample();
+        l.set_slack(1_000);
+        assert_eq!(Ledger::decode(&l.encode_as(V9)).unwrap(), l);
+        let (a, b) = (l.leases()[0].clone(), l.leases()[1].clone());
+        l.set_prefix(a.id, 77, 0);
+        l.set_prefix(b.id, 77, 0);
+        assert_eq!(Ledger::decode(&l.encode()).unwrap(), l);
+        // A lease excused its prefix with nobody paying it is refused.
+        let mut orphan = l.clone();
+        orphan.set_prefix(a.id, 78, 5);
+        orphan.set_prefix(b.id, 0, 0);
+        assert!(matches!(
+            Ledger::decode(&orphan.encode()),
+            Err(DecodeError::Inconsistent(_))
+        ));
     }
 
     #[test]
@@ -429,8 +465,8 @@ mod tests {
         assert_eq!(Ledger::decode(b""), Err(DecodeError::Truncated));
         assert_eq!(Ledger::decode(b"XXXX\x01"), Err(DecodeError::BadMagic));
         assert_eq!(
-            Ledger::decode(b"KVGL\x0a"),
-            Err(DecodeError::UnsupportedVersion(10))
+            Ledger::decode(b"KVGL\x0b"),
+            Err(DecodeError::UnsupportedVersion(11))
         );
         let mut b = sample().encode();
         b.push(0);

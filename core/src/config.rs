@@ -292,6 +292,10 @@ pub struct Config {
     /// With `token_multiplier` above 1: runs the tokenizer merges are padded too
     /// (`tokenizer.pad_runs`).
     pub pad_runs: bool,
+    /// A chat's prefix before its last message is charged once among the live requests that
+    /// share it (`gate::SharedPrefix`): behind kvgate-backend, whose lease report says what
+    /// it holds once (a vLLM's does not).
+    pub share_prefixes: bool,
     pub tokenizer: TokenizerSpec,
     pub levels: LevelThresholds,
     pub retry_after: RetryAfterConfig,
@@ -718,6 +722,7 @@ impl TryFrom<RawConfig> for Config {
             from_backend,
             token_multiplier,
             pad_runs,
+            share_prefixes: raw.backend.as_ref().is_some_and(RawBackend::keeps_leases),
             tokenizer,
             levels: LevelThresholds {
                 amber: l.amber,

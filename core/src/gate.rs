@@ -19,7 +19,27 @@ pub struct Priced {
     pub price: Price,
     /// For an elastic class whose allowance is below the cap: what the lease reserves instead.
     pub elastic: Option<ElasticPrice>,
+    /// The chat's prefix before its last message, which other requests may share.
+    pub prefix: Option<SharedPrefix>,
 }
+
+/// A chat's messages before its last one (agents of one swarm send the same system prompt and
+/// tools and differ in their last message): a backend with prefix caching holds its KV blocks
+/// once for every live request that starts with it, so the ledger charges it once
+/// ([`Ledger::prefix_credit`]). `bytes` is the KV of its tokens, rounded down to whole blocks
+/// of [`PREFIX_GRAIN`] less one, so never more than the backend shares: the count of the
+/// messages alone includes the template's generation prompt, which the next message replaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SharedPrefix {
+    pub key: u64,
+    pub bytes: u64,
+}
+
+/// Prefix tokens are counted in steps of this many (the backend's block size by default).
+pub const PREFIX_GRAIN: u64 = 16;
+
+/// Shorter shared prefixes are not worth tracking.
+pub const MIN_PREFIX_TOKENS: u64 = 4 * PREFIX_GRAIN;
 
 /// An elastic reservation: each sequence's output is reserved up to `output_tokens` (below the
 /// cap, which the request keeps), for `bytes` in all.
@@ -134,11 +154,54 @@ pub fn price(
     // padded fallback, for the requests before the descriptor comes, only approximates that
     // count and may fall short of it). Left out only with an inline model.
     price.cap_from_context &= !cfg.from_backend;
+    let prefix = match &req.input {
+        Input::Chat(messages) if cfg.share_prefixes && choices == 1 => {
+            shared_prefix(cfg, counter, messages)
+        }
+        _ => None,
+    };
     Ok(Priced {
         prompt_tokens,
         choices,
         price,
         elastic: None,
+        prefix,
+    })
+}
+
+/// The shareable prefix of a chat: its messages before the last one, counted exactly (not by
+/// an approximation, which may count more than the backend shares).
+fn shared_prefix(
+    cfg: &Config,
+    counter: &TokenCounter,
+    messages: &[crate::request::ChatMessage],
+) -> Option<SharedPrefix> {
+    let (_, before) = messages.split_last()?;
+    if before.is_empty() || cfg.token_multiplier > 1.0 {
+        return None;
+    }
+    let context = cfg.pricing.spec.context_tokens;
+    let counted = match counter.count_chat_capped(before, context) {
+        crate::tokenize::Capped::Within(n) => n,
+        crate::tokenize::Capped::Over => return None,
+    };
+    let tokens = counted.saturating_sub(PREFIX_GRAIN) / PREFIX_GRAIN * PREFIX_GRAIN;
+    if tokens < MIN_PREFIX_TOKENS {
+        return None;
+    }
+    // Every field length-prefixed: no two different chats write the same bytes.
+    let mut h = crate::spec::Fnv1a::new();
+    for m in before {
+        for part in [&m.role, &m.content, &m.extra] {
+            h.write(&(part.len() as u64).to_le_bytes());
+            h.write(part.as_bytes());
+        }
+    }
+    let key = h.finish();
+    let bytes = cfg.pricing.spec.kv_bytes_per_token()?.checked_mul(tokens)?;
+    Some(SharedPrefix {
+        key: key.max(1),
+        bytes,
     })
 }
 
@@ -168,7 +231,8 @@ pub struct Holder {
     pub claim: Option<crate::ledger::ClaimTicket>,
 }
 
-/// Decide and reserve. Pure over the ledger: safe to re-run on a CAS retry.
+/// Decide and reserve. Pure over the ledger: safe to re-run on a CAS retry. A request whose
+/// shared prefix a live lease pays is admitted without it.
 pub fn decide(
     ledger: &mut Ledger,
     cfg: &Config,
@@ -177,6 +241,43 @@ pub fn decide(
     holder: Holder,
     now_ms: u64,
     jitter_seed: u64,
+) -> Decision {
+    let credit = priced
+        .prefix
+        .map_or(0, |p| ledger.prefix_credit(p.key, p.bytes));
+    let decision = decide_with(
+        ledger,
+        cfg,
+        class,
+        priced,
+        holder,
+        now_ms,
+        jitter_seed,
+        credit,
+    );
+    mark_prefix(ledger, priced, decision, credit)
+}
+
+/// The admitted lease starts with `priced`'s prefix, `credit` of it paid by another lease.
+fn mark_prefix(ledger: &mut Ledger, priced: &Priced, mut d: Decision, credit: u64) -> Decision {
+    if let (Decision::Admitted { lease, .. }, Some(p)) = (&mut d, priced.prefix) {
+        ledger.set_prefix(lease.id, p.key, credit);
+        lease.prefix = p.key;
+        lease.credit = credit;
+    }
+    d
+}
+
+#[allow(clippy::too_many_arguments)]
+fn decide_with(
+    ledger: &mut Ledger,
+    cfg: &Config,
+    class: &ClassPolicy,
+    priced: &Priced,
+    holder: Holder,
+    now_ms: u64,
+    jitter_seed: u64,
+    credit: u64,
 ) -> Decision {
     // A degrade class asking for more than the whole budget can ever hold: priced at the
     // largest cap it holds, then as any other request (admitted, degraded further to what is
@@ -211,7 +312,7 @@ pub fn decide(
         _ => (priced, None),
     };
     let cap = priced.price.cap.cap;
-    let request = |bytes: u64| admit_request(class, holder, bytes, now_ms);
+    let request = |bytes: u64| admit_request(class, holder, bytes.saturating_sub(credit), now_ms);
     let outcome = ledger.try_admit(
         &request(priced.reserve_bytes()),
         &cfg.retry_after,
@@ -316,14 +417,19 @@ pub fn backfill(
     now_ms: u64,
 ) -> Option<Decision> {
     let cap = priced.price.cap.cap;
-    let req = admit_request(class, holder, priced.reserve_bytes(), now_ms);
+    let credit = priced
+        .prefix
+        .map_or(0, |p| ledger.prefix_credit(p.key, p.bytes));
+    let bytes = priced.reserve_bytes().saturating_sub(credit);
+    let req = admit_request(class, holder, bytes, now_ms);
     let lease = ledger.try_backfill(&req, &cfg.retry_after)?;
-    Some(Decision::Admitted {
+    let d = Decision::Admitted {
         lease,
         cap,
         degraded_from: None,
         preempted: Vec::new(),
-    })
+    };
+    Some(mark_prefix(ledger, priced, d, credit))
 }
 
 /// Shadow mode: what [`decide`] would do, decided on a copy of the ledger; the ledger itself
@@ -621,6 +727,104 @@ mod tests {
             l.release(2, 10),
             crate::ledger::ReleaseOutcome::Released(second)
         );
+    }
+
+    #[test]
+    fn a_shared_prefix_is_charged_once_while_a_lease_pays_it_and_handed_on_when_it_ends() {
+        // Behind kvgate-backend (the callout), a chat's messages before its last are a prefix
+        // the live requests that share it pay once.
+        let c = Config::from_json(
+            br#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},
+                "kv_budget_bytes":460800000,"safety_fraction":1.0,"backend":{}}"#,
+        )
+        .unwrap();
+        let class = c.policy.default_class().clone();
+        let system = "Use the tools. ".repeat(200);
+        let agent = |task: &str| {
+            let body = format!(
+                r#"{{"messages":[{{"role":"system","content":{system:?}}},{{"role":"user","content":{task:?}}}],"max_tokens":64}}"#
+            );
+            let (req, _) = parse_request(Endpoint::ChatCompletions, body.as_bytes()).unwrap();
+            price(&c, &counter(), &req).unwrap()
+        };
+        let (a, b, d) = (agent("one"), agent("two"), agent("three"));
+        let p = a.prefix.unwrap();
+        assert_eq!(
+            b.prefix.map(|q| q.key),
+            Some(p.key),
+            "same messages before the last"
+        );
+        let tokens = p.bytes / 46_080;
+        assert_eq!(tokens % PREFIX_GRAIN, 0);
+        assert!(
+            tokens < a.prompt_tokens[0] && tokens + 2 * PREFIX_GRAIN >= a.prompt_tokens[0] - 10,
+            "the system prompt, rounded down: {tokens} of {:?}",
+            a.prompt_tokens
+        );
+        // A different system prompt, a one-message chat, a completion: nothing to share.
+        let other = format!(
+            r#"{{"messages":[{{"role":"system","content":"{}"}},{{"role":"user","content":"x"}}],"max_tokens":64}}"#,
+            "Other. ".repeat(200)
+        );
+        let (req, _) = parse_request(Endpoint::ChatCompletions, other.as_bytes()).unwrap();
+        assert_ne!(
+            price(&c, &counter(), &req).unwrap().prefix.unwrap().key,
+            p.key
+        );
+        let one = r#"{"messages":[{"role":"user","content":"x"}]}"#;
+        let (req, _) = parse_request(Endpoint::ChatCompletions, one.as_bytes()).unwrap();
+        assert_eq!(price(&c, &counter(), &req).unwrap().prefix, None);
+        // Without the backend callout (nothing says what the backend shares): none.
+        assert_eq!(priced(&cfg("{}", 5000), r#"{"prompt":"x"}"#).prefix, None);
+
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let holder = |id| Holder {
+            lease_id: Some(id),
+            owner: 1,
+            claim: None,
+        };
+        let admit =
+            |l: &mut Ledger, p: &Priced, id| match decide(l, &c, &class, p, holder(id), 0, 1) {
+                Decision::Admitted { lease, .. } => lease,
+                d => panic!("{d:?}"),
+            };
+        let first = admit(&mut l, &a, 1);
+        assert_eq!(
+            (first.bytes, first.credit),
+            (a.price.bytes, 0),
+            "it pays the prefix"
+        );
+        let second = admit(&mut l, &b, 2);
+        assert_eq!(second.bytes, b.price.bytes - p.bytes);
+        assert_eq!(second.credit, p.bytes);
+        let third = admit(&mut l, &d, 3);
+        assert_eq!(
+            l.committed(),
+            a.price.bytes + b.price.bytes + d.price.bytes - 2 * p.bytes
+        );
+        l.check().unwrap();
+        // The payer ends: the next pays from now on; the ledger charges the prefix still once.
+        l.release(1, 5);
+        let next = l.lease(2).unwrap();
+        assert_eq!((next.bytes, next.credit), (b.price.bytes, 0));
+        assert_eq!(l.committed(), b.price.bytes + d.price.bytes - p.bytes);
+        assert_eq!(l.lease(3).unwrap().credit, third.credit);
+        l.check().unwrap();
+        // A payer demoted (reserving nothing) hands it on too, and shares no charge after.
+        l.demote(2);
+        assert_eq!(l.lease(3).unwrap().bytes, d.price.bytes);
+        assert_eq!(
+            (l.lease(2).unwrap().prefix, l.lease(2).unwrap().credit),
+            (0, 0)
+        );
+        l.check().unwrap();
+        l.release(2, 6);
+        l.release(3, 7);
+        assert_eq!(l.committed(), 0);
+        // A codec round trip keeps who pays.
+        admit(&mut l, &a, 4);
+        admit(&mut l, &b, 5);
+        assert_eq!(Ledger::decode(&l.encode()).unwrap(), l);
     }
 
     #[test]

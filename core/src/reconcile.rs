@@ -75,6 +75,10 @@ pub struct LiveEntry {
     pub max_tokens: u64,
     /// Tokens in its KV cache: prompt + output so far.
     pub used_tokens: u64,
+    /// Of `bytes`, its prompt's first blocks that the backend holds once for every live lease
+    /// starting with them (a cached prefix): a lease admitted without its shared prefix
+    /// (`Lease::credit`) holds that much of it elsewhere.
+    pub prefix_bytes: u64,
 }
 
 /// How long one finished output ran, and whether its cap cut it short: an output that ran to
@@ -581,6 +585,11 @@ impl From<&LeaseReport> for BackendReport {
                     prompt_tokens: l.prompt_tokens,
                     max_tokens: l.max_tokens,
                     used_tokens: l.used_tokens,
+                    prefix_bytes: l
+                        .reserved_bytes
+                        .checked_div(l.reserved_tokens)
+                        .unwrap_or(0)
+                        .saturating_mul(l.prefix_tokens),
                 })
                 .collect(),
             finished_outputs: r.finished.iter().filter_map(Self::learned_output).collect(),
@@ -734,10 +743,10 @@ pub fn reconcile(
         .collect();
     // One pass over the report: this ledger's own leases (with what each reserved here), and
     // the rest, foreign.
-    let reserved: HashMap<u64, (u64, u64)> = ledger
+    let reserved: HashMap<u64, (u64, u64, u64)> = ledger
         .leases()
         .iter()
-        .map(|l| (l.id, (l.bytes, l.created_ms)))
+        .map(|l| (l.id, (l.bytes, l.created_ms, l.credit)))
         .collect();
     let mut gateways = BTreeSet::new();
     // What own leases hold or need beyond their reservations: what they hold (running, or
@@ -755,12 +764,17 @@ pub fn reconcile(
     let mut decoding_reserved = 0u64;
     for e in &report.entries {
         match e.id.and_then(|id| reserved.get(&id).map(|b| (id, b))) {
-            Some((id, &(bytes, created_ms))) => {
+            Some((id, &(bytes, created_ms, credit))) => {
                 if let Some(g) = growth(e, report).filter(|_| bytes > 0) {
                     decoding.push(g);
                     decoding_reserved = decoding_reserved.saturating_add(bytes);
                 }
-                let grown = e.bytes.saturating_sub(bytes);
+                // Admitted without its shared prefix: what the backend says it holds of it
+                // once is paid by another lease.
+                let grown = e
+                    .bytes
+                    .saturating_sub(credit.min(e.prefix_bytes))
+                    .saturating_sub(bytes);
                 out.grown_bytes = out.grown_bytes.saturating_add(grown);
                 if e.resuming {
                     resume = resume.max(grown);
@@ -1022,6 +1036,41 @@ mod tests {
             reconcile(&mut l, &older, 400, 5_000, &BTreeMap::new(), 0).slack,
             0
         );
+    }
+
+    #[test]
+    fn a_lease_admitted_without_its_shared_prefix_is_not_grown_when_the_backend_shares_it() {
+        // Lease 1 pays a 600-byte prefix; lease 2 was admitted without it. The backend holds
+        // the prefix once and says so (`prefix_bytes`); then nothing is grown. A backend that
+        // does not share it (no prefix caching) shows lease 2 holding it too: held back.
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 1_000, 0);
+        admit(&mut l, 2, 400, 0);
+        l.set_prefix(1, 9, 0);
+        l.set_prefix(2, 9, 600);
+        l.check().unwrap();
+        let entry = |id, prefix_bytes| LiveEntry {
+            id: Some(id),
+            bytes: 1_000,
+            running: true,
+            prefix_bytes,
+            ..Default::default()
+        };
+        let shared = BackendReport {
+            live: vec![1, 2],
+            used_bytes: 1_400,
+            entries: vec![entry(1, 600), entry(2, 600)],
+            ..Default::default()
+        };
+        let r = reconcile(&mut l.clone(), &shared, 100, 5_000, &BTreeMap::new(), 0);
+        assert_eq!((r.grown_bytes, r.held_back), (0, 0));
+        let unshared = BackendReport {
+            used_bytes: 2_000,
+            entries: vec![entry(1, 0), entry(2, 0)],
+            ..shared
+        };
+        let r = reconcile(&mut l, &unshared, 100, 5_000, &BTreeMap::new(), 0);
+        assert_eq!((r.grown_bytes, r.held_back), (600, 600));
     }
 
     #[test]
@@ -1432,6 +1481,7 @@ mod tests {
             prompt_tokens: 20,
             max_tokens: 1000,
             used_tokens: 21,
+            prefix_bytes: 0,
         };
         let entries = [started(1), started(2), started(3)];
         // Alone, each is expected at the median of all outputs: a long run, 29.9 s.
@@ -1470,6 +1520,7 @@ mod tests {
             prompt_tokens: 20,
             max_tokens: cap,
             used_tokens: 20 + generated,
+            prefix_bytes: 0,
         };
         // Past the short answers, one in three of those left stopped by itself (at 50); the
         // other two ran to their caps of 200 and say only that it may run past 200: the median
@@ -1522,6 +1573,7 @@ mod tests {
             prompt_tokens,
             max_tokens: 400,
             used_tokens: prompt_tokens + 10,
+            prefix_bytes: 0,
         };
         let p = progress(6, 5);
         // Like the short answers: 46 more tokens at 10/s.
@@ -1572,6 +1624,7 @@ mod tests {
             prompt_tokens: 20,
             max_tokens: cap,
             used_tokens: 20 + generated,
+            prefix_bytes: 0,
         };
         let report = BackendReport {
             entries: vec![

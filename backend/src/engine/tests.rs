@@ -1612,10 +1612,18 @@ fn a_shared_prefix_is_promised_once_prefilled_once_and_changes_no_output() {
             .map(|r| matches!(events(r).first(), Some(Event::Admitted { .. })))
             .collect();
         let fit = if caching { 4 } else { 2 };
-        assert_eq!(admitted, (0..5).map(|k| k < fit).collect::<Vec<_>>(), "caching {caching}");
+        assert_eq!(
+            admitted,
+            (0..5).map(|k| k < fit).collect::<Vec<_>>(),
+            "caching {caching}"
+        );
         let report = e.published().leases.clone();
         let prefix: Vec<u64> = report.iter().map(|l| l.prefix_tokens).collect();
-        assert_eq!(prefix, vec![if caching { 64 } else { 0 }; fit], "the report says so");
+        assert_eq!(
+            prefix,
+            vec![if caching { 64 } else { 0 }; fit],
+            "the report says so"
+        );
         let mut evs: Vec<Vec<Event>> = (0..5).map(|_| Vec::new()).collect();
         let mut most_running = 0;
         for _ in 0..400 {
@@ -1630,8 +1638,16 @@ fn a_shared_prefix_is_promised_once_prefilled_once_and_changes_no_output() {
         }
         assert_eq!(most_running, fit, "caching {caching}");
         for (k, ev) in evs.iter().enumerate().take(fit) {
-            assert_eq!(finished(ev), Some((FinishReason::Length, 20, false)), "a{k}");
-            assert_eq!(text(ev), solo_tokens(agent(k as u32), 20), "a{k}: same output");
+            assert_eq!(
+                finished(ev),
+                Some((FinishReason::Length, 20, false)),
+                "a{k}"
+            );
+            assert_eq!(
+                text(ev),
+                solo_tokens(agent(k as u32), 20),
+                "a{k}: same output"
+            );
         }
         // The first wrote the prefix; the others waited for it and skipped its prefill.
         let skipped = if caching { 64 * (fit as u64 - 1) } else { 0 };
@@ -1669,7 +1685,11 @@ fn cached_prefix_blocks_are_taken_for_other_work_when_needed_and_the_prefix_is_r
     }
     assert_eq!(finished(&evs), Some((FinishReason::Length, 92, false)));
     assert_eq!(text(&evs), solo_tokens(other, 92));
-    assert_eq!(e.pool.cached_blocks(), 6, "b's prompt blocks are cached now, the agent's went");
+    assert_eq!(
+        e.pool.cached_blocks(),
+        6,
+        "b's prompt blocks are cached now, the agent's went"
+    );
     // The agent again: nothing cached to share; it prefills its whole prompt, same output.
     let mut c = submit_tokens(&mut e, "c", agent(0), 20);
     let mut evs = Vec::new();
@@ -1699,9 +1719,16 @@ fn a_preempted_sequence_that_shared_a_prefix_resumes_from_the_cached_prefix() {
             ev.extend(events(r));
         }
     }
-    assert!(e.metrics.recompute_preemptions.get() > 0, "the pool ran dry");
+    assert!(
+        e.metrics.recompute_preemptions.get() > 0,
+        "the pool ran dry"
+    );
     for (k, ev) in evs.iter().enumerate() {
-        assert_eq!(finished(ev), Some((FinishReason::Length, 60, false)), "a{k}");
+        assert_eq!(
+            finished(ev),
+            Some((FinishReason::Length, 60, false)),
+            "a{k}"
+        );
         assert_eq!(text(ev), solo_tokens(agent(k as u32), 60), "a{k}");
     }
     assert!(

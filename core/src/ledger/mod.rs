@@ -44,6 +44,12 @@ pub struct Lease {
     /// since (`admit_into_lent`, claims): Retry-After counts it as freed only up to what was
     /// not.
     pub held: u64,
+    /// The key of the shared prompt prefix it starts with (0: none): agents of one swarm
+    /// sending the same system prompt, which the backend holds once for all of them.
+    pub prefix: u64,
+    /// What it does not pay of that prefix because another live lease with the same key pays
+    /// it (0: it pays its own). When the payer ends, the next one pays (`hand_on_prefix`).
+    pub credit: u64,
 }
 
 impl Lease {
@@ -58,6 +64,8 @@ impl Lease {
             owner: req.owner,
             eta_ms: 0,
             held: 0,
+            prefix: 0,
+            credit: 0,
         }
     }
 }
@@ -914,6 +922,49 @@ impl Ledger {
         })
     }
 
+    /// What a request starting with the shared prefix `key` (`bytes` of it) does not pay:
+    /// all of it while a live lease with that key pays it, else nothing.
+    pub fn prefix_credit(&self, key: u64, bytes: u64) -> u64 {
+        let paid = key != 0
+            && self
+                .leases
+                .iter()
+                .any(|l| l.prefix == key && l.credit == 0 && l.bytes > 0);
+        if paid {
+            bytes
+        } else {
+            0
+        }
+    }
+
+    /// Lease `id` starts with the shared prefix `key` and was admitted `credit` bytes below
+    /// its price for it ([`Ledger::prefix_credit`]).
+    pub fn set_prefix(&mut self, id: u64, key: u64, credit: u64) {
+        if let Some(l) = self.leases.iter_mut().find(|l| l.id == id) {
+            l.prefix = key;
+            l.credit = credit;
+        }
+    }
+
+    /// `gone` paid its prefix and reserves it no more: the oldest other live lease with the
+    /// same key, if any, pays it from now on (the backend holds the prefix while any of them lives).
+    /// Never above what was committed before `gone` went: its bytes held the prefix.
+    fn hand_on_prefix(&mut self, gone: &Lease) {
+        if gone.prefix == 0 || gone.credit > 0 {
+            return;
+        }
+        let next = self
+            .leases
+            .iter_mut()
+            .filter(|l| l.prefix == gone.prefix && l.credit > 0 && l.bytes > 0)
+            .min_by_key(|l| (l.created_ms, l.id));
+        if let Some(l) = next {
+            let credit = std::mem::take(&mut l.credit);
+            l.bytes = l.bytes.saturating_add(credit);
+            self.committed = self.committed.saturating_add(credit);
+        }
+    }
+
     /// Release a lease by id. Idempotent: an unknown id changes nothing and says so.
     pub fn release(&mut self, id: u64, now_ms: u64) -> ReleaseOutcome {
         let Some(lease) = self.take(id) else {
@@ -961,6 +1012,7 @@ impl Ledger {
             if orphaned {
                 let lease = self.leases.swap_remove(i);
                 self.uncommit(lease.bytes);
+                self.hand_on_prefix(&lease);
                 self.give_back_held(lease.held);
                 reaped.push(lease);
             } else {
@@ -991,8 +1043,12 @@ impl Ledger {
         let was = lease.clone();
         lease.bytes = 0;
         lease.held = lease.held.saturating_add(was.bytes);
+        // Reserving nothing, it shares no prefix charge any more.
+        lease.prefix = 0;
+        lease.credit = 0;
         let slack = self.slack;
         self.uncommit(was.bytes);
+        self.hand_on_prefix(&was);
         self.held_back = self.held_back.saturating_add(was.bytes);
         self.lendable = self.lendable.saturating_add(was.bytes);
         if self.slack < slack {
@@ -1028,6 +1084,7 @@ impl Ledger {
         let pos = self.leases.iter().position(|l| l.id == id)?;
         let lease = self.leases.swap_remove(pos);
         self.uncommit(lease.bytes);
+        self.hand_on_prefix(&lease);
         Some(lease)
     }
 
@@ -1097,6 +1154,20 @@ impl Ledger {
         }
         if self.lendable_to_line > self.lendable {
             return Err("more lendable to the line than lendable".to_string());
+        }
+        // A lease excused its prefix has a live lease paying it.
+        let payers: std::collections::HashSet<u64> = self
+            .leases
+            .iter()
+            .filter(|l| l.prefix != 0 && l.credit == 0 && l.bytes > 0)
+            .map(|l| l.prefix)
+            .collect();
+        if self
+            .leases
+            .iter()
+            .any(|l| l.credit > 0 && (l.prefix == 0 || !payers.contains(&l.prefix)))
+        {
+            return Err("a lease excused its prefix with no lease paying it".to_string());
         }
         let mut ids: Vec<u64> = self.leases.iter().map(|l| l.id).collect();
         ids.sort_unstable();
