@@ -475,11 +475,11 @@ impl<M: Forward> Engine<M> {
     }
 
     /// Whether waiting sequence `i`, about to start, waits for an older live sequence to write
-    /// the next block of its prefix (lazy blocks: that block is promised once, so it must not
-    /// be written twice). First it takes the blocks of its prefix cached since it arrived, as
-    /// long as it holds nothing else (a block's place is its place in the prompt).
+    /// the next block of its prefix: written twice, it would be held twice where lazy blocks
+    /// promised it once and a gateway charged it once. First it takes the blocks of its prefix
+    /// cached since it arrived, as long as it holds nothing else (a block's place is its place
+    /// in the prompt; a sequence that took blocks at admission writes its prefix itself).
     fn waits_for_its_prefix(&mut self, i: usize) -> bool {
-        let lazy = self.lazy();
         let Some(s) = self.waiting.get_mut(i) else {
             return false;
         };
@@ -492,8 +492,7 @@ impl<M: Forward> Engine<M> {
         let Some(&next) = s.prefix.get(at) else {
             return false;
         };
-        lazy && self
-            .running
+        self.running
             .iter()
             .chain(self.waiting.iter())
             .any(|o| o.order < order && o.prefix.get(at) == Some(&next))
@@ -1043,10 +1042,13 @@ impl<M: Forward> Engine<M> {
                     .elastic
                     .then(|| s.promised.saturating_sub(s.prompt.len() as u64)),
                 resuming,
+                // Lazy blocks: its prefix blocks, promised once among the sequences sharing
+                // them; otherwise those it holds that are cached (written once, shared).
                 prefix_tokens: match lazy {
-                    true => s.counted_prefix().len() as u64 * block_tokens,
-                    false => 0,
-                },
+                    true => s.counted_prefix().len(),
+                    false => s.alloc.cached_prefix_blocks().min(s.counted_prefix().len()),
+                } as u64
+                    * block_tokens,
             }
         };
         let leases: Vec<LeaseEntry> = self

@@ -45,7 +45,7 @@ struct Args {
     /// Where the KV cache lives. `paged`: one arena of `--kv-cache-bytes`, allocated at start on
     /// the device, whose blocks are the pool's blocks; attention reads it there. `host`: each
     /// sequence's cache in host memory, attention in a tight host loop (faster on CPU).
-    /// `auto`: `paged` on CUDA, `host` on CPU.
+    /// `auto`: `paged` on CUDA, and on CPU with `--prefix-caching` (the default), else `host`.
     #[arg(long, value_enum, default_value_t = KvLayout::Auto)]
     kv_layout: KvLayout,
     /// Type of the projection weights and of the paged KV arena. `auto`: bf16 on CUDA, f32 on
@@ -310,7 +310,8 @@ async fn main() -> Result<()> {
     let paged = match args.kv_layout {
         KvLayout::Paged => true,
         KvLayout::Host => false,
-        KvLayout::Auto => !dev.is_cpu(),
+        // Prefix caching shares blocks, which only the arena can.
+        KvLayout::Auto => !dev.is_cpu() || args.prefix_caching,
     };
     let dtype = match args.dtype {
         WeightType::Auto if dev.is_cpu() => DType::F32,
@@ -408,7 +409,7 @@ async fn main() -> Result<()> {
         .await
         .with_context(|| format!("binding {addr}"))?;
     eprintln!(
-        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; {} KV in {:?}, weights {:?}; prefill {} tokens a step, scratch at most {} bytes beside the pool (a decode step's: {} bytes); admission {:?}{}; on KV exhaustion {:?}; loaded in {:.1}s)",
+        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; {} KV in {:?}, weights {:?}; prefill {} tokens a step, scratch at most {} bytes beside the pool (a decode step's: {} bytes); admission {:?}{}; on KV exhaustion {:?}; prefix caching {}; loaded in {:.1}s)",
         env!("CARGO_PKG_VERSION"),
         model_name,
         listener.local_addr()?,
@@ -430,6 +431,11 @@ async fn main() -> Result<()> {
         args.admission,
         if args.lazy_blocks { " (lazy blocks)" } else { "" },
         args.on_kv_exhaustion,
+        match (args.prefix_caching, paged) {
+            (true, true) => "on",
+            (true, false) => "off (needs --kv-layout paged)",
+            (false, _) => "off",
+        },
         started.elapsed().as_secs_f64(),
     );
     let app = api::router(state).into_make_service_with_connect_info::<api::ServedAt>();

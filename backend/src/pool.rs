@@ -334,6 +334,16 @@ impl Allocation {
         }
     }
 
+    /// Its first blocks that are cached under a prefix hash (written once, shared with every
+    /// sequence whose prompt starts with them).
+    pub fn cached_prefix_blocks(&self) -> usize {
+        let s = self.pool.lock();
+        self.blocks
+            .iter()
+            .take_while(|b| s.meta.get(**b as usize).is_some_and(|m| m.hash != 0))
+            .count()
+    }
+
     /// Take `n` more blocks, all or nothing.
     pub fn grow(&mut self, n: u32) -> bool {
         let pool = self.pool.clone();

@@ -1,0 +1,112 @@
+"""Agent swarms through the real stack: twelve agents send the same ~3,000-token system prompt
+(60 tool descriptions) and differ only in their last message.
+
+The backend caches the prompt's KV blocks (prefix caching, on by default) and holds the shared
+ones once; the gateway charges the shared prefix once among the live leases that start with it.
+On the shipped 256 MiB pool one agent priced whole takes most of what the gateway promises, so
+without sharing they ran one at a time.
+"""
+
+import threading
+import time
+
+import requests
+
+from harness import BLOCK_BYTES
+
+MODEL = "smollm2-135m-instruct"
+SPEC = {"layers": 30, "kv_heads": 3, "head_dim": 64, "kv_dtype_bytes": 4, "context_tokens": 8192}
+POOL_BLOCKS = 268_435_456 // BLOCK_BYTES  # the shipped pool (tools/stack.py)
+AGENTS = 12
+
+TOOLS = "\n".join(
+    f"- tool_{i}(path: str, limit: int) -> list: reads the records of shelf {i} in the archive "
+    f"of district {i * 7 % 13}, sorted by date, and returns at most `limit` of them as JSON."
+    for i in range(60))
+SYSTEM = f"You are one agent of a team. Answer in one short sentence. Tools:\n{TOOLS}\n"
+
+
+def agent_body(k):
+    return {"model": MODEL, "temperature": 0, "max_tokens": 64, "messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Agent {k}: which tool reads shelf {k * 3}?"}]}
+
+
+def swarm(gw, b):
+    """All agents at once, each retrying on 429 after Retry-After; returns (results, peaks)."""
+    results = [None] * AGENTS
+    peak = {"running": 0, "over": 0}
+    stop = threading.Event()
+    capacity = gw.status()["capacity_bytes"]
+
+    def watch():
+        while not stop.is_set():
+            running = sum(l["state"] == "running" for l in b.leases()["leases"])
+            s = gw.status()
+            peak["running"] = max(peak["running"], running)
+            peak["over"] += s["committed_bytes"] > capacity + s["slack_bytes"]
+            time.sleep(0.1)
+
+    def agent(k):
+        for _ in range(200):
+            r = requests.post(gw.url + "/v1/chat/completions", json=agent_body(k), timeout=300)
+            if r.status_code != 429:
+                results[k] = (r.status_code, r.json())
+                return
+            time.sleep(float(r.headers["retry-after-ms"]) / 1000)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    threads = [threading.Thread(target=agent, args=(k,)) for k in range(AGENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    watcher.join()
+    return results, peak
+
+
+def stack_for_swarm(stack, *backend_flags):
+    gw, b = stack(POOL_BLOCKS, {"model": "from_backend", "fallback_model": SPEC,
+                                "tokenizer": {"encoding": "cl100k_base"}}, *backend_flags)
+    gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom", timeout=30, what="the backend's descriptor")
+    return gw, b
+
+
+def test_a_swarm_sharing_a_long_prefix_runs_together_and_its_output_is_unchanged(stack):
+    gw, b = stack_for_swarm(stack)
+    # One agent alone first: it writes the prefix, and its greedy answer is the reference.
+    r = requests.post(gw.url + "/v1/chat/completions", json=agent_body(0), timeout=300)
+    assert r.status_code == 200, r.text
+    alone = r.json()
+    prompt_tokens = alone["usage"]["prompt_tokens"]
+    assert 3000 < prompt_tokens < 3400, prompt_tokens
+    # Cached blocks nobody holds are free room, not use.
+    assert b.leases()["pool"]["used_bytes"] == 0
+    before = b.metrics().get("kvgate_backend_prefix_cached_tokens_total", 0)
+    results, peak = swarm(gw, b)
+    assert all(r and r[0] == 200 for r in results), results
+    assert results[0][1]["choices"][0]["message"] == alone["choices"][0]["message"], \
+        "the same greedy answer with the prefix cached"
+    assert peak["running"] >= 8, peak
+    assert peak["over"] == 0, "committed never passed the capacity (and the decoding leases' slack)"
+    m = b.metrics()
+    skipped = m["kvgate_backend_prefix_cached_tokens_total"] - before
+    assert skipped >= AGENTS * 2900, skipped
+    assert m["kvgate_backend_kv_oom_total"] == 0
+    gw.assert_drained()
+    b.wait_pool_empty()
+
+
+def test_a_swarm_into_a_backend_that_admits_everything_never_runs_it_out(stack):
+    """The gateway is the only guard (`--admission none`): its shared-prefix charge must hold
+    what the backend really holds, or sequences fail mid-decode."""
+    gw, b = stack_for_swarm(stack, "--admission", "none")
+    results, peak = swarm(gw, b)
+    assert all(r and r[0] == 200 for r in results), results
+    assert peak["over"] == 0
+    assert b.metrics()["kvgate_backend_kv_oom_total"] == 0
+    print(f"swarm into --admission none: peak running {peak['running']}")
+    gw.assert_drained()
+    b.wait_pool_empty()
