@@ -144,7 +144,7 @@ down:
 # suffice, which the sustained-load tests beside them on 2 cores would slow past the estimate.
 test-loop: wasm backend-test-build model setup-venv
 	cd tests && ../$(PY) -m pytest -q test_openai_client.py
-	cd tests && ../$(PY) -m pytest -q $(PYTEST_PAR) --durations=12 test_loop.py test_sustained.py test_fleet.py test_elastic.py
+	cd tests && ../$(PY) -m pytest -q $(PYTEST_PAR) --durations=12 test_loop.py test_sustained.py test_fleet.py test_elastic.py test_prefix.py
 
 # Every config that ships: accepted by Envoy with the real filter; compose and Istio files parse.
 test-configs: wasm setup-venv setup-tools
@@ -236,6 +236,11 @@ bench-prefill: model
 # Real backends with the real model; about 3 minutes on 2 cores.
 bench-fleet: wasm backend-build model setup-venv
 	$(PY) bench/fleet_bench.py
+
+# An agent swarm (12 agents, one ~3,000-token system prompt) through the shipped stack, the
+# backend's prefix caching on and off (issue 51): about 10 minutes on 2 cores.
+bench-swarm: wasm backend-build model setup-venv
+	$(PY) bench/swarm_bench.py
 
 # Admission strategies side by side (issue 11): no admission, the backend's reserve alone, kvgate,
 # kvgate with clairvoyant caps (oracle), vLLM's recompute preemption (when the backend has

@@ -110,3 +110,30 @@ def test_a_swarm_into_a_backend_that_admits_everything_never_runs_it_out(stack):
     print(f"swarm into --admission none: peak running {peak['running']}")
     gw.assert_drained()
     b.wait_pool_empty()
+
+
+def test_a_fleet_sends_an_agent_to_the_endpoint_that_holds_its_prefix(fleet):
+    """Two backends; agent A runs on one of them. Agent B, with the same system prompt, goes to
+    A's endpoint (its prefix is paid there, and cached), not to the emptier one."""
+    (gw,), bs = fleet(2, 1, 160, None, "--step-delay-ms", "100")
+    gw.wait_for(lambda s: all(e["up"] and e["polled"] for e in s["endpoints"])
+                and s["model"]["tokenizer"] == "custom", 30, "both endpoints and the descriptor")
+    system = "You are one agent of a team. Tools:\n" + "\n".join(TOOLS.splitlines()[:10])
+    chat = lambda task, n: {"model": MODEL, "temperature": 0, "max_tokens": n, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": task}]}
+    a = requests.post(gw.url + "/v1/chat/completions", stream=True, timeout=120,
+                      json={**chat("Count from 1 to 100, one number a line.", 120), "stream": True})
+    assert a.status_code == 200, a.text
+    lines = a.iter_lines()
+    next(l for l in lines if l.startswith(b"data: {"))  # A is decoding
+    home = next(b for b in bs if b.leases()["leases"])
+    other = next(b for b in bs if b is not home)
+    cached = lambda b: b.metrics().get("kvgate_backend_prefix_cached_tokens_total", 0)
+    before = (cached(home), cached(other))
+    r = requests.post(gw.url + "/v1/chat/completions", json=chat("Which tool reads shelf 3?", 8), timeout=60)
+    assert r.status_code == 200, r.text
+    assert cached(home) - before[0] >= 256, "B ran where A's prefix is cached"
+    assert cached(other) == before[1]
+    for _ in lines:
+        pass
+    gw.assert_drained()

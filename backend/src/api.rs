@@ -47,6 +47,8 @@ pub struct AppState {
     pub scratch_margin_bytes: u64,
     pub prefill_scratch_bytes: u64,
     pub decode_scratch_bytes: u64,
+    /// Prompt blocks are cached and shared (`--prefix-caching` with the paged arena).
+    pub prefix_caching: bool,
     /// The largest request body accepted (`--max-body-bytes`).
     pub max_body_bytes: usize,
     /// The gateways that poll the lease report, so each can be told of the others.
@@ -253,6 +255,7 @@ async fn leases(
             scratch_margin_bytes: Some(st.scratch_margin_bytes),
             prefill_scratch_bytes: Some(st.prefill_scratch_bytes),
             decode_scratch_bytes: Some(st.decode_scratch_bytes),
+            prefix_caching: st.prefix_caching,
         }),
         leases,
         finished,
@@ -807,6 +810,7 @@ mod tests {
             scratch_margin_bytes: 0,
             prefill_scratch_bytes: 0,
             decode_scratch_bytes: 0,
+            prefix_caching: false,
             max_body_bytes: 1 << 20,
             pollers: Default::default(),
             validation_slots: Arc::new(Semaphore::new(slots)),

@@ -396,6 +396,7 @@ async fn main() -> Result<()> {
         scratch_margin_bytes: stats.block_bytes,
         prefill_scratch_bytes: prefill_scratch,
         decode_scratch_bytes: decode_scratch,
+        prefix_caching: args.prefix_caching && paged,
         max_body_bytes: args.max_body_bytes.max(1),
         pollers: Default::default(),
         validation_slots: Arc::new(tokio::sync::Semaphore::new(

@@ -228,6 +228,7 @@ fn fleet_admission(c: &mut Criterion) {
                         1 << 20,
                         fleet::Choice::MostRoom,
                         None,
+                        None,
                         4,
                         |l| match l.try_admit(&request(u64::MAX - 1), &retry, 9) {
                             AdmitOutcome::Admitted { .. } => Some(()),
@@ -411,8 +412,45 @@ fn chat_flood(c: &mut Criterion) {
     g.finish();
 }
 
+/// Pricing an agent's chat (a ~3,000-token system prompt and a short task, SmolLM2's template)
+/// behind a kvgate backend: with the shared prefix priced (its messages counted a second time)
+/// and without (`share_prefixes` off); and the hostile flood of empty messages the same way.
+fn price_shared_prefix(c: &mut Criterion) {
+    use kvgate_core::gate;
+    use kvgate_core::request::{parse_request, Endpoint};
+    let mut g = c.benchmark_group("price_chat");
+    let cfg = kvgate_core::config::Config::from_json(
+        br#"{"model":{"layers":30,"kv_heads":3,"head_dim":64,"kv_dtype_bytes":4,"context_tokens":8192},
+            "kv_budget_bytes":268435456,"backend":{}}"#,
+    )
+    .expect("config");
+    let [_, (_, spec)] = chatml_and_smollm2(&[vec![b' '; 128]]);
+    let counter = TokenCounter::new(&TokenizerSpec::Custom(spec)).expect("tokenizer");
+    let system = text_of_tokens(&counter, 3000);
+    let swarm = serde_json::json!({"messages": [{"role": "system", "content": system},
+        {"role": "user", "content": "Agent 7: which tool reads shelf 21?"}], "max_tokens": 64})
+    .to_string();
+    let flood = serde_json::json!({"messages": vec![serde_json::json!({"role": "user", "content": ""}); 140_000]})
+        .to_string();
+    for (name, body) in [("swarm_3k", swarm), ("flood_140k", flood)] {
+        let (req, _) = parse_request(Endpoint::ChatCompletions, body.as_bytes()).expect("parses");
+        for share in [false, true] {
+            let cfg = kvgate_core::config::Config {
+                share_prefixes: share,
+                ..cfg.clone()
+            };
+            let arm = if share { "shared_prefix" } else { "whole" };
+            g.bench_with_input(BenchmarkId::new(name, arm), &req, |b, r| {
+                b.iter(|| gate::price(&cfg, &counter, black_box(r)))
+            });
+        }
+    }
+    g.finish();
+}
+
 criterion_group!(
     benches,
+    price_shared_prefix,
     chat_templates,
     chat_flood,
     counting,

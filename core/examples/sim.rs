@@ -1398,7 +1398,7 @@ impl Gateway {
         let plain = if behind {
             Vec::new()
         } else {
-            fleet::plan(&self.views, need, fleet::Choice::MostRoom)
+            fleet::plan(&self.views, need, fleet::Choice::MostRoom, None)
         };
         for index in plain {
             let Some(l) = self.ledgers.get_mut(index) else {

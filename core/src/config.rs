@@ -891,6 +891,7 @@ impl Config {
             scratch_margin_bytes,
             tokenizer,
             served,
+            prefix_caching,
             ..
         } = d;
         let pricing = Pricing::new(
@@ -904,6 +905,9 @@ impl Config {
             tokenizer,
             token_multiplier: 1.0,
             served,
+            // A backend that holds a shared prefix once says so; one that does not, is charged
+            // for every copy.
+            share_prefixes: self.share_prefixes && prefix_caching,
             ..self.clone()
         })
     }
@@ -1032,6 +1036,7 @@ mod tests {
             fingerprint: String::new(),
             kv_capacity_bytes: 1 << 20,
             scratch_margin_bytes: 5000,
+            prefix_caching: false,
             tokenizer: c.tokenizer.clone(),
             served: c.served.clone(),
         };

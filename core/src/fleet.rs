@@ -21,6 +21,7 @@
 
 use serde::Deserialize;
 
+use crate::gate::SharedPrefix;
 use crate::ledger::Ledger;
 use crate::store::{self, SharedStore, StoreError};
 
@@ -62,7 +63,13 @@ pub struct View {
     /// The endpoint's [`endpoint_name`], which [`home`] hashes, so a home does not move when
     /// the list's order does; 0: its index in the list.
     pub name: u64,
+    /// Shared prefixes its live leases pay (`Lease::prefix`; as last decoded, at most
+    /// [`PREFIXES_SEEN`]; 0: none): a request starting with one needs less there.
+    pub prefixes: [u64; PREFIXES_SEEN],
 }
+
+/// Shared prefixes a view remembers per endpoint (the first found).
+pub const PREFIXES_SEEN: usize = 8;
 
 impl View {
     pub fn observe(&mut self, ledger: &Ledger) {
@@ -74,6 +81,22 @@ impl View {
         self.leases = ledger.leases().len() as u64;
         self.claimed = ledger.claimed();
         self.claims = ledger.claims().len() as u64;
+        self.prefixes = [0; PREFIXES_SEEN];
+        let paid = ledger
+            .leases()
+            .iter()
+            .filter(|l| l.prefix != 0 && l.credit == 0 && l.bytes > 0);
+        for (slot, l) in self.prefixes.iter_mut().zip(paid) {
+            *slot = l.prefix;
+        }
+    }
+
+    /// What a request needing `need` bytes, starting with `prefix`, needs here.
+    pub fn need(&self, need: u64, prefix: Option<SharedPrefix>) -> u64 {
+        match prefix {
+            Some(p) if p.key != 0 && self.prefixes.contains(&p.key) => need.saturating_sub(p.bytes),
+            _ => need,
+        }
     }
 
     /// Take a [`peek`] (eligibility stays).
@@ -83,6 +106,7 @@ impl View {
             claimed: self.claimed,
             claims: self.claims,
             name: self.name,
+            prefixes: self.prefixes,
             ..*p
         };
     }
@@ -108,18 +132,25 @@ pub fn peek(bytes: &[u8]) -> Option<View> {
         claimed: 0,
         claims: 0,
         name: 0,
+        prefixes: [0; PREFIXES_SEEN],
     })
 }
 
-/// The eligible endpoints whose room fits `need`, best first by `rule`.
-pub fn plan(views: &[View], need: u64, rule: Choice) -> Vec<usize> {
+/// The eligible endpoints whose room fits `need` (less a shared `prefix` their live leases pay),
+/// best first: those that hold the prefix, then by `rule`.
+pub fn plan(views: &[View], need: u64, rule: Choice, prefix: Option<SharedPrefix>) -> Vec<usize> {
     let mut fit: Vec<usize> = (0..views.len())
-        .filter(|&i| views.get(i).is_some_and(|v| v.eligible && v.room >= need))
+        .filter(|&i| {
+            views
+                .get(i)
+                .is_some_and(|v| v.eligible && v.room >= v.need(need, prefix))
+        })
         .collect();
+    let holds = |i: usize| views.get(i).is_some_and(|v| v.need(need, prefix) < need);
     // Ties go to the lower index, so a fleet with equal room fills in a stable order.
     match rule {
-        Choice::MostRoom => fit.sort_by_key(|&i| (std::cmp::Reverse(room(views, i)), i)),
-        Choice::BestFit => fit.sort_by_key(|&i| (room(views, i), i)),
+        Choice::MostRoom => fit.sort_by_key(|&i| (!holds(i), std::cmp::Reverse(room(views, i)), i)),
+        Choice::BestFit => fit.sort_by_key(|&i| (!holds(i), room(views, i), i)),
     }
     fit
 }
@@ -208,13 +239,14 @@ pub fn admit<S: SharedStore + ?Sized, T>(
     views: &mut [View],
     need: u64,
     rule: Choice,
+    prefix: Option<SharedPrefix>,
     claim_key: Option<u64>,
     attempts: u32,
     mut plain: impl FnMut(&mut Ledger) -> Option<T>,
     mut full: impl FnMut(&mut Ledger) -> T,
 ) -> Result<Placed<T>, (usize, StoreError)> {
     let home = claim_key.and_then(|k| home(views, need, k));
-    for index in plan(views, need, rule) {
+    for index in plan(views, need, rule, prefix) {
         if let Ok((out, ledger)) = store::transact(store, &key(index), attempts, &mut plain) {
             if let Some(v) = views.get_mut(index) {
                 v.observe(&ledger);
@@ -346,6 +378,7 @@ mod tests {
             bytes,
             rule,
             None,
+            None,
             8,
             |l| (l.free() >= bytes && admitted(l)).then_some(true),
             admitted,
@@ -411,12 +444,54 @@ mod tests {
             1,
             Choice::MostRoom,
             None,
+            None,
             8,
             |_| Some(()),
             |_| (),
         )
         .unwrap();
         assert!(matches!(placed, Placed::Nowhere));
+    }
+
+    #[test]
+    fn a_request_goes_first_where_its_shared_prefix_is_paid_when_it_fits_there() {
+        let s = MemoryStore::default();
+        let mut ledgers: Vec<Ledger> = (0..3).map(|_| Ledger::new(1000, 1)).collect();
+        // Endpoint 2 holds the swarm's prefix (400 bytes): a lease there pays it.
+        assert!(matches!(
+            ledgers[2].try_admit(&req(9, 500), &RetryAfterConfig::default(), 0),
+            AdmitOutcome::Admitted { .. }
+        ));
+        ledgers[2].set_prefix(9, 77, 0);
+        let mut v: Vec<View> = ledgers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                store::seed(&s, &format!("e{i}"), || l.clone()).unwrap();
+                let mut view = View {
+                    eligible: true,
+                    ..View::default()
+                };
+                view.observe(l);
+                view
+            })
+            .collect();
+        let swarm = Some(SharedPrefix {
+            key: 77,
+            bytes: 400,
+        });
+        let other = Some(SharedPrefix {
+            key: 78,
+            bytes: 400,
+        });
+        // 600 bytes: it fits anywhere; where its prefix lives it needs 200, and goes there first.
+        assert_eq!(plan(&v, 600, Choice::MostRoom, swarm), vec![2, 0, 1]);
+        assert_eq!(plan(&v, 600, Choice::MostRoom, other), vec![0, 1]);
+        assert_eq!(plan(&v, 600, Choice::MostRoom, None), vec![0, 1]);
+        // 900: more than endpoint 2's room (500), but not beside its prefix.
+        assert_eq!(plan(&v, 900, Choice::BestFit, swarm), vec![2, 0, 1]);
+        v[2].eligible = false;
+        assert_eq!(plan(&v, 900, Choice::BestFit, swarm), vec![0, 1]);
     }
 
     #[test]
@@ -502,6 +577,7 @@ mod tests {
                 v,
                 300,
                 Choice::MostRoom,
+                None,
                 Some(key),
                 8,
                 |l| (l.free() >= 300 && admitted(l)).then_some(true),

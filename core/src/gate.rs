@@ -682,6 +682,7 @@ mod tests {
             scratch_margin_bytes: 0,
             tokenizer: c.tokenizer.clone(),
             served: c.served.clone(),
+            prefix_caching: false,
         };
         let exact = c.with_descriptor(d).unwrap();
         assert_eq!(priced(&exact, &body).prompt_tokens, vec![counted]);

@@ -1941,6 +1941,8 @@ pub struct Descriptor {
     pub tokenizer: crate::tokenize::TokenizerSpec,
     /// What the backend serves (model name, vocabulary, limits): the filter validates with it.
     pub served: crate::validate::Served,
+    /// It holds a shared prompt prefix once (prefix caching): a gateway may charge it once.
+    pub prefix_caching: bool,
 }
 
 impl Descriptor {
@@ -1969,6 +1971,7 @@ impl Descriptor {
         };
         Ok(Some(Descriptor {
             served,
+            prefix_caching: model.prefix_caching,
             spec,
             fingerprint: model.fingerprint.clone().unwrap_or_default(),
             kv_capacity_bytes: r.pool.capacity_bytes,

@@ -112,6 +112,9 @@ pub struct ModelReport {
     /// The same for one decode step of a full batch at the full context.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_scratch_bytes: Option<u64>,
+    /// It caches prompt blocks and holds a shared prefix once (`LeaseEntry::prefix_tokens`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub prefix_caching: bool,
 }
 
 /// The served tokenizer. `ranks` (tiktoken format, one `base64 rank` a line) is only sent when
@@ -330,6 +333,7 @@ mod tests {
                 scratch_margin_bytes: Some(16),
                 prefill_scratch_bytes: Some(1 << 20),
                 decode_scratch_bytes: Some(1 << 16),
+                prefix_caching: true,
             }),
             leases: vec![LeaseEntry {
                 id: "7".into(),

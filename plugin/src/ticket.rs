@@ -215,6 +215,7 @@ impl Ticket {
             &mut views,
             need,
             rule,
+            priced.prefix,
             claim_key,
             CAS_ATTEMPTS,
             |l| {
@@ -225,7 +226,8 @@ impl Ticket {
                     };
                 }
                 let own = claim_key.map_or(0, |k| l.held_for(k));
-                if l.free().saturating_add(own) < need {
+                let credit = priced.prefix.map_or(0, |p| l.prefix_credit(p.key, p.bytes));
+                if l.free().saturating_add(own).saturating_add(credit) < need {
                     return None;
                 }
                 let before = l.clone();
