@@ -414,7 +414,8 @@ fn chat_flood(c: &mut Criterion) {
 
 /// Pricing an agent's chat (a ~3,000-token system prompt and a short task, SmolLM2's template)
 /// behind a kvgate backend: with the shared prefix priced (its messages counted a second time)
-/// and without (`share_prefixes` off); and the hostile flood of empty messages the same way.
+/// and without (`share_prefixes` off); and a flood of 16,000 empty messages (about what the
+/// parser's bound of 16,384 objects lets through) the same way.
 fn price_shared_prefix(c: &mut Criterion) {
     use kvgate_core::gate;
     use kvgate_core::request::{parse_request, Endpoint};
@@ -430,10 +431,11 @@ fn price_shared_prefix(c: &mut Criterion) {
     let swarm = serde_json::json!({"messages": [{"role": "system", "content": system},
         {"role": "user", "content": "Agent 7: which tool reads shelf 21?"}], "max_tokens": 64})
     .to_string();
-    let flood = serde_json::json!({"messages": vec![serde_json::json!({"role": "user", "content": ""}); 140_000]})
+    let flood = serde_json::json!({"messages": vec![serde_json::json!({"role": "user", "content": ""}); 16_000]})
         .to_string();
-    for (name, body) in [("swarm_3k", swarm), ("flood_140k", flood)] {
-        let (req, _) = parse_request(Endpoint::ChatCompletions, body.as_bytes()).expect("parses");
+    for (name, body) in [("swarm_3k", swarm), ("flood_16k", flood)] {
+        let (req, _) = parse_request(Endpoint::ChatCompletions, body.as_bytes())
+            .unwrap_or_else(|e| panic!("{name}: {e:?}"));
         for share in [false, true] {
             let cfg = kvgate_core::config::Config {
                 share_prefixes: share,

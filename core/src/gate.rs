@@ -26,9 +26,9 @@ pub struct Priced {
 /// A chat's messages before its last one (agents of one swarm send the same system prompt and
 /// tools and differ in their last message): a backend with prefix caching holds its KV blocks
 /// once for every live request that starts with it, so the ledger charges it once
-/// ([`Ledger::prefix_credit`]). `bytes` is the KV of its tokens, rounded down to whole blocks
-/// of [`PREFIX_GRAIN`] less one, so never more than the backend shares: the count of the
-/// messages alone includes the template's generation prompt, which the next message replaces.
+/// ([`Ledger::prefix_credit`]). `bytes` is the KV of its tokens: the chat's count less its last
+/// message's and one [`PREFIX_GRAIN`] for the template's tokens around it, rounded down to a
+/// multiple of the grain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SharedPrefix {
     pub key: u64,
@@ -156,7 +156,8 @@ pub fn price(
     price.cap_from_context &= !cfg.from_backend;
     let prefix = match &req.input {
         Input::Chat(messages) if cfg.share_prefixes && choices == 1 => {
-            shared_prefix(cfg, counter, messages)
+            let counted = prompt_tokens.first().copied().unwrap_or(0);
+            shared_prefix(cfg, counter, messages, counted)
         }
         _ => None,
     };
@@ -170,22 +171,29 @@ pub fn price(
 }
 
 /// The shareable prefix of a chat: its messages before the last one, counted exactly (not by
-/// an approximation, which may count more than the backend shares).
+/// an approximation, which may count more than the backend shares). Not counted again: the
+/// chat's count less what its last message can add (its role, content and other fields, and a
+/// block for the template's tokens around it and the generation prompt), so pricing a swarm's
+/// chat costs one count of its last message more.
 fn shared_prefix(
     cfg: &Config,
     counter: &TokenCounter,
     messages: &[crate::request::ChatMessage],
+    counted: u64,
 ) -> Option<SharedPrefix> {
-    let (_, before) = messages.split_last()?;
+    let (last, before) = messages.split_last()?;
     if before.is_empty() || cfg.token_multiplier > 1.0 {
         return None;
     }
-    let context = cfg.pricing.spec.context_tokens;
-    let counted = match counter.count_chat_capped(before, context) {
-        crate::tokenize::Capped::Within(n) => n,
-        crate::tokenize::Capped::Over => return None,
-    };
-    let tokens = counted.saturating_sub(PREFIX_GRAIN) / PREFIX_GRAIN * PREFIX_GRAIN;
+    // Counted no further than the whole chat (a huge last message leaves no prefix).
+    let last_tokens = [&last.role, &last.content, &last.extra]
+        .iter()
+        .map(|t| match counter.count_text_capped(t, counted) {
+            crate::tokenize::Capped::Within(n) => n,
+            crate::tokenize::Capped::Over => counted,
+        })
+        .fold(PREFIX_GRAIN, u64::saturating_add);
+    let tokens = counted.saturating_sub(last_tokens) / PREFIX_GRAIN * PREFIX_GRAIN;
     if tokens < MIN_PREFIX_TOKENS {
         return None;
     }
