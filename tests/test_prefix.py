@@ -97,7 +97,21 @@ def test_a_swarm_sharing_a_long_prefix_runs_together_and_its_output_is_unchanged
     assert m["kvgate_backend_kv_oom_total"] == 0
     gw.assert_drained()
     b.wait_pool_empty()
-
+    # Cached blocks are free room: a prompt longer than the free list takes cached blocks, least
+    # recently used first, and of a prefix its tail first (given back last to first), so the
+    # agents' prompts still start with cached blocks.
+    cached = lambda: b.metrics()["kvgate_backend_prefix_cached_tokens_total"]
+    other = {"model": MODEL, "temperature": 0, "max_tokens": 8, "messages": [
+        {"role": "user", "content": "Say yes. " + "archive shelf " * 1700}]}
+    r = requests.post(gw.url + "/v1/chat/completions", json=other, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 3300
+    hit = cached()
+    r = requests.post(gw.url + "/v1/chat/completions", json=agent_body(0), timeout=300)
+    assert r.json()["choices"][0]["message"] == alone["choices"][0]["message"]
+    assert 0 < cached() - hit < prompt_tokens - 64, "the prefix's tail was taken, its head kept"
+    gw.assert_drained()
+    b.wait_pool_empty()
 
 def test_a_swarm_into_a_backend_that_admits_everything_never_runs_it_out(stack):
     """The gateway is the only guard (`--admission none`): its shared-prefix charge must hold

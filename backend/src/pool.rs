@@ -223,9 +223,12 @@ impl BlockPool {
         self.lock().index.contains_key(&hash)
     }
 
+    /// Give references back, last block first: of a cached prefix the tail is then the least
+    /// recently used, and taken first, and what is kept still starts the prompt (vLLM frees in
+    /// the same order).
     fn give_back(&self, blocks: &[u32]) {
         let mut s = self.lock();
-        for &b in blocks {
+        for &b in blocks.iter().rev() {
             let i = b as usize;
             s.tick += 1;
             let (tick, head) = (s.tick, s.free_head);
@@ -468,8 +471,12 @@ mod tests {
             "three free blocks, then one cached one"
         );
         let mut d = p.allocate(0).unwrap();
-        assert_eq!(d.adopt(&hashes), 0, "the first block's hash was forgotten");
-        assert!(p.is_cached(hashes[2]));
+        assert_eq!(
+            d.adopt(&hashes),
+            2,
+            "the last block went first; the prefix's head is kept"
+        );
+        assert!(!p.is_cached(hashes[2]));
         drop((c, d));
         p.check().unwrap();
     }
