@@ -197,14 +197,18 @@ fn shared_prefix(
     if tokens < MIN_PREFIX_TOKENS {
         return None;
     }
-    // Every field length-prefixed: no two different chats write the same bytes.
-    let mut h = crate::spec::Fnv1a::new();
+    // SipHash (std's), every field length-prefixed: two chats a client made to collide would
+    // share a charge the backend holds twice (caught as drift at the next report), so not a hash
+    // with known collisions (FNV). The same in every worker of one build.
+    use std::hash::Hasher;
+    let mut h = std::hash::DefaultHasher::new();
     for m in before {
         for part in [&m.role, &m.content, &m.extra] {
-            h.write(&(part.len() as u64).to_le_bytes());
+            h.write_u64(part.len() as u64);
             h.write(part.as_bytes());
         }
     }
+    h.write_u64(tokens);
     let key = h.finish();
     let bytes = cfg.pricing.spec.kv_bytes_per_token()?.checked_mul(tokens)?;
     Some(SharedPrefix {
