@@ -61,7 +61,7 @@
 //! `kvgate_core::wire`), stop-string hold-back in `tokenizer::TextStream`, metrics in
 //! `metrics.rs`.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -1007,6 +1007,21 @@ impl<M: Forward> Engine<M> {
         let per_token = self.pool.block_bytes / u64::from(self.pool.block_tokens.max(1));
         let block_tokens = u64::from(self.pool.block_tokens.max(1));
         let lazy = self.lazy();
+        // A sequence's prefix blocks held once: under lazy blocks those its reservation
+        // promises (the wait keeps them written once); otherwise those it holds that are cached.
+        let prefix_of = |s: &Seq<M::Kv>| -> usize {
+            match lazy {
+                true => s.counted_prefix().len(),
+                false => s.alloc.cached_prefix_blocks().min(s.counted_prefix().len()),
+            }
+        };
+        let live = || self.running.iter().chain(self.waiting.iter());
+        let mut holders: HashMap<u64, u32> = HashMap::new();
+        for s in live() {
+            for h in s.prefix.iter().take(prefix_of(s)) {
+                *holders.entry(*h).or_default() += 1;
+            }
+        }
         let view = |s: &Seq<M::Kv>, state: LeaseState, queued: bool| {
             // An elastic sequence preempted to be recomputed counts what it needs to resume
             // (its reservation plus what it borrowed): the gateway holds that back from new
@@ -1042,12 +1057,14 @@ impl<M: Forward> Engine<M> {
                     .elastic
                     .then(|| s.promised.saturating_sub(s.prompt.len() as u64)),
                 resuming,
-                // Lazy blocks: its prefix blocks, promised once among the sequences sharing
-                // them; otherwise those it holds that are cached (written once, shared).
-                prefix_tokens: match lazy {
-                    true => s.counted_prefix().len(),
-                    false => s.alloc.cached_prefix_blocks().min(s.counted_prefix().len()),
-                } as u64
+                // Of those, the ones another live sequence holds too: the gateway may have
+                // admitted it without them.
+                prefix_tokens: s
+                    .prefix
+                    .iter()
+                    .take(prefix_of(s))
+                    .take_while(|h| holders.get(*h).is_some_and(|n| *n > 1))
+                    .count() as u64
                     * block_tokens,
             }
         };
@@ -1072,13 +1089,23 @@ impl<M: Forward> Engine<M> {
         self.metrics
             .kv_written_bytes
             .set(i64::try_from(written).unwrap_or(i64::MAX));
+        // Promised and not taken: a prefix block promised to several is counted once, on the
+        // first holder (a sharer waiting for it takes nothing, and is promised nothing more).
         let untaken = match lazy {
-            true => self
-                .running
-                .iter()
-                .chain(self.waiting.iter())
-                .map(|s| u64::from(s.promised_blocks.saturating_sub(s.alloc.blocks())))
-                .sum::<u64>(),
+            true => {
+                let mut counted: HashSet<u64> = HashSet::new();
+                live()
+                    .map(|s| {
+                        let elsewhere = s
+                            .counted_prefix()
+                            .iter()
+                            .filter(|h| !counted.insert(**h))
+                            .count() as u32;
+                        let held = s.alloc.blocks().max(elsewhere);
+                        u64::from(s.promised_blocks.saturating_sub(held))
+                    })
+                    .sum::<u64>()
+            }
             false => 0,
         };
         let mut p = self.published();

@@ -35,7 +35,8 @@ pub struct SharedPrefix {
     pub bytes: u64,
 }
 
-/// Prefix tokens are counted in steps of this many (the backend's block size by default).
+/// Prefix tokens are counted in steps of at least this many: the backend's block (its scratch
+/// margin per reservation) when larger.
 pub const PREFIX_GRAIN: u64 = 16;
 
 /// Shorter shared prefixes are not worth tracking.
@@ -193,15 +194,25 @@ fn shared_prefix(
             crate::tokenize::Capped::Over => counted,
         })
         .fold(PREFIX_GRAIN, u64::saturating_add);
-    let tokens = counted.saturating_sub(last_tokens) / PREFIX_GRAIN * PREFIX_GRAIN;
+    // In the backend's blocks (its scratch margin is one block), never finer than the grain.
+    let per_token = cfg.pricing.spec.kv_bytes_per_token()?.max(1);
+    let grain = (cfg.pricing.scratch_margin_bytes / per_token).max(PREFIX_GRAIN);
+    let tokens = counted.saturating_sub(last_tokens) / grain * grain;
     if tokens < MIN_PREFIX_TOKENS {
         return None;
     }
-    // SipHash (std's), every field length-prefixed: two chats a client made to collide would
-    // share a charge the backend holds twice (caught as drift at the next report), so not a hash
-    // with known collisions (FNV). The same in every worker of one build.
+    // SipHash keyed with the backend's admission secret (every worker has it; a client does
+    // not), every field length-prefixed: two chats a client made to collide would share a
+    // charge the backend holds twice (caught as drift at the next report only). Without a
+    // secret, SipHash's fixed keys: collisions cost a birthday search, not FNV's algebra.
     use std::hash::Hasher;
-    let mut h = std::hash::DefaultHasher::new();
+    let secret = cfg.backend.as_ref().map_or("", |b| b.secret.as_str());
+    let mut kdf = crate::spec::Fnv1a::new();
+    kdf.write(secret.as_bytes());
+    let k0 = kdf.finish();
+    kdf.write(secret.as_bytes());
+    #[allow(deprecated)] // SipHash-2-4 with chosen keys; std has no other keyed hasher.
+    let mut h = std::hash::SipHasher::new_with_keys(k0, kdf.finish());
     for m in before {
         for part in [&m.role, &m.content, &m.extra] {
             h.write_u64(part.len() as u64);
@@ -210,7 +221,7 @@ fn shared_prefix(
     }
     h.write_u64(tokens);
     let key = h.finish();
-    let bytes = cfg.pricing.spec.kv_bytes_per_token()?.checked_mul(tokens)?;
+    let bytes = per_token.checked_mul(tokens)?;
     Some(SharedPrefix {
         key: key.max(1),
         bytes,
@@ -390,7 +401,10 @@ fn decide_with(
             };
         }
         let own_held = holder.claim.map_or(0, |t| ledger.held_for(t.key));
-        if let Some(victims) = choose_victims(ledger, class, need, own_held) {
+        // The lease paying the prefix this request is credited for is no victim: demoted, it
+        // would leave the credit unpaid.
+        let payer_of = priced.prefix.filter(|_| credit > 0).map_or(0, |p| p.key);
+        if let Some(victims) = choose_victims(ledger, class, need, own_held, payer_of) {
             // Demoted only if that admits it: a lease demoted for nothing would be recomputed
             // for nothing.
             let before = ledger.clone();
@@ -517,11 +531,14 @@ fn choose_victims(
     class: &ClassPolicy,
     need: u64,
     own_held: u64,
+    payer_of: u64,
 ) -> Option<Vec<u64>> {
+    let pays = |l: &Lease| payer_of != 0 && l.prefix == payer_of && l.credit == 0;
     let mut candidates: Vec<&Lease> = ledger
         .leases()
         .iter()
         .filter(|l| l.bytes > 0 && l.priority < class.priority && class.preempts.contains(&l.class))
+        .filter(|l| !pays(l))
         .collect();
     candidates.sort_by_key(|l| std::cmp::Reverse(l.created_ms));
     let free_after = |demoted: u64| ledger.lent_room_after_demoting(demoted, own_held);
@@ -1018,6 +1035,50 @@ mod tests {
             &format!(r#"{{"prompt":{:?},"max_tokens":2900}}"#, vec![1; 100]),
         );
         (c, batch, vip, def, p3k)
+    }
+
+    #[test]
+    fn a_preempting_request_never_demotes_the_lease_paying_its_shared_prefix() {
+        // Three batch leases; the youngest pays a 1,000-token prefix. A vip with the same
+        // prefix, credited for it, needs more than is free: the next youngest goes, never the
+        // payer (its credit would be left unpaid, the ledger unreadable).
+        let (c, batch, vip, _, p3k) = preempting_classes();
+        let mut l = Ledger::new(c.pricing.capacity_bytes, 1);
+        let prefix = SharedPrefix {
+            key: 5,
+            bytes: 1_000 * 46_080,
+        };
+        let agent = Priced {
+            prefix: Some(prefix),
+            ..p3k.clone()
+        };
+        let holder = |id| Holder {
+            lease_id: Some(id),
+            owner: 1,
+            claim: None,
+        };
+        for (id, p) in [(1, &p3k), (2, &p3k), (3, &agent)] {
+            assert!(matches!(
+                decide(&mut l, &c, &batch, p, holder(id), id, 1),
+                Decision::Admitted { .. }
+            ));
+        }
+        // 1k free; the vip needs 3k less its 1k prefix.
+        match decide(&mut l, &c, &vip, &agent, holder(4), 4, 1) {
+            Decision::Admitted {
+                lease, preempted, ..
+            } => {
+                assert_eq!(lease.credit, prefix.bytes);
+                assert_eq!(preempted.iter().map(|v| v.id).collect::<Vec<_>>(), vec![2]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            l.lease(3).map(|v| (v.bytes, v.credit)),
+            Some((p3k.price.bytes, 0))
+        );
+        l.check().unwrap();
+        Ledger::decode(&l.encode()).unwrap();
     }
 
     #[test]

@@ -373,7 +373,11 @@ impl Ticket {
                 // The victims are demoted in the ledger: until their demotions are sent, a
                 // failure here gives them their bytes back with this request's release.
                 *self.failed_demotions.borrow_mut() =
-                    preempted.iter().map(|v| (v.id, v.bytes)).collect();
+                    // At their whole price: a demotion ends a lease's share of a prefix charge.
+                    preempted
+                        .iter()
+                        .map(|v| (v.id, v.bytes.saturating_add(v.credit)))
+                        .collect();
                 let new_body = match self.forwarded_body() {
                     Ok(mut body) => {
                         // Only for a backend known to read it (`x-kvgate-note` told it to
