@@ -214,10 +214,9 @@ pub struct LeaseEntry {
     /// needs to resume, not what it holds.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub resuming: bool,
-    /// Of `reserved_tokens`, the tokens of its prompt's first blocks that are a cached prefix
-    /// (prefix caching): the backend holds each such block once for every live lease whose
-    /// prompt starts with it, so a gateway that charged a shared prefix once counts these
-    /// tokens once.
+    /// Of `reserved_tokens`, the tokens of its prompt's first blocks that the backend holds
+    /// once for it and another live lease whose prompt starts with them (prefix caching): a
+    /// gateway that charged a shared prefix once counts these tokens once.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub prefix_tokens: u64,
 }
