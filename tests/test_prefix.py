@@ -151,3 +151,53 @@ def test_a_fleet_sends_an_agent_to_the_endpoint_that_holds_its_prefix(fleet):
     for _ in lines:
         pass
     gw.assert_drained()
+
+
+def test_agents_sharing_a_prefix_preempted_by_elastic_growth_all_complete_unchanged(stack):
+    """Elastic agents (reservations of a few output tokens) sharing a ~500-token system prompt
+    outgrow a small pool together: the backend takes borrowed blocks back by preempting the
+    youngest, which keeps its reservation's blocks (the shared prefix among them) or gives its
+    references back and adopts the cached prefix when it runs again. Every stream completes,
+    none fails, and the youngest agent's greedy answer is the one it gives alone."""
+    policy = {"policy": {"default_class": "default", "classes": {"default": {
+        "action": "reject", "reservation": "elastic", "elastic_min_samples": 512,
+        "elastic_prior_tokens": 8}}}}
+    gw, b = stack(64, {"model": "from_backend", "fallback_model": SPEC,
+                       "tokenizer": {"encoding": "cl100k_base"}, **policy})
+    gw.wait_for(lambda s: s["model"]["tokenizer"] == "custom" and s["elastic"]["default"]["active"],
+                timeout=30, what="the descriptor, and the backend known to lend")
+    system = "You are one agent of a team. Tools:\n" + "\n".join(TOOLS.splitlines()[:10])
+    body = lambda k: {"model": MODEL, "temperature": 0, "max_tokens": 100, "messages": [
+        {"role": "system", "content": system},
+        {"role": "user", "content": f"List the numbers from {k} to {k + 60}, separated by commas."}]}
+    agents = 6
+    alone = requests.post(gw.url + "/v1/chat/completions", json=body(agents - 1), timeout=120).json()
+    m0 = b.metrics()
+    results = [None] * agents
+
+    def agent(k):
+        for _ in range(100):
+            r = requests.post(gw.url + "/v1/chat/completions", json=body(k), timeout=300)
+            if r.status_code != 429:
+                results[k] = (r.status_code, r.json())
+                return
+            time.sleep(float(r.headers["retry-after-ms"]) / 1000)
+
+    threads = [threading.Thread(target=agent, args=(k,)) for k in range(agents)]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)  # arrival order: the last is the youngest
+    for t in threads:
+        t.join()
+    assert all(r and r[0] == 200 for r in results), results
+    m = b.metrics()
+    delta = lambda name: m[name] - m0.get(name, 0)
+    preempted = delta("kvgate_backend_recompute_preemptions_total")
+    assert preempted > 0, "the agents outgrew the pool together"
+    assert m["kvgate_backend_kv_oom_total"] == 0
+    assert results[-1][1]["choices"][0]["message"] == alone["choices"][0]["message"]
+    # Every agent adopted the prefix (at least 400 of its ~500 tokens) the lone run cached.
+    assert delta("kvgate_backend_prefix_cached_tokens_total") >= agents * 400, \
+        (delta("kvgate_backend_prefix_cached_tokens_total"), preempted)
+    gw.assert_drained()
+    b.wait_pool_empty()
