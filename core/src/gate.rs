@@ -51,6 +51,12 @@ pub struct ElasticPrice {
 }
 
 impl Priced {
+    /// What of its price a live lease in `ledger` pays for it: its shared prefix, if paid there.
+    pub fn credit_in(&self, ledger: &Ledger) -> u64 {
+        self.prefix
+            .map_or(0, |p| ledger.prefix_credit(p.key, p.bytes))
+    }
+
     /// What the lease reserves: the elastic price when there is one, else the worst case.
     pub fn reserve_bytes(&self) -> u64 {
         self.elastic.map_or(self.price.bytes, |e| e.bytes)
@@ -265,9 +271,7 @@ pub fn decide(
     now_ms: u64,
     jitter_seed: u64,
 ) -> Decision {
-    let credit = priced
-        .prefix
-        .map_or(0, |p| ledger.prefix_credit(p.key, p.bytes));
+    let credit = priced.credit_in(ledger);
     let decision = decide_with(
         ledger,
         cfg,
@@ -443,9 +447,7 @@ pub fn backfill(
     now_ms: u64,
 ) -> Option<Decision> {
     let cap = priced.price.cap.cap;
-    let credit = priced
-        .prefix
-        .map_or(0, |p| ledger.prefix_credit(p.key, p.bytes));
+    let credit = priced.credit_in(ledger);
     let bytes = priced.reserve_bytes().saturating_sub(credit);
     let req = admit_request(class, holder, bytes, now_ms);
     let lease = ledger.try_backfill(&req, &cfg.retry_after)?;

@@ -226,7 +226,7 @@ impl Ticket {
                     };
                 }
                 let own = claim_key.map_or(0, |k| l.held_for(k));
-                let credit = priced.prefix.map_or(0, |p| l.prefix_credit(p.key, p.bytes));
+                let credit = priced.credit_in(l);
                 if l.free().saturating_add(own).saturating_add(credit) < need {
                     return None;
                 }
