@@ -32,6 +32,16 @@ def agent_body(k):
         {"role": "user", "content": f"Agent {k}: which tool reads shelf {k * 3}?"}]}
 
 
+def chat_until_admitted(gw, body):
+    """A chat completion, sent again after each 429's Retry-After: (status, JSON body)."""
+    for _ in range(200):
+        r = requests.post(gw.url + "/v1/chat/completions", json=body, timeout=300)
+        if r.status_code != 429:
+            return r.status_code, r.json()
+        time.sleep(float(r.headers["retry-after-ms"]) / 1000)
+    return None
+
+
 def swarm(gw, b):
     """All agents at once, each retrying on 429 after Retry-After; returns (results, peaks)."""
     results = [None] * AGENTS
@@ -48,12 +58,7 @@ def swarm(gw, b):
             time.sleep(0.1)
 
     def agent(k):
-        for _ in range(200):
-            r = requests.post(gw.url + "/v1/chat/completions", json=agent_body(k), timeout=300)
-            if r.status_code != 429:
-                results[k] = (r.status_code, r.json())
-                return
-            time.sleep(float(r.headers["retry-after-ms"]) / 1000)
+        results[k] = chat_until_admitted(gw, agent_body(k))
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -176,12 +181,7 @@ def test_agents_sharing_a_prefix_preempted_by_elastic_growth_all_complete_unchan
     results = [None] * agents
 
     def agent(k):
-        for _ in range(100):
-            r = requests.post(gw.url + "/v1/chat/completions", json=body(k), timeout=300)
-            if r.status_code != 429:
-                results[k] = (r.status_code, r.json())
-                return
-            time.sleep(float(r.headers["retry-after-ms"]) / 1000)
+        results[k] = chat_until_admitted(gw, body(k))
 
     threads = [threading.Thread(target=agent, args=(k,)) for k in range(agents)]
     for t in threads:
