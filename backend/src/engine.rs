@@ -56,9 +56,15 @@
 //! report counts each sequence at what it holds or was promised, whichever is more (`pool.
 //! promised_bytes`: the promised blocks not taken yet, counted in `used_bytes`).
 //!
+//! Prefix caching (`--prefix-caching`, the paged arena): a prompt takes the cached blocks it
+//! starts with and skips their prefill; one whose next prefix block an older live sequence will
+//! write waits for it; under lazy blocks a prefix block several reservations hold is promised
+//! once (`engine/promise.rs`; the cache itself is `pool`'s).
+//!
 //! This file schedules and nothing else: the handle and its messages are in `handle.rs`, what
 //! the engine publishes for the lease report in `published.rs` (the report itself is
-//! `kvgate_core::wire`), stop-string hold-back in `tokenizer::TextStream`, metrics in
+//! `kvgate_core::wire`), what the reservations promise in `engine/promise.rs`, how room is made
+//! in `engine/reclaim.rs`, stop-string hold-back in `tokenizer::TextStream`, metrics in
 //! `metrics.rs`.
 
 use std::collections::{HashMap, HashSet, VecDeque};
