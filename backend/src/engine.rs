@@ -165,8 +165,6 @@ struct Seq<K> {
     /// The prefix hashes of its prompt's full blocks, all but the last token (a prefill feeds
     /// at least one token, for its logits); empty without prefix caching.
     prefix: Vec<u64>,
-    /// Its first blocks that were cached when it took them: written, never written again.
-    adopted: usize,
 }
 
 impl<K: KvState> Seq<K> {
@@ -202,7 +200,12 @@ impl<K: KvState> Seq<K> {
     fn drop_cache(&mut self) {
         self.alloc.release();
         self.kv = None;
-        self.adopted = 0;
+    }
+
+    /// Its first blocks that are cached under their prefix hashes (adopted, or written and
+    /// registered by it): their positions are written, and never written again.
+    fn cached_blocks(&self) -> usize {
+        self.alloc.cached_prefix_blocks().min(self.prefix.len())
     }
 
     /// Holds blocks beyond its reservation (counted in blocks: the reservation's last block may
@@ -467,7 +470,6 @@ impl<M: Forward> Engine<M> {
             prefilling: false,
             prompt_fed: 0,
             prefix,
-            adopted,
         });
         // The lease report reads the promises (and the allocator, as far as it had taken
         // blocks) from what was published: a promise published only after the step that takes
@@ -629,8 +631,10 @@ impl<M: Forward> Engine<M> {
                 None => {
                     // Its first blocks hold a cached prefix: fed from after them.
                     let b = self.pool.block_tokens as usize;
-                    seq.adopted = seq.adopted.min(seq.alloc.blocks() as usize);
-                    let cached = seq.prompt.get(..seq.adopted * b).unwrap_or_default();
+                    let cached = seq
+                        .prompt
+                        .get(..seq.cached_blocks() * b)
+                        .unwrap_or_default();
                     self.metrics
                         .prefix_cached_tokens
                         .inc_by(cached.len() as u64);
@@ -673,13 +677,7 @@ impl<M: Forward> Engine<M> {
         };
         // Its prompt blocks written now are cached for the prompts that start with them.
         let written = seq.kv.as_ref().map_or(0, |kv| kv.len()) / self.pool.block_tokens as usize;
-        for (i, h) in seq
-            .prefix
-            .iter()
-            .enumerate()
-            .take(written)
-            .skip(seq.adopted)
-        {
+        for (i, h) in seq.prefix.iter().enumerate().take(written) {
             seq.alloc.register(i, *h);
         }
         // Prompt positions fed for the first time count as prompt; the rest was recomputed,

@@ -73,12 +73,13 @@ impl<M: Forward> Engine<M> {
         let Some(s) = self.waiting.get_mut(i) else {
             return false;
         };
-        if s.kv.is_some() || s.alloc.blocks() as usize != s.adopted {
+        let held = s.alloc.blocks() as usize;
+        if s.kv.is_some() || held != s.cached_blocks() {
             return false;
         }
-        let rest = s.prefix.get(s.adopted..).unwrap_or_default();
-        s.adopted += s.alloc.adopt(rest);
-        let (order, at) = (s.order, s.adopted);
+        let rest = s.prefix.get(held..).unwrap_or_default();
+        let at = held + s.alloc.adopt(rest);
+        let order = s.order;
         let Some(&next) = s.prefix.get(at) else {
             return false;
         };

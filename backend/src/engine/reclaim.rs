@@ -231,7 +231,6 @@ impl<M: Forward> Engine<M> {
     /// again).
     pub(super) fn shrink_cache(model: &M, seq: &mut Seq<M::Kv>, tokens: u64) -> bool {
         seq.alloc.shrink_to_tokens(tokens);
-        seq.adopted = seq.adopted.min(seq.alloc.blocks() as usize);
         let capacity = seq.alloc.tokens() as usize;
         let Some(kv) = seq.kv.as_mut() else {
             return true;
@@ -245,7 +244,6 @@ impl<M: Forward> Engine<M> {
                 // Fed again after its cached prefix blocks (written, perhaps shared: never
                 // written again), from its own blocks on.
                 seq.kv = None;
-                seq.adopted = seq.alloc.cached_prefix_blocks().min(seq.prefix.len());
                 false
             }
         }

@@ -1155,19 +1155,22 @@ impl Ledger {
         if self.lendable_to_line > self.lendable {
             return Err("more lendable to the line than lendable".to_string());
         }
-        // A lease excused its prefix has a live lease paying it.
-        let payers: std::collections::HashSet<u64> = self
-            .leases
-            .iter()
-            .filter(|l| l.prefix != 0 && l.credit == 0 && l.bytes > 0)
-            .map(|l| l.prefix)
-            .collect();
-        if self
-            .leases
-            .iter()
-            .any(|l| l.credit > 0 && (l.prefix == 0 || !payers.contains(&l.prefix)))
-        {
-            return Err("a lease excused its prefix with no lease paying it".to_string());
+        // A lease excused its prefix has a live lease paying it (checked on every decode: no
+        // set is built unless some lease is excused).
+        if self.leases.iter().any(|l| l.credit > 0) {
+            let payers: std::collections::HashSet<u64> = self
+                .leases
+                .iter()
+                .filter(|l| l.prefix != 0 && l.credit == 0 && l.bytes > 0)
+                .map(|l| l.prefix)
+                .collect();
+            if self
+                .leases
+                .iter()
+                .any(|l| l.credit > 0 && (l.prefix == 0 || !payers.contains(&l.prefix)))
+            {
+                return Err("a lease excused its prefix with no lease paying it".to_string());
+            }
         }
         let mut ids: Vec<u64> = self.leases.iter().map(|l| l.id).collect();
         ids.sort_unstable();
