@@ -835,8 +835,11 @@ mod tests {
             a.price.bytes + b.price.bytes + d.price.bytes - 2 * p.bytes
         );
         l.check().unwrap();
-        // The payer ends: the next pays from now on; the ledger charges the prefix still once.
+        // The payer ends: the next pays from now on; the ledger charges the prefix still once,
+        // and what stays committed stays in the slack (only the rest may have been slack).
+        l.set_slack(a.price.bytes);
         l.release(1, 5);
+        assert_eq!(l.slack(), p.bytes);
         let next = l.lease(2).unwrap();
         assert_eq!((next.bytes, next.credit), (b.price.bytes, 0));
         assert_eq!(l.committed(), b.price.bytes + d.price.bytes - p.bytes);

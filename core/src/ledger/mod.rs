@@ -48,7 +48,7 @@ pub struct Lease {
     /// sending the same system prompt, which the backend holds once for all of them.
     pub prefix: u64,
     /// What it does not pay of that prefix because another live lease with the same key pays
-    /// it (0: it pays its own). When the payer ends, the next one pays (`hand_on_prefix`).
+    /// it (0: it pays its own). When the payer ends, the next one pays (`end_reservation`).
     pub credit: u64,
 }
 
@@ -946,23 +946,27 @@ impl Ledger {
         }
     }
 
-    /// `gone` paid its prefix and reserves it no more: the oldest other live lease with the
-    /// same key, if any, pays it from now on (the backend holds the prefix while any of them lives).
-    /// Never above what was committed before `gone` went: its bytes held the prefix.
-    fn hand_on_prefix(&mut self, gone: &Lease) {
-        if gone.prefix == 0 || gone.credit > 0 {
-            return;
-        }
+    /// `gone` (out of the leases, or demoted) reserves its bytes no more. If it paid a shared
+    /// prefix, the oldest other live lease with the same key pays it from now on (the backend
+    /// holds the prefix while any of them lives): that part stays committed, and only the rest
+    /// is taken off the slack (it may have been all slack).
+    fn end_reservation(&mut self, gone: &Lease) {
+        let paid = gone.prefix != 0 && gone.credit == 0;
         let next = self
             .leases
             .iter_mut()
-            .filter(|l| l.prefix == gone.prefix && l.credit > 0 && l.bytes > 0)
+            .filter(|l| paid && l.prefix == gone.prefix && l.credit > 0 && l.bytes > 0)
             .min_by_key(|l| (l.created_ms, l.id));
-        if let Some(l) = next {
+        let moved = next.map_or(0, |l| {
             let credit = std::mem::take(&mut l.credit);
             l.bytes = l.bytes.saturating_add(credit);
-            self.committed = self.committed.saturating_add(credit);
-        }
+            credit
+        });
+        self.committed = self
+            .committed
+            .saturating_sub(gone.bytes)
+            .saturating_add(moved);
+        self.slack = self.slack.saturating_sub(gone.bytes.saturating_sub(moved));
     }
 
     /// Release a lease by id. Idempotent: an unknown id changes nothing and says so.
@@ -1011,8 +1015,7 @@ impl Ledger {
                 .is_some_and(|l| l.owner == 0 || !owner_alive(l.owner));
             if orphaned {
                 let lease = self.leases.swap_remove(i);
-                self.uncommit(lease.bytes);
-                self.hand_on_prefix(&lease);
+                self.end_reservation(&lease);
                 self.give_back_held(lease.held);
                 reaped.push(lease);
             } else {
@@ -1047,8 +1050,7 @@ impl Ledger {
         lease.prefix = 0;
         lease.credit = 0;
         let slack = self.slack;
-        self.uncommit(was.bytes);
-        self.hand_on_prefix(&was);
+        self.end_reservation(&was);
         self.held_back = self.held_back.saturating_add(was.bytes);
         self.lendable = self.lendable.saturating_add(was.bytes);
         if self.slack < slack {
@@ -1079,20 +1081,12 @@ impl Ledger {
         back
     }
 
-    /// Remove a lease and give its bytes back (the one place `committed` goes down).
+    /// Remove a lease and give its bytes back.
     fn take(&mut self, id: u64) -> Option<Lease> {
         let pos = self.leases.iter().position(|l| l.id == id)?;
         let lease = self.leases.swap_remove(pos);
-        self.uncommit(lease.bytes);
-        self.hand_on_prefix(&lease);
+        self.end_reservation(&lease);
         Some(lease)
-    }
-
-    /// A lease's `bytes` are no longer reserved (it ended, or was demoted). They may have been
-    /// all slack: it loses as much, until the next report sets it again.
-    fn uncommit(&mut self, bytes: u64) {
-        self.committed = self.committed.saturating_sub(bytes);
-        self.slack = self.slack.saturating_sub(bytes);
     }
 
     pub fn level(&self, t: &LevelThresholds) -> Level {
