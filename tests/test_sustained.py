@@ -57,6 +57,21 @@ def request_with_runs(rng):
     return "/v1/completions", {"prompt": prompt, "max_tokens": rng.randint(4, 24)}, False, None
 
 
+SYSTEMS = [f"You are agent team {t}. Tools:\n" + "\n".join(
+    f"- tool_{t}_{i}(path: str) -> list: reads shelf {i} of archive {t} and returns its records."
+    for i in range(14)) for t in range(3)]
+
+
+def request_of_a_swarm(rng):
+    """The mix, most of it agents of three swarms: one of three system prompts (~300 tokens each,
+    which the gateway charges once per swarm while a lease pays it) and a short task of their own."""
+    if rng.random() < 0.3:
+        return request_for(rng)
+    messages = [{"role": "system", "content": rng.choice(SYSTEMS)},
+                {"role": "user", "content": f"Which tool reads shelf {rng.randint(0, 13)}? Then count to 50."}]
+    return "/v1/chat/completions", {"messages": messages, "max_tokens": rng.randint(20, 160)}, False, None
+
+
 def test_sustained_load_with_a_slow_backend_never_ooms_and_never_reclaims_a_live_lease(stack):
     gw, _, seen = sustained(stack, float(os.environ.get("SUSTAINED_SECONDS", "60")), {},
                             "--admission", "none")
@@ -106,6 +121,16 @@ def test_sustained_load_of_runs_an_approximate_tokenizer_merges_never_ooms(stack
               mix=request_with_runs, inline=True)
 
 
+def test_sustained_swarms_sharing_prefixes_never_run_a_backend_that_admits_everything_out(stack):
+    """Agents of three swarms, closed loop, into `--admission none`: the gateway charges each
+    swarm's system prompt once (it must really be held once, or the backend runs out mid-decode),
+    and the backend serves the cached prefix."""
+    gw, b, seen = sustained(stack, float(os.environ.get("SWARM_SUSTAINED_SECONDS", "40")), {},
+                            "--admission", "none", mix=request_of_a_swarm)
+    assert seen["credit"] > 0, "no lease was admitted without its shared prefix"
+    assert b.metrics()["kvgate_backend_prefix_cached_tokens_total"] > 0
+
+
 def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False, headers=None,
               mix=request_for, inline=False):
     blocks = 160  # 2,560 tokens: a few long prompts at once
@@ -130,7 +155,7 @@ def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False, hea
     pool_capacity = b.leases()["pool"]["capacity_bytes"]
     counts = {}
     lock = threading.Lock()
-    peak = {"committed": 0, "pool": 0, "over": 0, "beyond": 0, "queued": 0}
+    peak = {"committed": 0, "pool": 0, "over": 0, "beyond": 0, "queued": 0, "credit": 0}
     served = {}  # 200s per x-class header
     stop = threading.Event()
     deadline = time.time() + seconds
@@ -151,6 +176,7 @@ def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False, hea
             peak["over"] += s["committed_bytes"] > capacity + s["slack_bytes"]
             peak["beyond"] += s["committed_bytes"] > capacity
             peak["queued"] = max(peak["queued"], s.get("queued", 0))
+            peak["credit"] = max(peak["credit"], s.get("prefix_credit_bytes", 0))
             time.sleep(0.25)
 
     def client(seed):
@@ -207,4 +233,5 @@ def sustained(stack, seconds, overrides, *backend_flags, wait_elastic=False, hea
     assert st["kvgate.reaped"] == 0, "a lease was taken back while its request was alive"
     assert "reaped lease" not in gw.logs()
     assert peak["pool"] <= pool_capacity and peak["over"] == 0
-    return gw, b, {"peak_queued": peak["queued"], "served": served, "beyond": peak["beyond"]}
+    return gw, b, {"peak_queued": peak["queued"], "served": served, "beyond": peak["beyond"],
+                   "credit": peak["credit"]}

@@ -31,6 +31,8 @@ pub fn status_json(ledger: &Ledger, cfg: &Config, tokenizer: &str) -> Value {
         "free_bytes": ledger.free(),
         "held_back_bytes": ledger.held_back(),
         "slack_bytes": ledger.slack(),
+        // What leases sharing a prefix another lease pays were admitted without.
+        "prefix_credit_bytes": ledger.leases().iter().map(|l| l.credit).fold(0u64, u64::saturating_add),
         "lendable_bytes": ledger.lendable(),
         "lendable_to_line_bytes": ledger.lendable_to_line(),
         "claims": ledger.claims().len(),
