@@ -678,6 +678,66 @@ fn growth(e: &LiveEntry, report: &BackendReport) -> Option<Growth> {
     })
 }
 
+/// A prefix several own leases share (one pays it, the others were admitted without it) is
+/// held once while any of them lives: in the time-aware worst case it is counted on the holder
+/// that may hold it longest, as the backend counts its promise. If one of them is not decoding
+/// (counted whole, for ever), none of the decoding ones carries it and the payer's reserved
+/// bytes count it outside the decoding ones (the return value, to take off them); else the
+/// decoding holder furthest from its end carries it and the others' growth leaves it out.
+fn shared_prefixes_once(
+    ledger: &Ledger,
+    decoding: &mut [Growth],
+    decoding_ids: &[(usize, u64)],
+) -> u64 {
+    // Per prefix shared at all, its bytes (a credited lease's credit).
+    let shared: HashMap<u64, u64> = ledger
+        .leases()
+        .iter()
+        .filter(|l| l.credit > 0)
+        .map(|l| (l.prefix, l.credit))
+        .collect();
+    if shared.is_empty() {
+        return 0;
+    }
+    let lease = |id: u64| ledger.lease(id);
+    let decoding_set: HashSet<u64> = decoding_ids.iter().map(|(_, id)| *id).collect();
+    let mut outside = 0u64;
+    for (&key, &bytes) in &shared {
+        let holders: Vec<(usize, bool)> = decoding_ids
+            .iter()
+            .filter_map(|&(i, id)| {
+                let l = lease(id)?;
+                (l.prefix == key).then_some((i, l.credit == 0))
+            })
+            .collect();
+        let whole_elsewhere = ledger
+            .leases()
+            .iter()
+            .any(|l| l.prefix == key && !decoding_set.contains(&l.id));
+        let carrier = match whole_elsewhere {
+            true => None,
+            false => holders
+                .iter()
+                .max_by_key(|(i, _)| decoding.get(*i).map_or(0, |g| g.steps_left))
+                .map(|(i, _)| *i),
+        };
+        for &(i, pays) in &holders {
+            if Some(i) == carrier {
+                continue;
+            }
+            if let Some(g) = decoding.get_mut(i) {
+                g.now = g.now.saturating_sub(bytes);
+                g.most = g.most.saturating_sub(bytes);
+            }
+            // Counted whole outside the decoding ones: the payer's bytes hold it there.
+            if pays && whole_elsewhere {
+                outside = outside.saturating_add(bytes);
+            }
+        }
+    }
+    outside
+}
+
 impl Reconciled {
     pub fn unseen_bytes(&self) -> u64 {
         self.unseen
@@ -762,10 +822,13 @@ pub fn reconcile(
     // and what they reserve here.
     let mut decoding: Vec<Growth> = Vec::new();
     let mut decoding_reserved = 0u64;
+    // Of those, the ones sharing a prefix: (index in `decoding`, lease id).
+    let mut decoding_ids: Vec<(usize, u64)> = Vec::new();
     for e in &report.entries {
         match e.id.and_then(|id| reserved.get(&id).map(|b| (id, b))) {
             Some((id, &(bytes, created_ms, credit))) => {
                 if let Some(g) = growth(e, report).filter(|_| bytes > 0) {
+                    decoding_ids.push((decoding.len(), id));
                     decoding.push(g);
                     decoding_reserved = decoding_reserved.saturating_add(bytes);
                 }
@@ -805,6 +868,8 @@ pub fn reconcile(
         }
     }
     ledger.set_held(|id| held.get(&id).copied().unwrap_or(0));
+    let counted_elsewhere = shared_prefixes_once(ledger, &mut decoding, &decoding_ids);
+    decoding_reserved = decoding_reserved.saturating_sub(counted_elsewhere);
     // What they will never all hold at once is admitted on top of the capacity.
     out.slack = decoding_reserved.saturating_sub(peak(&decoding));
     ledger.set_slack(out.slack);
@@ -1036,6 +1101,34 @@ mod tests {
             reconcile(&mut l, &older, 400, 5_000, &BTreeMap::new(), 0).slack,
             0
         );
+    }
+
+    #[test]
+    fn a_shared_prefix_is_carried_in_the_peak_by_the_holder_that_may_hold_it_longest() {
+        // Lease 1 pays a 600-byte prefix and ends in 5 steps; lease 2, admitted without it,
+        // ends in 50: the prefix is in lease 2's growth, not in both.
+        let mut l = Ledger::new(10_000, 1);
+        admit(&mut l, 1, 1_000, 0);
+        admit(&mut l, 2, 400, 0);
+        l.set_prefix(1, 9, 0);
+        l.set_prefix(2, 9, 600);
+        let g = |now, most, steps_left| Growth {
+            now,
+            per_step: 1,
+            most,
+            steps_left,
+        };
+        let mut decoding = vec![g(900, 1_000, 5), g(700, 1_000, 50)];
+        assert_eq!(
+            shared_prefixes_once(&l, &mut decoding, &[(0, 1), (1, 2)]),
+            0
+        );
+        assert_eq!(decoding, vec![g(300, 400, 5), g(700, 1_000, 50)]);
+        // Lease 2 not decoding (waiting: counted whole, for ever): the payer's growth leaves the
+        // prefix out, and so do its reserved bytes in the decoding sum.
+        let mut decoding = vec![g(900, 1_000, 5)];
+        assert_eq!(shared_prefixes_once(&l, &mut decoding, &[(0, 1)]), 600);
+        assert_eq!(decoding, vec![g(300, 400, 5)]);
     }
 
     #[test]
