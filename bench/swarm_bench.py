@@ -8,7 +8,7 @@ the shipped 256 MiB pool, its defaults) behind one Envoy with the filter configu
 runs (envoy/fleet-filter.yaml). Arms, interleaved over `--rounds`:
 
   caching      the backend's defaults: prefix caching on (the paged KV arena)
-  no caching   `--prefix-caching false` (the host KV layout, as before)
+  no caching   `--kv-layout host` (the host KV layout, as before: no prefix caching)
 
 Measured per round: wall time, peak sequences decoding at once (the backend's lease report,
 sampled every 100 ms), time to first token (streamed, from the first try) p50 / p90, completion
@@ -36,7 +36,7 @@ from admission_bench import pct  # noqa: E402
 from harness import BLOCK_BYTES, Backend, Envoy, fleet_bootstrap, fleet_plugin_config  # noqa: E402
 from test_prefix import POOL_BLOCKS, agent_body  # noqa: E402
 
-ARMS = {"caching": [], "no caching": ["--prefix-caching", "false"]}
+ARMS = {"caching": [], "no caching": ["--kv-layout", "host"]}
 
 
 def start(workdir, flags):

@@ -47,7 +47,7 @@ pub struct AppState {
     pub scratch_margin_bytes: u64,
     pub prefill_scratch_bytes: u64,
     pub decode_scratch_bytes: u64,
-    /// Prompt blocks are cached and shared (`--prefix-caching` with the paged arena).
+    /// Prompt blocks are cached and shared (the paged arena).
     pub prefix_caching: bool,
     /// The largest request body accepted (`--max-body-bytes`).
     pub max_body_bytes: usize,

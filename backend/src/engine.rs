@@ -56,7 +56,7 @@
 //! report counts each sequence at what it holds or was promised, whichever is more (`pool.
 //! promised_bytes`: the promised blocks not taken yet, counted in `used_bytes`).
 //!
-//! Prefix caching (`--prefix-caching`, the paged arena): a prompt takes the cached blocks it
+//! Prefix caching (the paged arena, `--kv-layout paged`, the default): a prompt takes the cached blocks it
 //! starts with and skips their prefill; one whose next prefix block an older live sequence will
 //! write waits for it; under lazy blocks a prefix block several reservations hold is promised
 //! once (`engine/promise.rs`; the cache itself is `pool`'s).

@@ -45,7 +45,9 @@ struct Args {
     /// Where the KV cache lives. `paged`: one arena of `--kv-cache-bytes`, allocated at start on
     /// the device, whose blocks are the pool's blocks; attention reads it there. `host`: each
     /// sequence's cache in host memory, attention in a tight host loop (faster on CPU).
-    /// `auto`: `paged` on CUDA, and on CPU with `--prefix-caching` (the default), else `host`.
+    /// `auto`: `paged`. The paged arena caches prompt blocks for the prompts that start the
+    /// same way (prefix caching: agents sharing a system prompt share its blocks and skip its
+    /// prefill); `host` does not.
     #[arg(long, value_enum, default_value_t = KvLayout::Auto)]
     kv_layout: KvLayout,
     /// Type of the projection weights and of the paged KV arena. `auto`: bf16 on CUDA, f32 on
@@ -85,13 +87,6 @@ struct Args {
     /// false`: blocks taken at admission).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     lazy_blocks: bool,
-    /// Keep the KV blocks of prompts for the prompts that start the same way (agents sharing a
-    /// system prompt): such a prompt shares the cached blocks and skips their prefill, and under
-    /// lazy blocks a block several reservations hold is promised once. Cached blocks nobody
-    /// holds count as free (taken least recently used first). Needs the paged KV arena
-    /// (`--kv-layout paged`).
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
-    prefix_caching: bool,
     /// Most sequences decoded together in one batched step.
     #[arg(long, default_value_t = 16)]
     max_batch: usize,
@@ -310,8 +305,8 @@ async fn main() -> Result<()> {
     let paged = match args.kv_layout {
         KvLayout::Paged => true,
         KvLayout::Host => false,
-        // Prefix caching shares blocks, which only the arena can.
-        KvLayout::Auto => !dev.is_cpu() || args.prefix_caching,
+        // Prefix caching shares blocks, which only the arena can: paged on the CPU too.
+        KvLayout::Auto => true,
     };
     let dtype = match args.dtype {
         WeightType::Auto if dev.is_cpu() => DType::F32,
@@ -375,7 +370,7 @@ async fn main() -> Result<()> {
             max_batch: args.max_batch.max(1),
             prefill_token_budget,
             lazy_blocks: args.lazy_blocks,
-            prefix_caching: args.prefix_caching,
+            prefix_caching: paged,
             step_delay: std::time::Duration::from_millis(args.step_delay_ms),
         },
         metrics,
@@ -396,7 +391,7 @@ async fn main() -> Result<()> {
         scratch_margin_bytes: stats.block_bytes,
         prefill_scratch_bytes: prefill_scratch,
         decode_scratch_bytes: decode_scratch,
-        prefix_caching: args.prefix_caching && paged,
+        prefix_caching: paged,
         max_body_bytes: args.max_body_bytes.max(1),
         pollers: Default::default(),
         validation_slots: Arc::new(tokio::sync::Semaphore::new(
@@ -432,10 +427,10 @@ async fn main() -> Result<()> {
         args.admission,
         if args.lazy_blocks { " (lazy blocks)" } else { "" },
         args.on_kv_exhaustion,
-        match (args.prefix_caching, paged) {
-            (true, true) => "on",
-            (true, false) => "off (needs --kv-layout paged)",
-            (false, _) => "off",
+        if paged {
+            "on"
+        } else {
+            "off (host KV layout)"
         },
         started.elapsed().as_secs_f64(),
     );
