@@ -68,8 +68,6 @@ lint: setup-rust
 
 test-core:
 	cargo test -p kvgate-core --lib --tests
-	# The simulator still runs every arm on the shipped filter configuration (a small run).
-	cargo run -q -p kvgate-core --example sim -- --jobs 40 > /dev/null
 
 # The filter's glue (headers -> body -> admit/queue -> end, callouts, tick, reaper), natively,
 # driven through the SDK's entry points against an in-memory proxy-wasm host.
@@ -117,6 +115,9 @@ backend-test-build:
 # small generated Llama-3- and Qwen-style GGUFs (tokenizer, template, stop ids checked against HF).
 test-backend: backend-test-build model setup-venv
 	cargo test --release -p kvgate-backend
+	# The simulator (the real engine, the filter's own decisions) runs every arm on the shipped
+	# filter configuration (a small run).
+	cargo run --release -q -p kvgate-backend --example sim -- --jobs 40 > /dev/null
 	cd tests && ../$(PY) -m pytest -q $(PYTEST_PAR) --durations=8 test_backend.py test_gguf_models.py
 
 # Run the backend in the foreground on 127.0.0.1:8000 with the default model.
@@ -257,11 +258,11 @@ bench-retry-after: wasm backend-build model setup-venv
 	$(PY) bench/retry_after_bench.py $(ARGS)
 
 # Admission strategies in a discrete-event simulator (issue 11): kvgate-core's own ledger and
-# policy against a modelled backend, at scales the live bench cannot run (seconds, one core).
+# policy in front of the real engine over a stand-in model, at scales the live bench cannot run.
 # Defaults: the CPU preset, the live bench's mix; ARGS="--preset gpu --context 32768 ..." etc.
 .PHONY: bench-sim
 bench-sim:
-	cargo run --release -p kvgate-core --example sim -- $(ARGS)
+	cargo run --release -p kvgate-backend --example sim -- $(ARGS)
 
 # Criterion: token counting and one ledger transition.
 bench-core:

@@ -131,90 +131,6 @@ pub struct EngineConfig {
     pub step_delay: Duration,
 }
 
-struct Seq<K> {
-    id: String,
-    class: Option<String>,
-    /// The prompt's length as the gateway counted it (0: not told), for the lease report.
-    gateway_prompt_tokens: u64,
-    /// Tokens its reservation covers. Taken at admission, it holds at least `promised_blocks`
-    /// from admission to end; with lazy blocks, at most that while it waits (and perhaps none).
-    /// Blocks beyond are borrowed (elastic growth).
-    promised: u64,
-    promised_blocks: u32,
-    /// Elastic: its reservation is below prompt + cap.
-    elastic: bool,
-    prompt: Vec<u32>,
-    generated: Vec<u32>,
-    params: GenParams,
-    kv: Option<K>,
-    alloc: Allocation,
-    text: TextStream,
-    sampler: Sampler,
-    events: UnboundedSender<Event>,
-    arrived: Instant,
-    /// Arrival order at the engine: the youngest running sequence is preempted first.
-    order: u64,
-    /// When its last token was sampled (inter-token latency).
-    last_token: Option<Instant>,
-    /// Running but part-way through its prefill: its cache holds the first chunks of
-    /// `prefill_tokens`, and it joins the decode batch once the last chunk is in.
-    prefilling: bool,
-    /// Prompt tokens counted as prefilled so far (a prompt fed again after a preemption counts
-    /// as recomputed).
-    prompt_fed: usize,
-    /// The prefix hashes of its prompt's full blocks, all but the last token (a prefill feeds
-    /// at least one token, for its logits); empty without prefix caching.
-    prefix: Vec<u64>,
-}
-
-impl<K: KvState> Seq<K> {
-    fn used_tokens(&self) -> u64 {
-        self.kv.as_ref().map_or(0, |k| k.len() as u64)
-    }
-
-    /// `n` tokens from position `from` of what its prefill runs over: the prompt, and after a
-    /// preemption the tokens it generated (all of them: the last one, never fed yet, is what the
-    /// skipped decode step would feed).
-    fn prefill_chunk(&self, from: usize, n: usize) -> Vec<u32> {
-        self.prompt
-            .iter()
-            .chain(&self.generated)
-            .skip(from)
-            .take(n)
-            .copied()
-            .collect()
-    }
-
-    fn prefill_len(&self) -> usize {
-        self.prompt.len() + self.generated.len()
-    }
-
-    /// Its prefix blocks within its reservation: each is promised once among all the live
-    /// sequences whose reservations hold it (`Engine::promised_blocks`).
-    fn counted_prefix(&self) -> &[u64] {
-        let n = self.prefix.len().min(self.promised_blocks as usize);
-        self.prefix.get(..n).unwrap_or_default()
-    }
-
-    /// Give back every block and the cache they hold (recomputed when it runs again).
-    fn drop_cache(&mut self) {
-        self.alloc.release();
-        self.kv = None;
-    }
-
-    /// Its first blocks that are cached under their prefix hashes (adopted, or written and
-    /// registered by it): their positions are written, and never written again.
-    fn cached_blocks(&self) -> usize {
-        self.alloc.cached_prefix_blocks().min(self.prefix.len())
-    }
-
-    /// Holds blocks beyond its reservation (counted in blocks: the reservation's last block may
-    /// be partly empty and is still its own).
-    fn overgrown(&self) -> bool {
-        self.elastic && self.alloc.blocks() > self.promised_blocks
-    }
-}
-
 /// Whether a running sequence has a KV slot for the token it feeds next.
 enum Room {
     Ready,
@@ -310,19 +226,23 @@ impl<M: Forward> Engine<M> {
                 .into_iter()
                 .chain(std::iter::from_fn(|| rx.try_recv().ok()))
             {
-                match cmd {
-                    Command::Submit(s) => self.admit(*s),
-                    Command::Cancel(id, reply) => {
-                        let found = self.preempt(&id);
-                        let _ = reply.send(found);
-                    }
-                    Command::Demote(id, reply) => {
-                        let done = self.demote(id);
-                        let _ = reply.send(done);
-                    }
-                }
+                self.command(cmd);
             }
             self.step();
+        }
+    }
+
+    fn command(&mut self, cmd: Command) {
+        match cmd {
+            Command::Submit(s) => self.admit(*s),
+            Command::Cancel(id, reply) => {
+                let found = self.preempt(&id);
+                let _ = reply.send(found);
+            }
+            Command::Demote(id, reply) => {
+                let done = self.demote(id);
+                let _ = reply.send(done);
+            }
         }
     }
 
@@ -534,6 +454,7 @@ impl<M: Forward> Engine<M> {
         let lazy = self.lazy();
         while budget > 0 && self.running.len() < self.cfg.max_batch {
             if self.waits_for_its_prefix(passed) {
+                self.give_back_unreserved(passed);
                 passed += 1;
                 continue;
             }
@@ -604,6 +525,7 @@ impl<M: Forward> Engine<M> {
                 && !self.running.is_empty()
             {
                 // The running sequences will give blocks back: wait first in line.
+                self.give_back_unreserved(passed);
                 break;
             }
             let Some(mut seq) = self.waiting.remove(passed) else {
@@ -1044,6 +966,11 @@ fn send_text<K>(seq: &Seq<K>, chunk: Option<String>) {
 
 mod promise;
 mod reclaim;
+mod seq;
+mod stepper;
+
+use seq::Seq;
+pub use stepper::Stepper;
 
 #[cfg(test)]
 mod tests;

@@ -88,4 +88,16 @@ impl<M: Forward> Engine<M> {
             .chain(self.waiting.iter())
             .any(|o| o.order < order && o.prefix.get(at) == Some(&next))
     }
+
+    /// A waiting sequence that does not start now gives back the cached prefix blocks it took
+    /// beyond its reservation (all of them under `--admission none`). Held while it waits they
+    /// would be blocks no reservation counts, which a running sequence may need to finish:
+    /// under `--on-kv-exhaustion recompute` one alone then ended in a KV OOM (found by the
+    /// simulator running this engine). They stay cached, to be taken again when it starts.
+    pub(super) fn give_back_unreserved(&mut self, i: usize) {
+        let b = u64::from(self.pool.block_tokens.max(1));
+        if let Some(s) = self.waiting.get_mut(i).filter(|s| s.kv.is_none()) {
+            s.alloc.shrink_to_tokens(u64::from(s.promised_blocks) * b);
+        }
+    }
 }

@@ -1740,3 +1740,30 @@ fn a_preempted_sequence_that_shared_a_prefix_resumes_from_the_cached_prefix() {
     );
     assert_eq!(e.metrics.kv_oom.get(), 0);
 }
+
+#[test]
+fn a_preempted_sequence_waiting_holds_no_cached_block_a_running_one_needs() {
+    // vLLM's way over 6 blocks: A (prompt 20, 76 tokens) needs the whole pool by its end; B
+    // (prompt 40) is preempted for it and waits first in line with its two prompt blocks
+    // cached. Taking them while it waits left A alone without a block: a KV OOM.
+    let mut e = engine_on(6, Admission::None, OnKvExhaustion::Recompute, usize::MAX, 8);
+    e.cfg.prefix_caching = true;
+    let mut a = submit_tokens(&mut e, "a", vec![1; 20], 76);
+    let b_prompt: Vec<u32> = (0..40).map(|i| 1 + (i % 2)).collect();
+    let mut b = submit_tokens(&mut e, "b", b_prompt.clone(), 20);
+    let (mut ea, mut eb) = (Vec::new(), Vec::new());
+    for _ in 0..400 {
+        e.step();
+        e.pool.check().unwrap();
+        ea.extend(events(&mut a));
+        eb.extend(events(&mut b));
+    }
+    assert!(
+        e.metrics.recompute_preemptions.get() > 0,
+        "the pool ran dry"
+    );
+    assert_eq!(e.metrics.kv_oom.get(), 0);
+    assert_eq!(finished(&ea), Some((FinishReason::Length, 76, false)));
+    assert_eq!(finished(&eb), Some((FinishReason::Length, 20, false)));
+    assert_eq!(text(&eb), solo_tokens(b_prompt, 20));
+}

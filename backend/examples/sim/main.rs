@@ -1,11 +1,11 @@
 //! A discrete-event simulator of admission strategies (issue 11, "goodput near the oracle"), at
 //! scales the 2-core CPU machine cannot run live.
 //!
-//! `cargo run --release -p kvgate-core --example sim -- [--preset cpu|gpu] [--backends N]
+//! `cargo run --release -p kvgate-backend --example sim -- [--preset cpu|gpu] [--backends N]
 //! [--workload mix|live] [--seed S] [--jobs N] [--clients C | --rate R] [--give-up-s S]
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
-//! [--backfill on|off] [--lazy-blocks true|false] [--time-aware true|false] [--patience first-token|retries]
+//! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries]
 //! [--allowance-by-prompt true|false] [--poll-ms M] [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
 //! defaults), and on stderr, per gateway arm, where the pool went: the ledger's committed, held
 //! back and claimed bytes, the backend's blocks in use and promised, averaged over the polls.
@@ -20,14 +20,7 @@
 //! class's outputs. Commands run
 //! before 2026-12-04 14:00 UTC meant `false` without the flag and `true` with it.
 //!
-//! `--lazy-blocks true` (the default, as the backend's since 0fd3d27; `false` takes blocks at
-//! admission) is the backend's `--lazy-blocks` (engine.rs since 2504f91): under
-//! `--admission reserve` a reservation is a promise of blocks, admitted while the promises of
-//! the live sequences fit the pool, and its blocks are taken only as the sequence grows into
-//! them (from free blocks, else back from the youngest sequence grown past its own reservation,
-//! which the promises fitting the pool guarantees is there). So an admission never preempts a
-//! borrower, and a borrower is preempted only when a reservation really needs its blocks. The
-//! backend's report counts what each sequence holds or was promised, which may exceed the pool.
+//! `--lazy-blocks true` (the default, as the backend's) is the backend's `--lazy-blocks`.
 //!
 //! **The gateway arms decide with kvgate-core's own code, not a re-implementation:** the filter
 //! configuration is parsed by `Config::from_json` from envoy/kvgate-filter.yaml (the shipped
@@ -41,33 +34,25 @@
 //! `ProgressTracker` learns from the same reports (lease ends for Retry-After and backfills,
 //! the decode rate for run estimates); queued requests behind the front are retried when their
 //! place in line is active and tried as backfills (`gate::backfill`) as the filter's tick does
-//! (`--backfill off`: no run estimates, no such tries). What the simulator writes itself is the
-//! backend engine (a transcription of backend/src/engine.rs's rules: it cannot link the real
-//! one, which owns a model and threads), the clients and the clock.
+//! (`--backfill off`: no run estimates, no such tries). **The backends are the real engine**
+//! (`kvgate_backend::engine`, stepped by `engine::Stepper`; `backend.rs` here): admission, lazy
+//! promises and their time-aware peak, elastic growth, reclaim, preemption and recompute,
+//! demotion, prefix caching and the lease report are the backend's code, over a stand-in model
+//! that costs nothing and answers each request with its true output. What the simulator writes
+//! itself is that model, the clients, the step-time law and the clock. (Until 2026-12-08 it
+//! transcribed the engine's rules by hand, and had drifted: see BENCHMARKS.md, "Simulator".)
 //!
 //! Model and assumptions:
 //! - Time advances by events (µs integers): job arrivals, request tries, scheduler steps,
 //!   deliveries to clients, gateway polls, queue deadlines. Zero network latency.
-//! - A backend is engine.rs's continuous-batching loop over a pool of B blocks of 16 tokens:
-//!   each step takes the commands that arrived since the last one (admission with `--admission
-//!   reserve`: blocks for prompt + max_tokens, or prompt + the elastic allowance; else 429 with
-//!   Retry-After 1 s; cancels), prefills waiting sequences within a token budget (at most
-//!   `max_batch` running), then decodes one token for every running sequence. A step lasts
-//!   `a + b × decoded + p × prefilled tokens` ms; its tokens and ends reach clients at its end,
-//!   its blocks are taken and given back at its start (nothing else looks at the pool between).
-//!   Preemption and recompute follow engine.rs: `vllm` (`--on-kv-exhaustion recompute`) preempts
-//!   the youngest other running sequence, which frees all its blocks and is prefilled again over
-//!   prompt + generated; elastic sequences grow past their reservation from free blocks and the
-//!   youngest one grown past it is preempted first (keeping its reservation and the KV cache its
-//!   reservation's blocks hold, so that only the positions past them are prefilled again) when a
-//!   reservation or a sequence needs a block; with lazy blocks a sequence that needs a block
-//!   first takes those of the youngest waiting elastic sequence that holds some (its cache
-//!   dropped, its reservation a promise); an elastic sequence at the end of its reservation
-//!   with nothing borrowed to take back waits, keeping it, until blocks free up (engine.rs's
-//!   pause; before 2026-12-04 20:00 UTC the simulator counted a KV OOM there, never seen in its
-//!   runs). A sequence ends on the step that samples its last
-//!   token; a sequence of true length L capped at C produces min(L, C) tokens (greedy outputs
-//!   are deterministic, so the cap alone decides).
+//! - A backend is the engine over a pool of B blocks of 16 tokens, stepped whenever it has
+//!   work: each step takes the commands that arrived since the last one (answered at once),
+//!   then runs one engine step. A step lasts `a + b × decoded + p × prefilled tokens` ms (what
+//!   the stand-in model was asked to compute); its tokens and ends reach clients at its end. A
+//!   request of true length L capped at C produces min(L, C) tokens, then (L < C) EOS in a step
+//!   of its own. `none`, `prompt` and `vllm` are `--admission none|prompt|none
+//!   --on-kv-exhaustion recompute`; the others `--admission reserve`; all with prefix caching
+//!   (the paged default), which these workloads never share.
 //! - `--preset cpu`: the live bench's backend (SmolLM2-135M, f32 KV 46,080 B/token, a pool of 40
 //!   blocks = 640 tokens, context served = the pool's 640 tokens, max batch 16, prefill budget
 //!   2,048). Step: a = 30 ms (the bench's `--step-delay-ms 10` plus ≈ 20 ms), b = 5 ms per
@@ -124,10 +109,9 @@ use kvgate_core::elastic::OutputLengths;
 use kvgate_core::fleet::{self, View};
 use kvgate_core::gate::{self, Decision, Holder, Priced};
 use kvgate_core::ledger::{ClaimTicket, Ledger};
-use kvgate_core::peak::{peak, Growth};
 use kvgate_core::policy::{Action, ClassPolicy, Reservation};
 use kvgate_core::queue::{AdmissionQueue, Waiting};
-use kvgate_core::reconcile::{self, BackendReport, LiveEntry, ProgressTracker};
+use kvgate_core::reconcile::{self, ProgressTracker};
 use kvgate_core::retry::splitmix64;
 use kvgate_core::{price_request, ErrorKind, ModelSpec};
 
@@ -505,15 +489,6 @@ impl Arm {
     fn reserve(self) -> bool {
         !matches!(self, Arm::None | Arm::Prompt | Arm::Cap(_) | Arm::Vllm)
     }
-    /// Tokens a request holds from its arrival: prompt + output under `--admission reserve`,
-    /// the prompt under `--admission prompt`, nothing under `none`.
-    fn reserve_tokens(self, prompt: u64, output: u64) -> u64 {
-        match self {
-            Arm::Prompt => prompt,
-            _ if self.reserve() => prompt + output,
-            _ => 0,
-        }
-    }
     /// Most sequences running at once.
     fn max_batch(self, p: &Preset) -> usize {
         match self {
@@ -598,81 +573,10 @@ fn filter_config(
 
 // ----- the backend (backend/src/engine.rs's rules) --------------------------------------------
 
-#[derive(Debug)]
-struct Seq {
-    req: usize,
-    lease: Option<u64>,
-    /// Tokens its reservation covers.
-    promised: u64,
-    elastic: bool,
-    prompt: u64,
-    generated: u64,
-    /// Its output cap (what the backend reports; the gateway sees nothing of `target`).
-    max_tokens: u64,
-    /// Tokens it will produce: min(true length, max_tokens).
-    target: u64,
-    /// It ends at its cap, not by itself (a censored output length for elastic classes).
-    to_cap: bool,
-    /// Tokens in its KV cache (None: not prefilled, or preempted).
-    kv: Option<u64>,
-    blocks: u64,
-    order: u64,
-}
-
-impl Seq {
-    /// engine.rs's `Seq::overgrown`: holds more blocks than its reservation's (a reservation
-    /// that ends inside a block is not borrowing).
-    fn overgrown(&self) -> bool {
-        self.elastic && self.blocks > blocks_for(self.promised)
-    }
-}
-
-fn blocks_for(tokens: u64) -> u64 {
-    tokens.div_ceil(BLOCK_TOKENS)
-}
-
-/// `Allocation::ensure_tokens`: grow to hold `tokens`, all or nothing.
-fn ensure(s: &mut Seq, tokens: u64, free: &mut u64) -> bool {
-    let want = blocks_for(tokens);
-    if want <= s.blocks {
-        return true;
-    }
-    let more = want - s.blocks;
-    if *free < more {
-        return false;
-    }
-    *free -= more;
-    s.blocks = want;
-    true
-}
-
-/// `Allocation::shrink_to_tokens`; returns the blocks given back.
-/// Give back the blocks beyond `tokens`; the cache keeps what the blocks left hold.
-fn shrink(s: &mut Seq, tokens: u64, free: &mut u64) -> u64 {
-    let keep = blocks_for(tokens);
-    if keep >= s.blocks {
-        return 0;
-    }
-    let back = s.blocks - keep;
-    *free += back;
-    s.blocks = keep;
-    s.kv = s.kv.map(|k| k.min(keep * BLOCK_TOKENS));
-    back
-}
-
-fn release(s: &mut Seq, free: &mut u64) {
-    *free += s.blocks;
-    s.blocks = 0;
-}
-
 /// A request's fair-retry claim key: the same on every try (the filter hashes the caller and the
 /// body; here the request's id stands for both).
 fn claim_key_of(req: &Req) -> u64 {
     splitmix64(req.id).max(1)
-}
-
-fn take<T>(v: &mut Vec<T>, i: usize) -> Option<T> {
-    (i < v.len()).then(|| v.remove(i))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -703,529 +607,8 @@ enum Cmd {
     },
 }
 
-#[derive(Default)]
-struct Backend {
-    total: u64,
-    free: u64,
-    /// `--lazy-blocks`: a reservation is a promise of blocks, taken as the sequence grows.
-    lazy: bool,
-    /// `--time-aware`: lazy promises admitted by the peak of the decoding sequences (engine.rs's
-    /// `unpromised_blocks`), and the report says how blocks round, so the gateway's ledger gets
-    /// its slack (`reconcile`).
-    time_aware: bool,
-    waiting: VecDeque<Seq>,
-    running: Vec<Seq>,
-    inbox: Vec<Cmd>,
-    stepping: bool,
-    arrivals: u64,
-    finished_leases: Vec<u64>,
-    /// Outputs that ended by themselves or at their cap since the last report (what engine.rs
-    /// reports as `finished` with `completion_tokens` and the reason).
-    finished_outputs: Vec<reconcile::Output>,
-    /// Σ used blocks × step µs.
-    used_area: f64,
-    recomputed_tokens: u64,
-    preemptions: u64,
-    /// Sequences demoted (they reserve nothing and go on in borrowed blocks).
-    demotions: u64,
-    /// Requests demoted before they arrived.
-    demoted_early: Vec<usize>,
-}
-
-struct StepOut {
-    now: Vec<(usize, Note)>,
-    later: Vec<(usize, Note)>,
-    ms: f64,
-}
-
-impl Backend {
-    fn new(blocks: u64, lazy: bool, time_aware: bool) -> Self {
-        Backend {
-            total: blocks,
-            free: blocks,
-            lazy,
-            time_aware,
-            ..Backend::default()
-        }
-    }
-
-    fn busy(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty() || !self.inbox.is_empty()
-    }
-
-    fn step(&mut self, p: &Preset, arm: Arm) -> StepOut {
-        let mut out = StepOut {
-            now: Vec::new(),
-            later: Vec::new(),
-            ms: 0.0,
-        };
-        for cmd in std::mem::take(&mut self.inbox) {
-            match cmd {
-                Cmd::Demote { req } if arm.reserve() => {
-                    let waiting = self.waiting.iter_mut().map(|s| (s, true));
-                    let seq = self
-                        .running
-                        .iter_mut()
-                        .map(|s| (s, false))
-                        .chain(waiting)
-                        .find(|(s, _)| s.req == req);
-                    match seq {
-                        Some((s, is_waiting)) => {
-                            s.promised = 0;
-                            s.elastic = true;
-                            // Running, the blocks its reservation took and it has not written
-                            // go back; waiting, all it holds (engine.rs's `demote`).
-                            if is_waiting {
-                                release(s, &mut self.free);
-                                s.kv = None;
-                            } else {
-                                let written = s.kv.unwrap_or(0);
-                                shrink(s, written, &mut self.free);
-                            }
-                            self.demotions += 1;
-                        }
-                        None => self.demoted_early.push(req),
-                    }
-                }
-                Cmd::Cancel { req } | Cmd::Demote { req } => {
-                    let seq = match self.running.iter().position(|s| s.req == req) {
-                        Some(i) => take(&mut self.running, i),
-                        None => self
-                            .waiting
-                            .iter()
-                            .position(|s| s.req == req)
-                            .and_then(|i| self.waiting.remove(i)),
-                    };
-                    if let Some(mut s) = seq {
-                        release(&mut s, &mut self.free);
-                        self.finished_leases.extend(s.lease);
-                        out.now.push((req, Note::Preempted));
-                    }
-                }
-                Cmd::Submit {
-                    req,
-                    lease,
-                    max_tokens,
-                    reserve_output,
-                    prompt,
-                    true_len,
-                } => {
-                    let output = match reserve_output {
-                        Some(r) if arm.reserve() => r.min(max_tokens),
-                        _ => max_tokens,
-                    };
-                    let demoted = match self.demoted_early.iter().position(|d| *d == req) {
-                        Some(i) => {
-                            self.demoted_early.swap_remove(i);
-                            true
-                        }
-                        None => false,
-                    };
-                    let reserve_tokens = match demoted {
-                        true => 0,
-                        false => arm.reserve_tokens(prompt, output),
-                    };
-                    let mut blocks = blocks_for(reserve_tokens);
-                    if self.lazy && arm.reserve() {
-                        // Admitted when the promises fit the pool; no block is taken (nor any
-                        // borrower preempted) until the sequence grows into them.
-                        if !self.lazy_admits(blocks) {
-                            out.now.push((req, Note::Refused));
-                            continue;
-                        }
-                        blocks = 0;
-                    }
-                    // engine.rs: borrowed blocks come back only when that makes room.
-                    if self.free < blocks && self.free + self.borrowed_blocks() >= blocks {
-                        self.reclaim_borrowed(blocks);
-                    }
-                    if self.free < blocks {
-                        out.now.push((req, Note::Refused));
-                        continue;
-                    }
-                    self.free -= blocks;
-                    self.arrivals += 1;
-                    self.waiting.push_back(Seq {
-                        req,
-                        lease,
-                        promised: reserve_tokens,
-                        elastic: output < max_tokens || demoted,
-                        prompt,
-                        generated: 0,
-                        max_tokens,
-                        target: true_len.min(max_tokens).max(1),
-                        to_cap: true_len >= max_tokens,
-                        kv: None,
-                        blocks,
-                        order: self.arrivals,
-                    });
-                }
-            }
-        }
-        if self.waiting.is_empty() && self.running.is_empty() {
-            return out;
-        }
-        let prefilled = self.prefill_waiting(p, arm, &mut out.later);
-        let decoded = self.decode_step(arm, &mut out.later);
-        out.ms = p.step_a_ms + p.step_b_ms * decoded as f64 + p.prefill_ms * prefilled as f64;
-        out
-    }
-
-    /// Whether `--lazy-blocks` admits a newcomer reserving `blocks`: engine.rs's
-    /// `unpromised_blocks`. With `--time-aware`, the peak of the sequences decoding within
-    /// their reservations (each a token a step to its cap, then gone) plus every other promise
-    /// and the newcomer's fit the pool; else every promise and the newcomer's do.
-    fn lazy_admits(&self, blocks: u64) -> bool {
-        if !self.time_aware {
-            return self.promised_blocks() + blocks <= self.total;
-        }
-        let decoding = |s: &&Seq| !s.elastic && s.kv.is_some();
-        let growth: Vec<Growth> = self
-            .running
-            .iter()
-            .filter(decoding)
-            .map(|s| Growth {
-                now: s.prompt + s.generated + 1 + (BLOCK_TOKENS - 1),
-                per_step: 1,
-                most: blocks_for(s.promised) * BLOCK_TOKENS,
-                steps_left: s.max_tokens.saturating_sub(s.generated),
-            })
-            .collect();
-        let others: u64 = self
-            .running
-            .iter()
-            .filter(|s| !decoding(s))
-            .chain(self.waiting.iter())
-            .map(|s| blocks_for(s.promised))
-            .sum();
-        peak(&growth) / BLOCK_TOKENS + others + blocks <= self.total
-    }
-
-    /// What the live sequences' reservations cover, in blocks.
-    fn promised_blocks(&self) -> u64 {
-        self.running
-            .iter()
-            .chain(self.waiting.iter())
-            .map(|s| blocks_for(s.promised))
-            .sum()
-    }
-
-    /// `Engine::borrowed_blocks`: what `reclaim_borrowed` can free at most.
-    fn borrowed_blocks(&self) -> u64 {
-        self.running
-            .iter()
-            .chain(self.waiting.iter())
-            .filter(|s| s.overgrown())
-            .map(|s| s.blocks.saturating_sub(blocks_for(s.promised)))
-            .sum()
-    }
-
-    fn reclaim_borrowed(&mut self, blocks: u64) {
-        while self.free < blocks {
-            let running = self
-                .running
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.overgrown())
-                .max_by_key(|(_, s)| s.order)
-                .map(|(i, s)| (i, s.order));
-            let waiting = self
-                .waiting
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.overgrown())
-                .max_by_key(|(_, s)| s.order)
-                .map(|(i, s)| (i, s.order));
-            let shrink_waiting = match (running, waiting) {
-                (Some((_, ro)), Some((wi, wo))) if wo > ro => Some(wi),
-                (Some((ri, _)), _) => {
-                    if let Some(seq) = take(&mut self.running, ri) {
-                        self.requeue_for_recompute(seq);
-                    }
-                    None
-                }
-                (None, Some((wi, _))) => Some(wi),
-                (None, None) => return,
-            };
-            if let Some(wi) = shrink_waiting {
-                let back = match self.waiting.get_mut(wi) {
-                    Some(w) => shrink(w, w.promised, &mut self.free),
-                    None => 0,
-                };
-                if back == 0 {
-                    // Never spin (engine.rs stops too).
-                    return;
-                }
-            }
-        }
-    }
-
-    fn requeue_for_recompute(&mut self, mut seq: Seq) {
-        self.preemptions += 1;
-        if seq.elastic {
-            let promised = seq.promised;
-            shrink(&mut seq, promised, &mut self.free);
-        } else {
-            seq.kv = None;
-            release(&mut seq, &mut self.free);
-        }
-        self.waiting.push_front(seq);
-    }
-
-    /// A sampled token: the sequence ends at its true length, else runs on.
-    fn accept_token(&mut self, mut seq: Seq, later: &mut Vec<(usize, Note)>) {
-        seq.generated += 1;
-        if seq.generated >= seq.target {
-            let (n, to_cap) = (seq.generated, seq.to_cap);
-            self.end(seq, Note::Done(n, to_cap), later);
-        } else {
-            self.running.push(seq);
-        }
-    }
-
-    fn end(&mut self, mut seq: Seq, note: Note, notes: &mut Vec<(usize, Note)>) {
-        release(&mut seq, &mut self.free);
-        self.finished_leases.extend(seq.lease);
-        if let (Note::Done(tokens, at_cap), Some(_)) = (note, seq.lease) {
-            self.finished_outputs.push(reconcile::Output {
-                tokens,
-                at_cap,
-                prompt_tokens: seq.prompt,
-            });
-        }
-        notes.push((seq.req, note));
-    }
-
-    /// Returns the tokens prefilled.
-    fn prefill_waiting(&mut self, p: &Preset, arm: Arm, later: &mut Vec<(usize, Note)>) -> u64 {
-        let mut budget = p.prefill_budget;
-        let mut prefilled = 0;
-        let mut passed = 0;
-        while self.running.len() < arm.max_batch(p) {
-            let others_can_free = !self.running.is_empty() || self.waiting.len() > passed + 1;
-            let Some(front) = self.waiting.get_mut(passed) else {
-                break;
-            };
-            let len = front.prompt + front.generated;
-            // What it still holds of its cache (an elastic sequence that gave back borrowed
-            // blocks) is not fed again.
-            let fed = len - front.kv.unwrap_or(0).min(len);
-            if fed > budget && budget < p.prefill_budget {
-                break;
-            }
-            let mut room = ensure(front, len, &mut self.free);
-            if !room && self.lazy && blocks_for(len) <= blocks_for(front.promised) {
-                // `--lazy-blocks`: within its reservation it takes borrowed blocks back now (the
-                // promises fit the pool, so what it lacks is borrowed).
-                let (need, order) = (blocks_for(len) - front.blocks, front.order);
-                self.reclaim_borrowed(need);
-                // A preempted sequence goes to the front of the queue: find this one again.
-                passed = self
-                    .waiting
-                    .iter()
-                    .position(|s| s.order == order)
-                    .unwrap_or(passed);
-                room = match self.waiting.get_mut(passed) {
-                    Some(f) => ensure(f, len, &mut self.free),
-                    None => false,
-                };
-            }
-            let Some(front) = self.waiting.get_mut(passed) else {
-                break;
-            };
-            if !room && front.elastic {
-                if others_can_free {
-                    passed += 1;
-                    continue;
-                }
-                let order = front.order;
-                for s in self
-                    .waiting
-                    .iter_mut()
-                    .filter(|s| s.elastic && s.order > order)
-                {
-                    release(s, &mut self.free);
-                    s.kv = None;
-                }
-                room = match self.waiting.get_mut(passed) {
-                    Some(f) => ensure(f, len, &mut self.free),
-                    None => false,
-                };
-            }
-            if !room && arm == Arm::Vllm && !self.running.is_empty() {
-                break;
-            }
-            let Some(mut seq) = self.waiting.remove(passed) else {
-                break;
-            };
-            budget = budget.saturating_sub(fed);
-            if !room {
-                self.end(seq, Note::KvOom, later);
-                continue;
-            }
-            prefilled += fed;
-            if seq.generated > 0 {
-                self.recomputed_tokens += fed;
-            } else {
-                later.push((seq.req, Note::FirstToken));
-            }
-            seq.kv = Some(len);
-            self.accept_token(seq, later);
-        }
-        prefilled
-    }
-
-    /// Returns the sequences decoded.
-    fn decode_step(&mut self, arm: Arm, later: &mut Vec<(usize, Note)>) -> usize {
-        if self.running.is_empty() {
-            return 0;
-        }
-        self.running.sort_by_key(|s| s.order);
-        let mut i = 0;
-        while i < self.running.len() {
-            let room = match self.running.get_mut(i) {
-                Some(s) => {
-                    let next = s.kv.unwrap_or(0) + 1;
-                    ensure(s, next, &mut self.free)
-                }
-                None => true,
-            };
-            if room {
-                i += 1;
-                continue;
-            }
-            // engine.rs's `drop_an_idle_cache`: with lazy blocks, the youngest waiting elastic
-            // sequence holding blocks gives them back, its cache dropped, before any running
-            // borrower is preempted.
-            if self.lazy {
-                if let Some(s) = self
-                    .waiting
-                    .iter_mut()
-                    .filter(|s| s.elastic && s.blocks > 0)
-                    .max_by_key(|s| s.order)
-                {
-                    release(s, &mut self.free);
-                    s.kv = None;
-                    continue;
-                }
-            }
-            let victim = if self.running.iter().any(Seq::overgrown) {
-                Some(
-                    self.running
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, s)| s.overgrown())
-                        .max_by_key(|(_, s)| s.order)
-                        .map_or(i, |(v, _)| v),
-                )
-            } else if self.running.get(i).is_some_and(|s| s.elastic) {
-                // At the end of its reservation with none borrowed to take back: it waits,
-                // keeping its reservation, until blocks free up (engine.rs pauses it).
-                Some(i)
-            } else if arm == Arm::Vllm && self.running.len() > 1 {
-                let last = self.running.len() - 1;
-                Some(if i == last { last - 1 } else { last })
-            } else {
-                None
-            };
-            match victim {
-                Some(v) => {
-                    if let Some(seq) = take(&mut self.running, v) {
-                        if v < i {
-                            i -= 1;
-                        }
-                        self.requeue_for_recompute(seq);
-                    }
-                }
-                None => {
-                    if let Some(seq) = take(&mut self.running, i) {
-                        self.end(seq, Note::KvOom, later);
-                    }
-                }
-            }
-        }
-        let decoded = self.running.len();
-        for mut seq in std::mem::take(&mut self.running) {
-            seq.kv = seq.kv.map(|k| k + 1);
-            self.accept_token(seq, later);
-        }
-        decoded
-    }
-
-    /// What `GET /v1/admission/leases` would say, for `reconcile` and the gateway's
-    /// `ProgressTracker`: every live sequence and the outputs finished since the last one.
-    fn report(&mut self, p: &Preset) -> BackendReport {
-        let bb = p.block_bytes();
-        let mut live = Vec::new();
-        let mut entries = Vec::new();
-        let seqs = self.waiting.iter().map(|s| (s, false));
-        for (s, running) in seqs.chain(self.running.iter().map(|s| (s, true))) {
-            let Some(id) = s.lease else { continue };
-            live.push(id);
-            // As engine.rs publishes: a preempted elastic sequence waiting to resume counts what
-            // it needs (prompt + generated + the next token, in whole blocks); a demoted one
-            // (nothing promised) from its first token on.
-            let resume = if s.elastic && !running && (s.generated > 0 || s.promised == 0) {
-                blocks_for(s.prompt + s.generated + 1)
-            } else {
-                0
-            };
-            // `--lazy-blocks`: what it holds or was promised (the ledger's view of it).
-            let held = if self.lazy {
-                s.blocks.max(blocks_for(s.promised))
-            } else {
-                s.blocks
-            };
-            let bytes = held.max(resume) * bb;
-            // Every live sequence, as engine.rs publishes them: the gateway reads decode
-            // progress from the running ones (own leases within their reservation add nothing
-            // to what reconcile holds back).
-            {
-                entries.push(LiveEntry {
-                    id: Some(id),
-                    bytes,
-                    running,
-                    resuming: resume > s.blocks,
-                    elastic: s.elastic,
-                    prompt_tokens: s.prompt,
-                    max_tokens: s.max_tokens,
-                    used_tokens: s.kv.unwrap_or(0),
-                    prefix_bytes: 0,
-                });
-            }
-        }
-        for c in &self.inbox {
-            if let Cmd::Submit {
-                lease: Some(id), ..
-            } = c
-            {
-                live.push(*id);
-            }
-        }
-        BackendReport {
-            capacity_bytes: self.total * bb,
-            // `--lazy-blocks`: what is held or promised, as the ledger counts (it may exceed the
-            // pool while borrowers hold blocks promised to sequences that have not grown yet).
-            used_bytes: if self.lazy {
-                self.running
-                    .iter()
-                    .chain(self.waiting.iter())
-                    .map(|s| s.blocks.max(blocks_for(s.promised)))
-                    .sum::<u64>()
-                    * bb
-            } else {
-                (self.total - self.free) * bb
-            },
-            live,
-            finished: std::mem::take(&mut self.finished_leases),
-            finished_outputs: std::mem::take(&mut self.finished_outputs),
-            entries,
-            spec: self.time_aware.then(|| p.model_spec()),
-            scratch_margin_bytes: self.time_aware.then_some(bb),
-            ..BackendReport::default()
-        }
-    }
-}
+mod backend;
+use backend::Backend;
 
 // ----- the gateway ----------------------------------------------------------------------------
 
@@ -1617,8 +1000,6 @@ struct Opts {
     poll_ms: u64,
     /// `--lazy-blocks`: the backend's `--lazy-blocks` (see the header).
     lazy_blocks: bool,
-    /// `--time-aware`: the backend and the gateway price decoding sequences over time.
-    time_aware: bool,
 }
 
 struct Sim<'a> {
@@ -1665,7 +1046,7 @@ struct Row {
 }
 
 impl<'a> Sim<'a> {
-    fn new(o: &'a Opts, arm: Arm, workload: &[Vec<Req>], gw: Option<Gateway>) -> Self {
+    fn new(o: &'a Opts, arm: Arm, workload: &[Vec<Req>], gw: Option<Gateway>) -> Res<Self> {
         let ctx = o.preset.context();
         let mut reqs = Vec::new();
         let mut jobs = Vec::new();
@@ -1703,7 +1084,7 @@ impl<'a> Sim<'a> {
             jobs.push(ids);
         }
         let job_left = jobs.iter().map(Vec::len).collect();
-        Sim {
+        Ok(Sim {
             o,
             arm,
             now: 0,
@@ -1716,14 +1097,14 @@ impl<'a> Sim<'a> {
             next_job: 0,
             resolved: 0,
             backends: (0..o.backends)
-                .map(|_| Backend::new(o.preset.blocks, o.lazy_blocks, o.time_aware))
-                .collect(),
+                .map(|_| Backend::new(&o.preset, arm, o.lazy_blocks))
+                .collect::<Res<Vec<_>>>()?,
             gw,
             rr: 0,
             tries: 0,
             last_step: vec![0; o.backends],
             pools: [0.0; 6],
-        }
+        })
     }
 
     fn push(&mut self, t: u64, ev: Ev) {
@@ -2081,13 +1462,13 @@ impl<'a> Sim<'a> {
     fn step(&mut self, b: usize) {
         let now = self.now;
         let o = self.o;
-        let (p, arm) = (&o.preset, self.arm);
+        let p = &o.preset;
         let Some(be) = self.backends.get_mut(b) else {
             return;
         };
-        let out = be.step(p, arm);
+        let out = be.step(p);
         let d = ms(out.ms);
-        be.used_area += ((be.total - be.free) as f64) * d as f64;
+        be.used_area += be.used_blocks() as f64 * d as f64;
         let busy = be.busy();
         be.stepping = busy || d > 0;
         if let Some(t) = self.last_step.get_mut(b) {
@@ -2191,13 +1572,13 @@ impl<'a> Sim<'a> {
                 reconcile::reconcile(ledger, &report, now_ms, 30_000, &etas, GATEWAY);
                 let cap = ledger.capacity() as f64;
                 // Where the pool goes, for the line printed at the end (stderr).
-                let pool = be.total.max(1) as f64;
+                let pool = be.total_blocks().max(1) as f64;
                 for (sum, x) in self.pools.iter_mut().zip([
                     1.0,
                     ledger.committed() as f64 / cap,
                     ledger.held_back() as f64 / cap,
                     ledger.claimed() as f64 / cap,
-                    (be.total - be.free) as f64 / pool,
+                    be.used_blocks() as f64 / pool,
                     be.promised_blocks() as f64 / pool,
                 ]) {
                     *sum += x;
@@ -2227,7 +1608,7 @@ impl<'a> Sim<'a> {
             .iter()
             .map(|s| secs(s.ttft.unwrap_or(s.end - s.first_try.unwrap_or(0))))
             .collect();
-        let capacity = self.backends.iter().map(|b| b.total).sum::<u64>() as f64;
+        let capacity = self.backends.iter().map(|b| b.total_blocks()).sum::<u64>() as f64;
         let area: f64 = self.backends.iter().map(|b| b.used_area).sum();
         Row {
             arm: self.arm,
@@ -2253,9 +1634,9 @@ impl<'a> Sim<'a> {
             } else {
                 0.0
             },
-            recomputed: self.backends.iter().map(|b| b.recomputed_tokens).sum(),
-            preemptions: self.backends.iter().map(|b| b.preemptions).sum(),
-            demotions: self.backends.iter().map(|b| b.demotions).sum(),
+            recomputed: self.backends.iter().map(|b| b.recomputed_tokens()).sum(),
+            preemptions: self.backends.iter().map(|b| b.preemptions()).sum(),
+            demotions: self.backends.iter().map(|b| b.demotions()).sum(),
         }
     }
 }
@@ -2355,7 +1736,6 @@ fn main() -> Res<()> {
     let mut quantile: f64 = 0.9;
     let mut backfill = true;
     let mut lazy_blocks = true;
-    let mut time_aware = true;
     let mut by_prompt = false;
     let mut cap = None;
     let mut blocks = None;
@@ -2391,7 +1771,6 @@ fn main() -> Res<()> {
             "--backfill" => backfill = either(&a, args.next(), "on", "off")?,
             "--filter-config" => filter_path = parse(&a, args.next())?,
             "--lazy-blocks" => lazy_blocks = either(&a, args.next(), "true", "false")?,
-            "--time-aware" => time_aware = either(&a, args.next(), "true", "false")?,
             "--allowance-by-prompt" => by_prompt = either(&a, args.next(), "true", "false")?,
             "--max-tries" => max_tries = Some(parse(&a, args.next())?),
             "--step-ms" => step_ms = Some(parse(&a, args.next())?),
@@ -2473,7 +1852,6 @@ fn main() -> Res<()> {
         seed,
         poll_ms,
         lazy_blocks,
-        time_aware,
     };
     let n: usize = workload.iter().map(Vec::len).sum();
     let load = match (clients, rate) {
@@ -2545,7 +1923,7 @@ fn main() -> Res<()> {
             )),
             _ => None,
         };
-        let (row, lines) = Sim::new(&o, arm, &workload, gw).run()?;
+        let (row, lines) = Sim::new(&o, arm, &workload, gw)?.run()?;
         dumped.extend(lines);
         rows.push(row);
     }
