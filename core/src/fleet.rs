@@ -19,28 +19,11 @@
 //!    eligible endpoints: a refused request keeps its place in one endpoint's line across
 //!    retries), or, without a claim, the endpoint with the most room.
 
-use serde::Deserialize;
-
 use crate::gate::SharedPrefix;
 use crate::ledger::Ledger;
 use crate::store::{self, SharedStore, StoreError};
 
-/// Most endpoints one filter configuration may name.
-pub const MAX_ENDPOINTS: usize = 256;
-
-/// Which endpoint gets a request that fits on several.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Choice {
-    /// The one with the most room after the reservation: spreads load, keeps every endpoint's
-    /// headroom (and its decode batch) even.
-    #[default]
-    MostRoom,
-    /// The one with the least room that still fits: packs small requests together and keeps
-    /// large holes for large requests (fewer big requests refused while the total room would
-    /// hold them).
-    BestFit,
-}
+pub use crate::config::{Choice, MAX_ENDPOINTS};
 
 /// What the caller last knew of one endpoint. Possibly stale; never trusted for the decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -51,7 +51,7 @@ pub struct BackendReport {
     pub other_gateways: Vec<u64>,
     /// The address the poll reached there (`None` from an older backend).
     pub served_at: Option<String>,
-    /// The server reports its pool, not its leases (vLLM's metrics: [`crate::vllm`]): no lease
+    /// The server reports its pool, not its leases (vLLM's metrics: `vllm.rs`): no lease
     /// it does not list is unseen.
     pub pool_only: bool,
 }
