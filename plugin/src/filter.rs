@@ -24,8 +24,9 @@ use serde_json::json;
 
 use crate::abi;
 use crate::host::{self, EnvoyStore};
+use crate::ticket::Worker;
 use crate::ticket::{Attempt, Ticket};
-use crate::worker::{Runtime, Worker, DROPPED_AT_ONCE_MS};
+use crate::worker::{Runtime, DROPPED_AT_ONCE_MS};
 
 const REQ: MapType = MapType::HttpRequestHeaders;
 const RESP: MapType = MapType::HttpResponseHeaders;

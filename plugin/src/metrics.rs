@@ -1,12 +1,9 @@
 //! The filter's Envoy stats (`kvgate.*`): defined once per worker, set on the request path and
 //! at each tick from the worker's views, never read back.
 
-use kvgate_core::config::Config;
-use kvgate_core::fleet::View;
-use kvgate_core::{ErrorKind, Level};
+use kvgate_core::ErrorKind;
 
 use crate::host::Metric;
-use crate::worker::{Endpoint, Worker};
 
 pub struct Metrics {
     /// Admitted requests answered 503 because their backend stopped answering after they were
@@ -129,57 +126,6 @@ impl Metrics {
         if let Some((_, m)) = self.would_reject.iter().find(|(k, _)| *k == kind) {
             m.inc();
         }
-    }
-
-    /// Gauges mirror the ledgers (the fleet's totals, and each endpoint's); every worker writes
-    /// the same values. From each endpoint's view: no ledger read. The tick, polls and
-    /// reconfiguration write every endpoint's gauges; a request only the totals and its own
-    /// endpoint's (`observe_request`), so its host calls do not grow with the fleet.
-    pub fn observe(&self, worker: &Worker, cfg: &Config) {
-        for e in worker.endpoints.borrow().iter() {
-            self.observe_endpoint(e);
-        }
-        self.observe_totals(worker, worker.level(cfg));
-    }
-
-    /// After a request's own ledger transition on `endpoint` (`level`: the fleet's, already
-    /// computed for the request).
-    pub fn observe_request(&self, worker: &Worker, endpoint: Option<&Endpoint>, level: Level) {
-        if let Some(e) = endpoint {
-            self.observe_endpoint(e);
-        }
-        self.observe_totals(worker, level);
-    }
-
-    fn observe_endpoint(&self, e: &Endpoint) {
-        if let Some(m) = &e.metrics {
-            let (v, h) = (e.view.get(), e.health());
-            m.committed_bytes.set(v.committed);
-            m.capacity_bytes.set(v.capacity);
-            m.foreign_bytes.set(h.foreign_bytes);
-            m.up.set(u64::from(!h.down()));
-        }
-    }
-
-    fn observe_totals(&self, worker: &Worker, level: Level) {
-        let mut t = View::default();
-        let mut grown = 0u64;
-        for e in worker.endpoints.borrow().iter() {
-            grown = grown.saturating_add(e.grown.get());
-            let v = e.view.get();
-            t.capacity = t.capacity.saturating_add(v.capacity);
-            t.committed = t.committed.saturating_add(v.committed);
-            t.held_back = t.held_back.saturating_add(v.held_back);
-            t.slack = t.slack.saturating_add(v.slack);
-            t.leases = t.leases.saturating_add(v.leases);
-        }
-        self.committed_bytes.set(t.committed);
-        self.capacity_bytes.set(t.capacity);
-        self.level.set(level.as_gauge());
-        self.live_leases.set(t.leases);
-        self.held_back_bytes.set(t.held_back);
-        self.slack_bytes.set(t.slack);
-        self.grown_bytes.set(grown);
     }
 }
 

@@ -17,7 +17,10 @@ use serde_json::{Map, Value};
 
 use crate::abi;
 use crate::host::{self, EnvoyStore};
-use crate::worker::{Endpoint, Runtime, Worker};
+use crate::worker::{Endpoint, Runtime};
+
+/// A worker of the filter: what it queues and awaits are its requests' tickets.
+pub type Worker = crate::worker::Worker<Rc<Ticket>>;
 use crate::CAS_ATTEMPTS;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,7 +284,7 @@ impl Ticket {
             Ok(Placed::At { index, .. }) => endpoints.get(*index).map(|e| &**e),
             _ => None,
         };
-        worker.metrics.observe_request(worker, placed_at, level);
+        worker.observe_request_metrics(placed_at, level);
         let (endpoint, decision, ledger) = match decided {
             Ok(Placed::At { index, out, ledger }) => {
                 let Some(e) = endpoints.get(index) else {
@@ -709,4 +712,114 @@ fn not_ahead() -> ApiError {
         ErrorKind::KvCapacityExceeded,
         "not admitted ahead of the line",
     )
+}
+
+/// The requests a worker queues and awaits.
+impl Worker {
+    /// Stream `context_id` has its response (or ended): nothing to answer for it any more.
+    pub fn answered(&self, context_id: u32) {
+        self.awaiting
+            .borrow_mut()
+            .retain(|t| t.context_id != context_id);
+    }
+
+    /// The admitted requests still waiting for an answer from an endpoint now known to be down
+    /// and unreachable: taken out of `awaiting`, for the caller to answer.
+    pub fn stranded(&self) -> Vec<Rc<Ticket>> {
+        let mut awaiting = self.awaiting.borrow_mut();
+        if awaiting.is_empty() {
+            return Vec::new();
+        }
+        let (down, up): (Vec<_>, Vec<_>) = awaiting.drain(..).partition(|t| {
+            t.endpoint()
+                .is_some_and(|e| e.health().down() && e.unreachable.get())
+        });
+        *awaiting = up;
+        down
+    }
+
+    /// Take the request of stream `context_id` out of the admission queue (if it is there).
+    /// Whether it was there.
+    pub fn unqueue(&self, context_id: u32) -> bool {
+        let gone = self
+            .queue
+            .borrow_mut()
+            .remove_where(|t| t.context_id == context_id);
+        self.metrics.queued.add_signed(-(gone.len() as i64));
+        !gone.is_empty()
+    }
+
+    /// A demotion of `victim` sent for request `ticket`, answered under callout `token`.
+    pub fn await_demotion(&self, token: u32, ticket: Rc<Ticket>, victim: &kvgate_core::Lease) {
+        let entry = (ticket, victim.id, victim.bytes);
+        if self.demotions.borrow_mut().insert(token, entry).is_none() {
+            // Every worker moves the same gauge: added to, never set.
+            self.metrics.demotions_pending.add(1);
+        }
+    }
+
+    /// The request of stream `context_id` ended: it waits for no demotion any more. The SDK
+    /// delivers a callout's answer to the context that sent it, and drops it once that
+    /// context is gone, so an answer after the stream's end never reaches
+    /// `demotion_answered`: without this, its ticket (and the request body it holds) would
+    /// stay here for the life of the VM.
+    pub fn forget_demotions(&self, context_id: u32) {
+        let mut d = self.demotions.borrow_mut();
+        let before = d.len();
+        // Their outcome is unknown now (the SDK drops an answer to a context that is gone):
+        // the victims reserve their bytes again with the request's release.
+        d.retain(|_, (t, victim, bytes)| {
+            let mine = t.context_id == context_id;
+            if mine {
+                t.failed_demotions.borrow_mut().push((*victim, *bytes));
+            }
+            !mine
+        });
+        let gone = before.saturating_sub(d.len());
+        if gone > 0 {
+            self.metrics
+                .demotions_pending
+                .add_signed(-i64::try_from(gone).unwrap_or(i64::MAX));
+        }
+    }
+
+    /// A preemption demotion was answered (or failed): when the ticket's last one is in, its
+    /// request goes on if every one was confirmed; if one was not, the preemption is undone
+    /// and its client answered 429 ([`Ticket::undo_preemption`]). Returns false when the
+    /// token is not a demotion of this worker.
+    pub fn demotion_answered(&self, token: u32) -> bool {
+        let Some((t, victim, bytes)) = self.demotions.borrow_mut().remove(&token) else {
+            return false;
+        };
+        self.metrics.demotions_pending.add_signed(-1);
+        let status = crate::abi::header(
+            proxy_wasm::types::MapType::HttpCallResponseHeaders,
+            ":status",
+        );
+        if status.as_deref() != Some("200") {
+            // Not demoted (or not known to be): the victim may still hold its reservation at
+            // the backend. A backend that does not refuse on its own would run out of KV with
+            // this request on top of it: it does not go on.
+            self.metrics.demote_failed.inc();
+            t.failed_demotions.borrow_mut().push((victim, bytes));
+            host::warn(&format!(
+                "kvgate: a demotion was not confirmed (status {})",
+                status.as_deref().unwrap_or("none: timed out or failed")
+            ));
+        }
+        let left = t.pending_demotions.get().saturating_sub(1);
+        t.pending_demotions.set(left);
+        if left > 0 || proxy_wasm::hostcalls::set_effective_context(t.context_id).is_err() {
+            return true;
+        }
+        if t.failed_demotions.borrow().is_empty() {
+            if let Err(s) = proxy_wasm::hostcalls::resume_http_request() {
+                host::warn(&format!("kvgate: resume after preemption failed: {s:?}"));
+            }
+        } else if let Some(rt) = self.runtime() {
+            let e = t.undo_preemption(self, &rt);
+            self.reply_error(&e, self.level(&rt.cfg));
+        }
+        true
+    }
 }

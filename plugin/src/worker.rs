@@ -18,7 +18,6 @@ use kvgate_core::{ClassPolicy, Ledger, Level, Reservation, TokenCounter};
 
 use crate::host::{self, EnvoyStore};
 pub use crate::metrics::{EndpointMetrics, Metrics};
-use crate::ticket::Ticket;
 use crate::{CAS_ATTEMPTS, LEDGER_KEY};
 
 thread_local! {
@@ -386,16 +385,19 @@ impl OwnerWatch {
 
 /// A demotion in flight: the request waiting for it, the victim's lease id and the bytes it
 /// reserved (given back to it if the backend does not confirm).
-pub type Demotion = (Rc<Ticket>, u64, u64);
+pub type Demotion<T> = (T, u64, u64);
 
-pub struct Worker {
+/// A worker's state. `T` is what it queues and awaits: the filter's requests
+/// (`ticket::Worker`, with the methods that read them); a parameter so that this module does
+/// not depend on the ticket's, which depends on it.
+pub struct Worker<T> {
     pub runtime: RefCell<Option<Rc<Runtime>>>,
     pub metrics: Metrics,
-    pub queue: RefCell<AdmissionQueue<Rc<Ticket>>>,
+    pub queue: RefCell<AdmissionQueue<T>>,
     /// Preemption demotions in flight, by callout token: whichever context the host delivers the
     /// answer to, it reaches the ticket that is waiting for it.
     /// Each with its victim: the lease id and the bytes it reserved.
-    pub demotions: RefCell<HashMap<u32, Demotion>>,
+    pub demotions: RefCell<HashMap<u32, Demotion<T>>>,
     /// The backend endpoints of the current configuration (one, without `backend.endpoints`).
     pub(crate) endpoints: RefCell<Vec<Rc<Endpoint>>>,
     /// Callers (hashed) that dropped a request at once after admission, until when they get
@@ -405,7 +407,7 @@ pub struct Worker {
     /// Admitted requests sent on to their endpoint that have no response yet, by stream: when
     /// that endpoint is then known to be down they are answered at once (503 with a
     /// Retry-After) rather than left to the route's idle timeout.
-    pub awaiting: RefCell<Vec<Rc<Ticket>>>,
+    pub awaiting: RefCell<Vec<T>>,
     /// Endpoints a new configuration dropped whose ledgers may still hold leases: their
     /// requests release them as they end; the reaper keeps watching them for leases whose
     /// worker is gone, until their ledger is empty.
@@ -430,7 +432,7 @@ pub const FORFEIT_MS: u64 = 60_000;
 /// Most callers remembered; past it the one whose penalty ends first is forgotten.
 const MAX_FORFEITS: usize = 4_096;
 
-impl Worker {
+impl<T> Worker<T> {
     /// Send an OpenAI-style error as the local reply of the current (effective) stream, and
     /// count it.
     pub fn reply_error(&self, err: &kvgate_core::ApiError, level: Level) {
@@ -457,39 +459,6 @@ impl Worker {
         }
         f.insert(caller, now_ms.saturating_add(FORFEIT_MS));
         self.metrics.forfeited.inc();
-    }
-
-    /// Stream `context_id` has its response (or ended): nothing to answer for it any more.
-    pub fn answered(&self, context_id: u32) {
-        self.awaiting
-            .borrow_mut()
-            .retain(|t| t.context_id != context_id);
-    }
-
-    /// The admitted requests still waiting for an answer from an endpoint now known to be down
-    /// and unreachable: taken out of `awaiting`, for the caller to answer.
-    pub fn stranded(&self) -> Vec<Rc<Ticket>> {
-        let mut awaiting = self.awaiting.borrow_mut();
-        if awaiting.is_empty() {
-            return Vec::new();
-        }
-        let (down, up): (Vec<_>, Vec<_>) = awaiting.drain(..).partition(|t| {
-            t.endpoint()
-                .is_some_and(|e| e.health().down() && e.unreachable.get())
-        });
-        *awaiting = up;
-        down
-    }
-
-    /// Take the request of stream `context_id` out of the admission queue (if it is there).
-    /// Whether it was there.
-    pub fn unqueue(&self, context_id: u32) -> bool {
-        let gone = self
-            .queue
-            .borrow_mut()
-            .remove_where(|t| t.context_id == context_id);
-        self.metrics.queued.add_signed(-(gone.len() as i64));
-        !gone.is_empty()
     }
 
     /// The client of a request waiting in this worker's queue closed its stream: its place in
@@ -522,7 +491,7 @@ impl Worker {
         }
     }
 
-    pub fn new() -> Worker {
+    pub fn new() -> Self {
         use std::hash::{BuildHasher, Hasher};
         // WASI random (through std's RandomState) mixed with the clock.
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -727,7 +696,7 @@ impl Worker {
         }
         if let Some(rt) = self.runtime() {
             let level = self.level(&rt.cfg);
-            self.metrics.observe_request(self, Some(endpoint), level);
+            self.observe_request_metrics(Some(endpoint), level);
         }
         Ok(())
     }
@@ -840,78 +809,58 @@ impl Worker {
             l
         }
     }
+}
 
-    /// A demotion of `victim` sent for request `ticket`, answered under callout `token`.
-    pub fn await_demotion(&self, token: u32, ticket: Rc<Ticket>, victim: &kvgate_core::Lease) {
-        let entry = (ticket, victim.id, victim.bytes);
-        if self.demotions.borrow_mut().insert(token, entry).is_none() {
-            // Every worker moves the same gauge: added to, never set.
-            self.metrics.demotions_pending.add(1);
+/// Gauges.
+impl<T> Worker<T> {
+    /// Gauges mirror the ledgers (the fleet's totals, and each endpoint's); every worker writes
+    /// the same values. From each endpoint's view: no ledger read. The tick, polls and
+    /// reconfiguration write every endpoint's gauges; a request only the totals and its own
+    /// endpoint's (`observe_request`), so its host calls do not grow with the fleet.
+    pub fn observe_metrics(&self, cfg: &Config) {
+        for e in self.endpoints.borrow().iter() {
+            Self::observe_endpoint_metrics(e);
+        }
+        self.observe_totals(self.level(cfg));
+    }
+
+    /// After a request's own ledger transition on `endpoint` (`level`: the fleet's, already
+    /// computed for the request).
+    pub fn observe_request_metrics(&self, endpoint: Option<&Endpoint>, level: Level) {
+        if let Some(e) = endpoint {
+            Self::observe_endpoint_metrics(e);
+        }
+        self.observe_totals(level);
+    }
+
+    fn observe_endpoint_metrics(e: &Endpoint) {
+        if let Some(m) = &e.metrics {
+            let (v, h) = (e.view.get(), e.health());
+            m.committed_bytes.set(v.committed);
+            m.capacity_bytes.set(v.capacity);
+            m.foreign_bytes.set(h.foreign_bytes);
+            m.up.set(u64::from(!h.down()));
         }
     }
 
-    /// The request of stream `context_id` ended: it waits for no demotion any more. The SDK
-    /// delivers a callout's answer to the context that sent it, and drops it once that
-    /// context is gone, so an answer after the stream's end never reaches
-    /// `demotion_answered`: without this, its ticket (and the request body it holds) would
-    /// stay here for the life of the VM.
-    pub fn forget_demotions(&self, context_id: u32) {
-        let mut d = self.demotions.borrow_mut();
-        let before = d.len();
-        // Their outcome is unknown now (the SDK drops an answer to a context that is gone):
-        // the victims reserve their bytes again with the request's release.
-        d.retain(|_, (t, victim, bytes)| {
-            let mine = t.context_id == context_id;
-            if mine {
-                t.failed_demotions.borrow_mut().push((*victim, *bytes));
-            }
-            !mine
-        });
-        let gone = before.saturating_sub(d.len());
-        if gone > 0 {
-            self.metrics
-                .demotions_pending
-                .add_signed(-i64::try_from(gone).unwrap_or(i64::MAX));
+    fn observe_totals(&self, level: Level) {
+        let mut t = View::default();
+        let mut grown = 0u64;
+        for e in self.endpoints.borrow().iter() {
+            grown = grown.saturating_add(e.grown.get());
+            let v = e.view.get();
+            t.capacity = t.capacity.saturating_add(v.capacity);
+            t.committed = t.committed.saturating_add(v.committed);
+            t.held_back = t.held_back.saturating_add(v.held_back);
+            t.slack = t.slack.saturating_add(v.slack);
+            t.leases = t.leases.saturating_add(v.leases);
         }
-    }
-
-    /// A preemption demotion was answered (or failed): when the ticket's last one is in, its
-    /// request goes on if every one was confirmed; if one was not, the preemption is undone
-    /// and its client answered 429 ([`Ticket::undo_preemption`]). Returns false when the
-    /// token is not a demotion of this worker.
-    pub fn demotion_answered(&self, token: u32) -> bool {
-        let Some((t, victim, bytes)) = self.demotions.borrow_mut().remove(&token) else {
-            return false;
-        };
-        self.metrics.demotions_pending.add_signed(-1);
-        let status = crate::abi::header(
-            proxy_wasm::types::MapType::HttpCallResponseHeaders,
-            ":status",
-        );
-        if status.as_deref() != Some("200") {
-            // Not demoted (or not known to be): the victim may still hold its reservation at
-            // the backend. A backend that does not refuse on its own would run out of KV with
-            // this request on top of it: it does not go on.
-            self.metrics.demote_failed.inc();
-            t.failed_demotions.borrow_mut().push((victim, bytes));
-            host::warn(&format!(
-                "kvgate: a demotion was not confirmed (status {})",
-                status.as_deref().unwrap_or("none: timed out or failed")
-            ));
-        }
-        let left = t.pending_demotions.get().saturating_sub(1);
-        t.pending_demotions.set(left);
-        if left > 0 || proxy_wasm::hostcalls::set_effective_context(t.context_id).is_err() {
-            return true;
-        }
-        if t.failed_demotions.borrow().is_empty() {
-            if let Err(s) = proxy_wasm::hostcalls::resume_http_request() {
-                host::warn(&format!("kvgate: resume after preemption failed: {s:?}"));
-            }
-        } else if let Some(rt) = self.runtime() {
-            let e = t.undo_preemption(self, &rt);
-            self.reply_error(&e, self.level(&rt.cfg));
-        }
-        true
+        self.metrics.committed_bytes.set(t.committed);
+        self.metrics.capacity_bytes.set(t.capacity);
+        self.metrics.level.set(level.as_gauge());
+        self.metrics.live_leases.set(t.leases);
+        self.metrics.held_back_bytes.set(t.held_back);
+        self.metrics.slack_bytes.set(t.slack);
+        self.metrics.grown_bytes.set(grown);
     }
 }

@@ -18,8 +18,9 @@ use proxy_wasm::types::{BufferType, ContextType, LogLevel, MapType};
 
 use crate::filter::Filter;
 use crate::host::{self, EnvoyStore};
+use crate::ticket::Worker;
 use crate::ticket::{Attempt, Ticket};
-use crate::worker::{BackendHealth, Endpoint, Runtime, Worker};
+use crate::worker::{BackendHealth, Endpoint, Runtime};
 use crate::CAS_ATTEMPTS;
 
 mod poll;
@@ -150,7 +151,7 @@ impl Root {
                 Err(err) => return Err(err.to_string()),
             }
         }
-        self.worker.metrics.observe(&self.worker, &cfg);
+        self.worker.observe_metrics(&cfg);
         // Polls of endpoints that stay keep their cursor.
         let mut old = std::mem::take(&mut self.polls);
         self.polls = endpoints
@@ -371,7 +372,7 @@ impl RootContext for Root {
                     }
                 }
             }
-            self.worker.metrics.observe(&self.worker, &rt.cfg);
+            self.worker.observe_metrics(&rt.cfg);
         }
         if !self.worker.queue.borrow().is_empty() {
             self.drain_queue(&rt, now);

@@ -100,7 +100,7 @@ impl Root {
         m.drift_bytes.set(drift);
         m.unseen_leases.set(unseen_leases);
         m.unseen_bytes.set(unseen_bytes);
-        m.observe(&self.worker, &rt.cfg);
+        self.worker.observe_metrics(&rt.cfg);
     }
 
     /// Requests sent to an endpoint before it was known to be down (its polls get no answer at
