@@ -139,6 +139,7 @@ pub(super) fn filter_config(
     quantile: f64,
     by_prompt: bool,
     safety: Option<f64>,
+    sets: &[(String, serde_json::Value)],
 ) -> Res<Config> {
     let yaml = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     // The JSON is the block scalar after `value: |`, up to the first line indented less.
@@ -199,5 +200,37 @@ pub(super) fn filter_config(
             }
         }
     }
+    for (key, value) in sets {
+        let parts: Vec<&str> = key.split('.').collect();
+        set_at(&mut v, &parts, value);
+    }
     Config::from_json(v.to_string().as_bytes()).map_err(|e| format!("filter config: {e:?}"))
+}
+
+/// `--set KEY=JSON`: the value at dotted `path` (`*` for every member of an object, e.g.
+/// `policy.classes.*.action`), created where missing; `null` removes it.
+fn set_at(v: &mut serde_json::Value, path: &[&str], value: &serde_json::Value) {
+    let Some(o) = v.as_object_mut() else {
+        return;
+    };
+    match path {
+        [] => {}
+        [last] if value.is_null() => {
+            o.remove(*last);
+        }
+        [last] => {
+            o.insert(last.to_string(), value.clone());
+        }
+        ["*", rest @ ..] => {
+            for m in o.values_mut() {
+                set_at(m, rest, value);
+            }
+        }
+        [first, rest @ ..] => {
+            let m = o
+                .entry(first.to_string())
+                .or_insert_with(|| serde_json::json!({}));
+            set_at(m, rest, value);
+        }
+    }
 }

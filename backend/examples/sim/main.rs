@@ -6,11 +6,14 @@
 //! [--arms none,reserve,kvgate,elastic,oracle,vllm] [--blocks B] [--elastic-prior T]
 //! [--filter-config PATH] [--context T] [--step-ms A,B] [--prefill-ms P] [--max-tries N]
 //! [--backfill on|off] [--lazy-blocks true|false] [--patience first-token|retries]
-//! [--allowance-by-prompt true|false] [--poll-ms M] [--safety-fraction F] [--dump FILE]` prints one markdown table (`make bench-sim` runs the
+//! [--allowance-by-prompt true|false] [--poll-ms M] [--safety-fraction F] [--set KEY=JSON]...
+//! [--dump FILE]` prints one markdown table (`make bench-sim` runs the
 //! defaults), and on stderr, per gateway arm, where the pool went: the ledger's committed, held
 //! back and claimed bytes, the backend's blocks in use and promised, averaged over the polls.
 //! `--poll-ms` is how often the gateway polls each backend (500, the shipped configs'
 //! `backend.poll_ms`). `--safety-fraction` overrides the filter config's (0.9 shipped).
+//! `--set KEY=JSON` sets any filter setting, by dotted path, after the arm's own (`*` for
+//! every class: `--set 'policy.classes.*.preempts=null'`, `--set fair_retry_patience_ms=0`).
 //!
 //! `--allowance-by-prompt` is every elastic class's `elastic_by_prompt` (default `false`, as the
 //! filter's; the filter can do it since it tells the backend the allowance in its body field):
@@ -310,6 +313,7 @@ fn main() -> Res<()> {
     let mut context = None;
     let mut poll_ms = 500u64;
     let mut safety: Option<f64> = None;
+    let mut sets: Vec<(String, serde_json::Value)> = Vec::new();
     let mut filter_path =
         concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/kvgate-filter.yaml").to_string();
     while let Some(a) = args.next() {
@@ -342,6 +346,12 @@ fn main() -> Res<()> {
             "--context" => context = Some(parse(&a, args.next())?),
             "--poll-ms" => poll_ms = parse(&a, args.next())?,
             "--safety-fraction" => safety = Some(parse(&a, args.next())?),
+            "--set" => {
+                let kv: String = parse(&a, args.next())?;
+                let (k, v) = kv.split_once('=').ok_or("--set needs KEY=JSON")?;
+                let v = serde_json::from_str(v).map_err(|e| format!("--set {k}: {e}"))?;
+                sets.push((k.to_string(), v));
+            }
             "-h" | "--help" => {
                 println!("see the header of core/examples/sim.rs");
                 return Ok(());
@@ -454,7 +464,16 @@ fn main() -> Res<()> {
     for arm in arms {
         let gw = match arm {
             Arm::Kvgate | Arm::Oracle => Some(Gateway::new(
-                filter_config(&filter_path, &p, None, None, quantile, by_prompt, safety)?,
+                filter_config(
+                    &filter_path,
+                    &p,
+                    None,
+                    None,
+                    quantile,
+                    by_prompt,
+                    safety,
+                    &sets,
+                )?,
                 backends,
                 backfill,
             )),
@@ -467,6 +486,7 @@ fn main() -> Res<()> {
                     quantile,
                     by_prompt,
                     safety,
+                    &sets,
                 )?,
                 backends,
                 backfill,
@@ -480,6 +500,7 @@ fn main() -> Res<()> {
                     quantile,
                     by_prompt,
                     safety,
+                    &sets,
                 )?,
                 backends,
                 backfill,
