@@ -353,7 +353,7 @@ fn main() -> Res<()> {
                 sets.push((k.to_string(), v));
             }
             "-h" | "--help" => {
-                println!("see the header of core/examples/sim.rs");
+                println!("see the header of backend/examples/sim/main.rs");
                 return Ok(());
             }
             other => return Err(format!("unknown argument {other:?}")),

@@ -1,5 +1,5 @@
 //! The engine driven on the caller's thread, one step at a time: the code `spawn`'s thread runs,
-//! without the thread or the channel (the simulator, `backend/examples/sim.rs`, runs the real
+//! without the thread or the channel (the simulator, `backend/examples/sim/`, runs the real
 //! scheduler this way).
 
 use super::*;
