@@ -131,16 +131,28 @@ impl Arm {
 
 /// The shipped filter configuration (the JSON block of envoy/kvgate-filter.yaml) priced against
 /// one backend's pool; with `elastic_prior`, every class reserves elastically.
+/// What the command line changes in every gateway arm's filter configuration.
+pub(super) struct Tuning {
+    pub(super) quantile: f64,
+    pub(super) by_prompt: bool,
+    pub(super) safety: Option<f64>,
+    /// `--set KEY=JSON`, in order.
+    pub(super) sets: Vec<(String, serde_json::Value)>,
+}
+
 pub(super) fn filter_config(
     path: &str,
     p: &Preset,
     elastic_prior: Option<u64>,
     queue_ms: Option<u64>,
-    quantile: f64,
-    by_prompt: bool,
-    safety: Option<f64>,
-    sets: &[(String, serde_json::Value)],
+    t: &Tuning,
 ) -> Res<Config> {
+    let Tuning {
+        quantile,
+        by_prompt,
+        safety,
+        sets,
+    } = t;
     let yaml = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
     // The JSON is the block scalar after `value: |`, up to the first line indented less.
     let mut lines = yaml
@@ -175,7 +187,7 @@ pub(super) fn filter_config(
     );
     o.insert("scratch_margin_bytes".into(), p.block_bytes().into());
     if let Some(f) = safety {
-        o.insert("safety_fraction".into(), f.into());
+        o.insert("safety_fraction".into(), (*f).into());
     }
     if let Some(prior) = elastic_prior {
         let classes = o
@@ -186,10 +198,10 @@ pub(super) fn filter_config(
         for c in classes.values_mut() {
             if let Some(c) = c.as_object_mut() {
                 c.insert("reservation".into(), "elastic".into());
-                c.insert("elastic_quantile".into(), quantile.into());
+                c.insert("elastic_quantile".into(), (*quantile).into());
                 c.insert("elastic_min_samples".into(), 5.into());
                 c.insert("elastic_prior_tokens".into(), prior.into());
-                c.insert("elastic_by_prompt".into(), by_prompt.into());
+                c.insert("elastic_by_prompt".into(), (*by_prompt).into());
                 if let Some(ms) = queue_ms {
                     // As bench/admission_bench.py's filter_config with `queue_ms`.
                     c.remove("min_output_tokens");

@@ -459,35 +459,23 @@ fn main() -> Res<()> {
     if let Some(Arm::Cap(n)) = arms.iter().find(|a| matches!(a, Arm::Cap(_))) {
         println!("the cap arm runs at most {n} sequences at once per backend\n");
     }
+    let tuning = Tuning {
+        quantile,
+        by_prompt,
+        safety,
+        sets,
+    };
     let mut rows = Vec::new();
     let mut dumped = Vec::new();
     for arm in arms {
         let gw = match arm {
             Arm::Kvgate | Arm::Oracle => Some(Gateway::new(
-                filter_config(
-                    &filter_path,
-                    &p,
-                    None,
-                    None,
-                    quantile,
-                    by_prompt,
-                    safety,
-                    &sets,
-                )?,
+                filter_config(&filter_path, &p, None, None, &tuning)?,
                 backends,
                 backfill,
             )),
             Arm::Elastic => Some(Gateway::new(
-                filter_config(
-                    &filter_path,
-                    &p,
-                    Some(elastic_prior),
-                    None,
-                    quantile,
-                    by_prompt,
-                    safety,
-                    &sets,
-                )?,
+                filter_config(&filter_path, &p, Some(elastic_prior), None, &tuning)?,
                 backends,
                 backfill,
             )),
@@ -497,10 +485,7 @@ fn main() -> Res<()> {
                     &p,
                     Some(elastic_prior),
                     Some(queue_wait_ms),
-                    quantile,
-                    by_prompt,
-                    safety,
-                    &sets,
+                    &tuning,
                 )?,
                 backends,
                 backfill,
