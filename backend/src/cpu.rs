@@ -25,8 +25,11 @@ const BLOCK_COLS: usize = 64;
 pub const MAX_ROWS: usize = 16;
 
 /// A weight element the streamed matmul reads: f32 as it is, bf16 widened to f32 a row at a
-/// time (half the bytes read per step; the arithmetic stays f32).
+/// time (half the bytes read per step; the arithmetic stays f32), or a GGUF block of `PER`
+/// quantized weights dequantized a row at a time (`quant`).
 pub trait Weight: Copy + Send + Sync {
+    /// Weights per element.
+    const PER: usize = 1;
     /// `row` as f32: itself, or widened into `buf`.
     fn as_f32<'a>(row: &'a [Self], buf: &'a mut Vec<f32>) -> &'a [f32];
 }
@@ -52,7 +55,8 @@ impl Weight for half::bf16 {
 }
 
 /// `x` (`[m, k]`, row-major) times `wᵀ` where `wt` is `[n, k]` row-major (the weight as GGUF
-/// stores it), as `[m, n]` row-major. `None` when the lengths do not match the shapes.
+/// stores it; `k / W::PER` elements a row), as `[m, n]` row-major. `None` when the lengths do
+/// not match the shapes.
 pub fn small_matmul<W: Weight>(
     x: &[f32],
     m: usize,
@@ -60,7 +64,14 @@ pub fn small_matmul<W: Weight>(
     k: usize,
     n: usize,
 ) -> Option<Vec<f32>> {
-    if m == 0 || k == 0 || n == 0 || x.len() != m * k || wt.len() != k * n {
+    let kw = k / W::PER;
+    if m == 0
+        || k == 0
+        || n == 0
+        || x.len() != m * k
+        || !k.is_multiple_of(W::PER)
+        || wt.len() != kw * n
+    {
         return None;
     }
     let arch = Arch::new();
@@ -68,9 +79,9 @@ pub fn small_matmul<W: Weight>(
         .div_ceil(4 * rayon::current_num_threads())
         .clamp(1, BLOCK_COLS);
     let blocks: Vec<Vec<f32>> = wt
-        .par_chunks(cols * k)
+        .par_chunks(cols * kw)
         .map(|w| {
-            let width = w.len() / k;
+            let width = w.len() / kw;
             let mut out = vec![0f32; m * width];
             arch.dispatch(Block {
                 x,
@@ -152,7 +163,8 @@ fn pass<'a, S: Simd, W: Weight, const R: usize, const P: usize>(
     let xr: [&[f32]; R] = std::array::from_fn(|_| x.next().unwrap_or(&[]));
     let xv: [&[S::f32s]; R] = xr.map(|row| S::as_simd_f32s(row).0);
     let mut dst: [&mut [f32]; R] = std::array::from_fn(|_| out.next().unwrap_or(&mut []));
-    let width = w.len() / k;
+    let kw = k / W::PER;
+    let width = w.len() / kw;
     let mut bufs: [Vec<f32>; P] = std::array::from_fn(|_| Vec::with_capacity(k));
     let mut j = 0;
     while j < width {
@@ -161,7 +173,7 @@ fn pass<'a, S: Simd, W: Weight, const R: usize, const P: usize>(
         let mut wr: [&[f32]; P] = [&[]; P];
         for (p, (slot, buf)) in wr.iter_mut().zip(bufs.iter_mut()).enumerate() {
             let jp = j + p.min(here - 1);
-            *slot = W::as_f32(w.get(jp * k..(jp + 1) * k).unwrap_or(&[]), buf);
+            *slot = W::as_f32(w.get(jp * kw..(jp + 1) * kw).unwrap_or(&[]), buf);
         }
         let wv: [&[S::f32s]; P] = wr.map(|row| S::as_simd_f32s(row).0);
         let zero = simd.splat_f32s(0.0);

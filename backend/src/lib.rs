@@ -12,6 +12,7 @@ pub mod model;
 pub mod pollers;
 pub mod pool;
 pub mod published;
+pub mod quant;
 pub mod random_weights;
 pub mod sampling;
 pub mod synthetic;

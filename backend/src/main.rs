@@ -50,12 +50,13 @@ struct Args {
     /// prefill); `host` does not.
     #[arg(long, value_enum, default_value_t = KvLayout::Auto)]
     kv_layout: KvLayout,
-    /// Type of the projection weights and of the paged KV arena. `auto`: bf16 on CUDA, f32 on
-    /// CPU (Q4_1 and half-precision weights drift into wrong text on CPU). On CPU, `bf16`
-    /// halves the bytes a decode step reads (about 1.8× one stream's tok/s, docs/lab/) at
-    /// the cost of that drift; f16 falls back to a slow path there. The host KV layout is always
-    /// f32. The KV type sets `kv_dtype_bytes` in the descriptor, so the gateway
-    /// prices what the arena really holds.
+    /// Type of the projection weights and of the paged KV arena. `auto`: bf16 on CUDA; on CPU
+    /// the GGUF's Q4_1 and Q8_0 matrices kept as stored and dequantized a row at a time where
+    /// they are multiplied (the outputs of f32, bit for bit, in a fraction of the memory), other
+    /// types and the KV in f32. `f32`: every weight dequantized to f32 at load. On CPU, `bf16`
+    /// halves the bytes a decode step reads at the cost of drift into other text; f16 falls
+    /// back to a slow path there. The host KV layout is always f32. The KV type sets
+    /// `kv_dtype_bytes` in the descriptor, so the gateway prices what the arena really holds.
     #[arg(long, value_enum, default_value_t = WeightType::Auto)]
     dtype: WeightType,
     /// Hard budget of the KV cache in bytes (rounded down to whole blocks).
@@ -295,7 +296,12 @@ async fn main() -> Result<()> {
             if let Some(w) = tokenizer::merge_order_warning(&ct) {
                 eprintln!("kvgate-backend: {w}");
             }
-            let llama = model::Llama::from_gguf(&ct, &mut file, cfg.clone(), &dev)?;
+            let llama = match args.dtype {
+                WeightType::Auto => {
+                    model::Llama::from_gguf_as_stored(&ct, &mut file, cfg.clone(), &dev)?
+                }
+                _ => model::Llama::from_gguf(&ct, &mut file, cfg.clone(), &dev)?,
+            };
             let name = default_model_name(&args.model, &ct);
             (cfg, tok, llama, name)
         }
@@ -405,7 +411,7 @@ async fn main() -> Result<()> {
         .await
         .with_context(|| format!("binding {addr}"))?;
     eprintln!(
-        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; {} KV in {:?}, weights {:?}; prefill {} tokens a step, scratch at most {} bytes beside the pool (a decode step's: {} bytes); admission {:?}{}; on KV exhaustion {:?}; prefix caching {}; loaded in {:.1}s)",
+        "kvgate-backend {} serving {} on http://{} ({}; {} layers, {} KV heads x {}, context {}; KV pool {} blocks x {} tokens = {} bytes, {} B/token; {} KV in {:?}, weights {}; prefill {} tokens a step, scratch at most {} bytes beside the pool (a decode step's: {} bytes); admission {:?}{}; on KV exhaustion {:?}; prefix caching {}; loaded in {:.1}s)",
         env!("CARGO_PKG_VERSION"),
         model_name,
         listener.local_addr()?,
@@ -420,7 +426,10 @@ async fn main() -> Result<()> {
         per_token,
         if paged { "paged" } else { "host" },
         kv_dtype,
-        dtype,
+        match (args.dtype, dev.is_cpu()) {
+            (WeightType::Auto, true) => "as stored (Q4_1 and Q8_0 kept, others F32)".to_string(),
+            _ => format!("{dtype:?}"),
+        },
         prefill_token_budget,
         prefill_scratch,
         decode_scratch,

@@ -11,10 +11,14 @@
 //! owns the model.
 
 use anyhow::{bail, Context as _, Result};
-use candle_core::quantized::gguf_file;
+use std::sync::Arc;
+
+use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{DType, Device, IndexOp, Tensor};
 use kvgate_core::ModelSpec;
 use rayon::prelude::*;
+
+use crate::quant::{Matrix, Quantized};
 
 /// Hyper-parameters as read from the checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -99,24 +103,25 @@ pub fn md_str(ct: &gguf_file::Content, key: &str) -> Result<String> {
 
 struct Layer {
     attn_norm: Tensor,
-    /// Projections stored transposed, `[in, out]`, so `x.matmul(w)` needs no copy.
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    /// Projections `[in, out]` (dense: stored transposed, so `x.matmul(w)` needs no copy).
+    wq: Matrix,
+    wk: Matrix,
+    wv: Matrix,
+    wo: Matrix,
     ffn_norm: Tensor,
-    w_gate: Tensor,
-    w_up: Tensor,
-    w_down: Tensor,
+    w_gate: Matrix,
+    w_up: Matrix,
+    w_down: Matrix,
 }
 
 pub struct Llama {
     pub cfg: Config,
-    embed: Tensor,
+    /// `[vocab, hidden]`.
+    embed: Matrix,
     layers: Vec<Layer>,
     norm: Tensor,
     /// Output head `[hidden, vocab]` (the tied embedding, transposed once at load).
-    lm_head: Tensor,
+    lm_head: Matrix,
     cos: Tensor,
     sin: Tensor,
     device: Device,
@@ -197,22 +202,67 @@ impl Llama {
         cfg: Config,
         device: &Device,
     ) -> Result<Llama> {
-        let mut get = |name: &str| -> Result<Tensor> {
-            let q = ct
-                .tensor(r, name, device)
-                .with_context(|| format!("tensor {name}"))?;
-            Ok(q.dequantize(device)?.to_dtype(DType::F32)?)
+        Llama::load(ct, r, cfg, device, false)
+    }
+
+    /// As [`Self::from_gguf`], with Q4_1 and Q8_0 matrices kept as stored on the CPU (`quant`):
+    /// the same outputs, bit for bit, in a fraction of the memory.
+    pub fn from_gguf_as_stored<R: std::io::Read + std::io::Seek>(
+        ct: &gguf_file::Content,
+        r: &mut R,
+        cfg: Config,
+        device: &Device,
+    ) -> Result<Llama> {
+        Llama::load(ct, r, cfg, device, device.is_cpu())
+    }
+
+    fn load<R: std::io::Read + std::io::Seek>(
+        ct: &gguf_file::Content,
+        r: &mut R,
+        cfg: Config,
+        device: &Device,
+        keep_quantized: bool,
+    ) -> Result<Llama> {
+        let mut q = |name: &str| -> Result<QTensor> {
+            ct.tensor(r, name, device)
+                .with_context(|| format!("tensor {name}"))
         };
-        let embed = get("token_embd.weight")?;
-        let lm_head = match get("output.weight") {
-            Ok(w) => stored(w.t()?)?,
-            Err(_) => stored(embed.t()?)?,
+        let f32_of =
+            |q: QTensor| -> Result<Tensor> { Ok(q.dequantize(device)?.to_dtype(DType::F32)?) };
+        // A matrix `[out, in]` as the model multiplies by it, `[in, out]`.
+        let matrix = |q: QTensor| -> Result<Matrix> {
+            if keep_quantized {
+                if let Some(k) = Quantized::of(&q)? {
+                    return Ok(Matrix::Quantized(Arc::new(k)));
+                }
+            }
+            Ok(Matrix::Dense(stored(f32_of(q)?.t()?)?))
         };
-        let norm = get("output_norm.weight")?;
+        let (embed, tied) = {
+            let t = q("token_embd.weight")?;
+            match keep_quantized
+                .then(|| Quantized::of(&t))
+                .transpose()?
+                .flatten()
+            {
+                Some(k) => {
+                    let k = Arc::new(k);
+                    (Matrix::Quantized(Arc::clone(&k)), Matrix::Quantized(k))
+                }
+                None => {
+                    let e = f32_of(t)?;
+                    (Matrix::Dense(e.clone()), Matrix::Dense(stored(e.t()?)?))
+                }
+            }
+        };
+        let lm_head = match q("output.weight") {
+            Ok(w) => matrix(w)?,
+            Err(_) => tied,
+        };
+        let norm = f32_of(q("output_norm.weight")?)?;
         let mut layers = Vec::with_capacity(cfg.layers);
         for i in 0..cfg.layers {
-            let mut w =
-                |n: &str| -> Result<Tensor> { stored(get(&format!("blk.{i}.{n}.weight"))?.t()?) };
+            let mut w = |n: &str| -> Result<Matrix> { matrix(q(&format!("blk.{i}.{n}.weight"))?) };
             let wq = w("attn_q")?;
             let wk = w("attn_k")?;
             let wv = w("attn_v")?;
@@ -221,8 +271,8 @@ impl Llama {
             let w_up = w("ffn_up")?;
             let w_down = w("ffn_down")?;
             layers.push(Layer {
-                attn_norm: get(&format!("blk.{i}.attn_norm.weight"))?,
-                ffn_norm: get(&format!("blk.{i}.ffn_norm.weight"))?,
+                attn_norm: f32_of(q(&format!("blk.{i}.attn_norm.weight"))?)?,
+                ffn_norm: f32_of(q(&format!("blk.{i}.ffn_norm.weight"))?)?,
                 wq,
                 wk,
                 wv,
@@ -246,14 +296,15 @@ impl Llama {
         let ones = |n: usize| Tensor::ones(n, DType::F32, device);
         // Every tensor has its own id, so its values do not depend on the others' shapes.
         let embed = random_tensor(seed, 0, (cfg.vocab, h), h, device)?;
-        let lm_head = stored(embed.t()?)?;
+        let lm_head = Matrix::Dense(stored(embed.t()?)?);
+        let embed = Matrix::Dense(embed);
         // The same values on every device, in the layout `stored` keeps on this one (on the CPU
         // a view of `[out, in]` storage; elsewhere the `[in, out]` tensor as drawn).
-        let w = |t: Tensor| -> Result<Tensor> {
+        let w = |t: Tensor| -> Result<Matrix> {
             if device.is_cpu() {
-                Ok(t.t()?.contiguous()?.t()?)
+                Ok(Matrix::Dense(t.t()?.contiguous()?.t()?))
             } else {
-                Ok(t)
+                Ok(Matrix::Dense(t))
             }
         };
         let mut layers = Vec::with_capacity(cfg.layers);
@@ -277,10 +328,10 @@ impl Llama {
 
     fn assemble(
         cfg: Config,
-        embed: Tensor,
+        embed: Matrix,
         layers: Vec<Layer>,
         norm: Tensor,
-        lm_head: Tensor,
+        lm_head: Matrix,
         device: &Device,
     ) -> Result<Llama> {
         // RoPE tables, GGML "normal" (interleaved) convention as GGUF Llama weights expect.
@@ -307,6 +358,14 @@ impl Llama {
         })
     }
 
+    /// The embeddings of `tokens`, `[tokens, hidden]`.
+    fn embed_rows(&self, tokens: &[u32]) -> Result<Tensor> {
+        match &self.embed {
+            Matrix::Dense(e) => Ok(e.index_select(&Tensor::new(tokens, &self.device)?, 0)?),
+            Matrix::Quantized(q) => q.rows(tokens, &self.device),
+        }
+    }
+
     /// The same model with another attention tile size (tests: tiles of a few rows).
     pub fn with_attention_tile_bytes(mut self, bytes: usize) -> Llama {
         self.attention_tile_bytes = bytes.max(1);
@@ -329,10 +388,14 @@ impl Llama {
                 &mut l.w_up,
                 &mut l.w_down,
             ] {
-                *w = convert(w, dtype)?;
+                if let Matrix::Dense(t) = w {
+                    *t = convert(t, dtype)?;
+                }
             }
         }
-        self.lm_head = convert(&self.lm_head, dtype)?;
+        if let Matrix::Dense(t) = &self.lm_head {
+            self.lm_head = Matrix::Dense(convert(t, dtype)?);
+        }
         Ok(self)
     }
 
@@ -496,8 +559,7 @@ impl Llama {
         }
         let c = &self.cfg;
         let row = c.kv_heads * c.head_dim;
-        let ids = Tensor::new(tokens, &self.device)?;
-        let mut x = self.embed.index_select(&ids, 0)?; // [t, hidden]
+        let mut x = self.embed_rows(tokens)?; // [t, hidden]
         let cos = self.cos.narrow(0, p, t)?;
         let sin = self.sin.narrow(0, p, t)?;
         // Paged: where this chunk goes in the arena, and every position it attends to.
@@ -511,15 +573,19 @@ impl Llama {
         };
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
-            let q = mm(&h, &layer.wq)?
+            let q = layer
+                .wq
+                .mm(&h)?
                 .reshape((1, t, c.heads, c.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let k = mm(&h, &layer.wk)?
+            let k = layer
+                .wk
+                .mm(&h)?
                 .reshape((1, t, c.kv_heads, c.head_dim))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            let v = mm(&h, &layer.wv)?; // [t, kv * hd]
+            let v = layer.wv.mm(&h)?; // [t, kv * hd]
             let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?.squeeze(0)?; // [heads, t, hd]
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?.squeeze(0)?; // [kv, t, hd]
                                                                                 // Cached rows are [position][kv][hd]: K transposed back, V as projected.
@@ -553,13 +619,13 @@ impl Llama {
                 }
             };
             let y = self.attend_chunk(&q, &k_all, &v_all, p, t)?;
-            x = (x + mm(&y, &layer.wo)?)?;
+            x = (x + layer.wo.mm(&y)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
         kv.len = p + t;
         let last = x.i(t - 1)?.unsqueeze(0)?;
         let last = candle_nn::ops::rms_norm(&last, &self.norm, c.rms_eps as f32)?;
-        Ok(mm(&last, &self.lm_head)?.squeeze(0)?)
+        Ok(self.lm_head.mm(&last)?.squeeze(0)?)
     }
 
     /// Causal attention of a chunk's queries `[heads, t, hd]` (positions `p..p + t`) over the
@@ -660,19 +726,18 @@ impl Llama {
             bail!("KV cache full at {} tokens", kv.len);
         }
         let c = &self.cfg;
-        let ids = Tensor::new(tokens, &self.device)?;
         let positions: Vec<u32> = kvs.iter().map(|kv| kv.len as u32).collect();
         let pos = Tensor::new(positions.as_slice(), &self.device)?;
         let cos = self.cos.index_select(&pos, 0)?.unsqueeze(1)?.contiguous()?; // [b, 1, hd/2]
         let sin = self.sin.index_select(&pos, 0)?.unsqueeze(1)?.contiguous()?;
-        let mut x = self.embed.index_select(&ids, 0)?; // [b, hidden]
+        let mut x = self.embed_rows(tokens)?; // [b, hidden]
         if let Some(a) = &self.arena {
             x = self.decode_paged(a, x, &cos, &sin, kvs)?;
             for kv in kvs.iter_mut() {
                 kv.len += 1;
             }
             let x = candle_nn::ops::rms_norm(&x, &self.norm, c.rms_eps as f32)?;
-            return mm(&x, &self.lm_head);
+            return self.lm_head.mm(&x);
         }
         let (q_row, kv_row) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
         let shape = crate::cpu::Heads {
@@ -683,15 +748,15 @@ impl Llama {
         let mut out = vec![0f32; b * q_row];
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
-            let q = mm(&h, &layer.wq)?.reshape((b, c.heads, 1, c.head_dim))?;
-            let k = mm(&h, &layer.wk)?.reshape((b, c.kv_heads, 1, c.head_dim))?;
+            let q = layer.wq.mm(&h)?.reshape((b, c.heads, 1, c.head_dim))?;
+            let k = layer.wk.mm(&h)?.reshape((b, c.kv_heads, 1, c.head_dim))?;
             let q = candle_nn::rotary_emb::rope_i(&q, &cos, &sin)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
             let k = candle_nn::rotary_emb::rope_i(&k, &cos, &sin)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
-            let v = mm(&h, &layer.wv)?.flatten_all()?.to_vec1::<f32>()?;
+            let v = layer.wv.mm(&h)?.flatten_all()?.to_vec1::<f32>()?;
             for (bi, kv) in kvs.iter_mut().enumerate() {
                 let Some((kc, vc)) = kv.layers.get_mut(li) else {
                     bail!("layer {li} missing in cache")
@@ -711,14 +776,14 @@ impl Llama {
                     }
                 });
             let y = Tensor::from_slice(&out, (b, q_row), &self.device)?;
-            x = (x + mm(&y, &layer.wo)?)?;
+            x = (x + layer.wo.mm(&y)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
         for kv in kvs.iter_mut() {
             kv.len += 1;
         }
         let x = candle_nn::ops::rms_norm(&x, &self.norm, c.rms_eps as f32)?;
-        mm(&x, &self.lm_head)
+        self.lm_head.mm(&x)
     }
 
     /// Whether every decode matmul takes the streamed CPU kernel (`cpu::small_matmul`): f32 or
@@ -732,7 +797,7 @@ impl Llama {
             DType::F32,
             &self.device,
         )?;
-        let mut all = small_cpu_matmul(&x, &self.lm_head)?.is_some();
+        let mut all = self.lm_head.streams(&x)?;
         for l in &self.layers {
             for (input, w) in [
                 (&x, &l.wq),
@@ -743,7 +808,7 @@ impl Llama {
                 (&x, &l.w_up),
                 (&f, &l.w_down),
             ] {
-                all &= small_cpu_matmul(input, w)?.is_some();
+                all &= w.streams(input)?;
             }
         }
         Ok(all)
@@ -796,12 +861,12 @@ impl Llama {
                 bail!("layer {li} missing in the KV arena")
             };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, c.rms_eps as f32)?;
-            let q = mm(&h, &layer.wq)?.reshape((b, c.heads, 1, hd))?;
-            let k = mm(&h, &layer.wk)?.reshape((b, c.kv_heads, 1, hd))?;
+            let q = layer.wq.mm(&h)?.reshape((b, c.heads, 1, hd))?;
+            let k = layer.wk.mm(&h)?.reshape((b, c.kv_heads, 1, hd))?;
             let q = (candle_nn::rotary_emb::rope_i(&q, cos, sin)? * scale)?
                 .reshape((b, c.kv_heads, groups, hd))?;
             let k = candle_nn::rotary_emb::rope_i(&k, cos, sin)?.reshape((b, row))?;
-            let v = mm(&h, &layer.wv)?; // [b, kv * hd]
+            let v = layer.wv.mm(&h)?; // [b, kv * hd]
             Self::write_rows(ks, &new, &k)?;
             Self::write_rows(vs, &new, &v)?;
             let gather = |store: &Tensor| -> Result<Tensor> {
@@ -816,7 +881,7 @@ impl Llama {
             let scores = q.matmul(&k_all.transpose(2, 3)?)?.broadcast_add(&mask)?; // [b, kv, groups, longest]
             let weights = candle_nn::ops::softmax_last_dim(&scores)?;
             let y = weights.matmul(&v_all)?.reshape((b, c.heads * hd))?;
-            x = (x + mm(&y, &layer.wo)?)?;
+            x = (x + layer.wo.mm(&y)?)?;
             x = (&x + self.mlp(layer, &x)?)?;
         }
         Ok(x)
@@ -824,16 +889,16 @@ impl Llama {
 
     fn mlp(&self, layer: &Layer, x: &Tensor) -> Result<Tensor> {
         let h = candle_nn::ops::rms_norm(x, &layer.ffn_norm, self.cfg.rms_eps as f32)?;
-        let gate = candle_nn::ops::silu(&mm(&h, &layer.w_gate)?)?;
-        let up = mm(&h, &layer.w_up)?;
-        mm(&(gate * up)?, &layer.w_down)
+        let gate = candle_nn::ops::silu(&layer.w_gate.mm(&h)?)?;
+        let up = layer.w_up.mm(&h)?;
+        layer.w_down.mm(&(gate * up)?)
     }
 }
 
 /// `x · w` for f32 activations and weights of any float type: with f16/bf16 weights (CUDA) the
 /// product runs in the weights' type and comes back as f32 (norms, RoPE, softmax and the
 /// residual stream stay f32).
-fn mm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+pub(crate) fn mm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if let Some(y) = small_cpu_matmul(x, w)? {
         return Ok(y);
     }
@@ -866,7 +931,7 @@ fn stored(w_t: Tensor) -> Result<Tensor> {
 /// transposed view of a contiguous `[n, k]`, as `stored` keeps CPU weights) through
 /// `cpu::small_matmul`, which streams the weights once instead of repacking them for a GEMM.
 /// `None` where that path does not apply.
-fn small_cpu_matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+pub(crate) fn small_cpu_matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
     let (Ok((m, k)), Ok((wk, n))) = (x.dims2(), w.dims2()) else {
         return Ok(None);
     };

@@ -149,6 +149,59 @@ fn greedy_matches_candle_transformers_token_for_token() {
     );
 }
 
+/// Logits of a prefill (in chunks, through the GEMM) and of batched decode steps (the streamed
+/// matmul), for each prompt.
+fn logits_of(m: &Llama, prompts: &[Vec<u32>], steps: usize) -> Vec<Vec<f32>> {
+    let mut kvs: Vec<_> = prompts
+        .iter()
+        .map(|p| m.new_kv(&[], p.len() + steps + 1).unwrap())
+        .collect();
+    let mut all = Vec::new();
+    let mut next = Vec::new();
+    for (p, kv) in prompts.iter().zip(kvs.iter_mut()) {
+        let (head, tail) = p.split_at(p.len() / 2);
+        m.prefill(head, kv).unwrap();
+        let l = m.prefill(tail, kv).unwrap().to_vec1::<f32>().unwrap();
+        next.push(argmax(&l));
+        all.push(l);
+    }
+    for _ in 0..steps {
+        let mut refs: Vec<_> = kvs.iter_mut().collect();
+        let rows = m
+            .decode(&next, &mut refs)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        next = rows.iter().map(|r| argmax(r)).collect();
+        all.extend(rows);
+    }
+    all
+}
+
+#[test]
+fn weights_kept_as_stored_give_the_f32_logits_bit_for_bit() {
+    let (dense, tok) = ours();
+    let mut f = std::fs::File::open(model_path()).unwrap();
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    let cfg = Config::from_gguf(&ct, 4096).unwrap();
+    let stored = Llama::from_gguf_as_stored(&ct, &mut f, cfg, &Device::Cpu).unwrap();
+    assert!(stored.decode_matmuls_stream().unwrap());
+    let prompts = [
+        chat(&tok, "What is the capital of France?"),
+        chat(&tok, "Write a haiku about the sea."),
+        tok.counter
+            .encode_text("The quick brown fox jumps over the lazy dog, and then"),
+    ];
+    let (a, b) = (
+        logits_of(&dense, &prompts, 12),
+        logits_of(&stored, &prompts, 12),
+    );
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(x == y, "logits row {i} differ");
+    }
+}
+
 #[test]
 fn tokenizer_counts_what_the_filter_counts() {
     // The filter and the backend share kvgate-core: a chat counted for pricing is exactly the
