@@ -173,10 +173,29 @@ impl Quantized {
         Ok(Tensor::from_vec(out, (ids.len(), self.k), device)?)
     }
 
-    /// The whole matrix dequantized, `[n, k]`.
+    /// The whole matrix dequantized, `[n, k]` (rows spread over rayon's threads, beside which a
+    /// prefill chunk's GEMM runs).
     pub fn dequantize(&self, device: &Device) -> Result<Tensor> {
-        let ids: Vec<u32> = (0..self.n as u32).collect();
-        self.rows(&ids, device)
+        use rayon::prelude::*;
+        let kw = self.k / 32;
+        let mut out = vec![0f32; self.n * self.k];
+        fn fill<B: Weight>(blocks: &[B], kw: usize, k: usize, out: &mut [f32]) {
+            out.par_chunks_mut(k)
+                .zip(blocks.par_chunks(kw))
+                .for_each_init(
+                    || Vec::with_capacity(k),
+                    |buf, (o, row)| {
+                        for (o, w) in o.iter_mut().zip(B::as_f32(row, buf)) {
+                            *o = *w;
+                        }
+                    },
+                );
+        }
+        match &self.blocks {
+            Blocks::Q41(b) => fill(b, kw, self.k, &mut out),
+            Blocks::Q80(b) => fill(b, kw, self.k, &mut out),
+        }
+        Ok(Tensor::from_vec(out, (self.n, self.k), device)?)
     }
 
     /// `x` (`[m, k]`, f32, m ≤ `cpu::MAX_ROWS`) times the matrix transposed, streamed.
