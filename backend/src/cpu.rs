@@ -26,7 +26,7 @@ pub const MAX_ROWS: usize = 16;
 
 /// A weight element the streamed matmul reads: f32 as it is, bf16 widened to f32 a row at a
 /// time (half the bytes read per step; the arithmetic stays f32), or a GGUF block of `PER`
-/// quantized weights dequantized a row at a time (`quant`).
+/// quantized weights dequantized a row at a time (`weights`).
 pub trait Weight: Copy + Send + Sync {
     /// Weights per element.
     const PER: usize = 1;

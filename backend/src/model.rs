@@ -18,7 +18,7 @@ use candle_core::{DType, Device, IndexOp, Tensor};
 use kvgate_core::ModelSpec;
 use rayon::prelude::*;
 
-use crate::quant::{Matrix, Quantized};
+use crate::weights::{convert, stored, Matrix, Quantized};
 
 /// Hyper-parameters as read from the checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -895,82 +895,6 @@ impl Llama {
     }
 }
 
-/// `x · w` for f32 activations and weights of any float type: with f16/bf16 weights (CUDA) the
-/// product runs in the weights' type and comes back as f32 (norms, RoPE, softmax and the
-/// residual stream stay f32).
-pub(crate) fn mm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if let Some(y) = small_cpu_matmul(x, w)? {
-        return Ok(y);
-    }
-    if x.dtype() == w.dtype() {
-        return Ok(x.matmul(w)?);
-    }
-    Ok(x.to_dtype(w.dtype())?.matmul(w)?.to_dtype(x.dtype())?)
-}
-
-/// A projection in another dtype, in the layout `stored` keeps on its device (on the CPU a view
-/// of `[out, in]` storage, so the streamed decode matmul still reads it).
-fn convert(w: &Tensor, dtype: DType) -> Result<Tensor> {
-    if w.device().is_cpu() {
-        return Ok(w.t()?.to_dtype(dtype)?.t()?);
-    }
-    Ok(w.to_dtype(dtype)?)
-}
-
-/// A projection `[in, out]` made from the transposed view of its `[out, in]` weight. On the CPU it
-/// stays a view (the decode path reads each output's weights as one contiguous row, and the GEMM
-/// takes the strides as they are); elsewhere it is made contiguous `[in, out]` (cuBLAS).
-fn stored(w_t: Tensor) -> Result<Tensor> {
-    if w_t.device().is_cpu() {
-        return Ok(w_t);
-    }
-    Ok(w_t.contiguous()?)
-}
-
-/// A decode step's `x · w` on the CPU (f32, at most `cpu::MAX_ROWS` rows of `x`, `w` the
-/// transposed view of a contiguous `[n, k]`, as `stored` keeps CPU weights) through
-/// `cpu::small_matmul`, which streams the weights once instead of repacking them for a GEMM.
-/// `None` where that path does not apply.
-pub(crate) fn small_cpu_matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
-    let (Ok((m, k)), Ok((wk, n))) = (x.dims2(), w.dims2()) else {
-        return Ok(None);
-    };
-    if !x.device().is_cpu()
-        || x.dtype() != DType::F32
-        || !matches!(w.dtype(), DType::F32 | DType::BF16)
-        || m > crate::cpu::MAX_ROWS
-        || wk != k
-    {
-        return Ok(None);
-    }
-    let wt = w.t()?;
-    let xs = x.flatten_all()?.to_vec1::<f32>()?;
-    let (storage, layout) = wt.storage_and_layout();
-    let candle_core::Storage::Cpu(cpu) = &*storage else {
-        return Ok(None);
-    };
-    let Some((a, b)) = layout.contiguous_offsets() else {
-        return Ok(None);
-    };
-    /// The weights `[a, b)` of `cpu` read as `W`, streamed.
-    fn streamed<W: candle_core::WithDType + crate::cpu::Weight>(
-        cpu: &candle_core::CpuStorage,
-        (a, b): (usize, usize),
-        xs: &[f32],
-        (m, k, n): (usize, usize, usize),
-    ) -> Option<Vec<f32>> {
-        crate::cpu::small_matmul(xs, m, cpu.as_slice::<W>().ok()?.get(a..b)?, k, n)
-    }
-    let y = match w.dtype() {
-        DType::BF16 => streamed::<half::bf16>(cpu, (a, b), &xs, (m, k, n)),
-        _ => streamed::<f32>(cpu, (a, b), &xs, (m, k, n)),
-    };
-    let Some(y) = y else {
-        return Ok(None);
-    };
-    Ok(Some(Tensor::from_vec(y, (m, n), x.device())?))
-}
-
 /// `[rows, len]` additive causal mask for queries at positions `first..first + rows`: each
 /// sees the keys at or before its own position.
 fn chunk_mask(first: usize, rows: usize, len: usize, device: &Device) -> Result<Tensor> {
@@ -989,6 +913,7 @@ fn chunk_mask(first: usize, rows: usize, len: usize, device: &Device) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::weights::small_cpu_matmul;
 
     fn assert_close(got: &Tensor, want: &Tensor) {
         let (got, want) = (

@@ -1,10 +1,12 @@
-//! Weights as the GGUF stores them: Q4_1 and Q8_0 blocks of 32 weights, kept in memory as they
-//! are (their f16 scales widened to f32 once: 24 and 36 bytes a block, 0.19× and 0.28× f32's
-//! bytes) and dequantized a row at a time where a product needs them. A decode step's streamed matmul (`cpu::small_matmul`) dequantizes each weight row
-//! into f32 and takes the same dot products as with f32 weights; a prefill chunk's GEMM gets the
-//! whole matrix dequantized for the call; an embedding lookup dequantizes the rows it reads. The
-//! values are those candle's `dequantize` gives (`x * d + m`, `x * d`, in f32), so the outputs
-//! are bit for bit the f32 path's. CPU only; on other devices weights are dequantized at load.
+//! The model's weight matrices and their products: dense candle tensors (f32; bf16 or f16 on
+//! CUDA), or on the CPU the GGUF's own Q4_1 and Q8_0 blocks of 32 weights, kept as stored (their
+//! f16 scales widened to f32 once: 24 and 36 bytes a block, 0.19× and 0.28× f32's bytes) and
+//! dequantized a row at a time where a product needs them. A decode step's streamed matmul
+//! (`cpu::small_matmul`) dequantizes each weight row into f32 and takes the same dot products as
+//! with f32 weights; a prefill chunk's GEMM gets the whole matrix dequantized for the call; an
+//! embedding lookup dequantizes the rows it reads. The values are those candle's `dequantize`
+//! gives (`x * d + m`, `x * d`, in f32), so the outputs are the f32 path's bit for bit. On other
+//! devices the blocks are dequantized at load.
 
 use std::sync::Arc;
 
@@ -219,7 +221,7 @@ impl Matrix {
     /// `x · w` (`x` `[m, in]` f32, the result `[m, out]` f32).
     pub fn mm(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Matrix::Dense(w) => crate::model::mm(x, w),
+            Matrix::Dense(w) => mm(x, w),
             Matrix::Quantized(q) => {
                 if let (Ok((m, k)), true) = (x.dims2(), x.device().is_cpu()) {
                     if m <= crate::cpu::MAX_ROWS && k == q.k && x.dtype() == DType::F32 {
@@ -238,7 +240,7 @@ impl Matrix {
     /// Whether a decode step's product takes the streamed CPU kernel.
     pub fn streams(&self, x: &Tensor) -> Result<bool> {
         Ok(match self {
-            Matrix::Dense(w) => crate::model::small_cpu_matmul(x, w)?.is_some(),
+            Matrix::Dense(w) => small_cpu_matmul(x, w)?.is_some(),
             Matrix::Quantized(_) => x.device().is_cpu(),
         })
     }
@@ -250,6 +252,82 @@ impl Matrix {
             Matrix::Quantized(q) => q.bytes(),
         }
     }
+}
+
+/// `x · w` for f32 activations and weights of any float type: with f16/bf16 weights (CUDA) the
+/// product runs in the weights' type and comes back as f32 (norms, RoPE, softmax and the
+/// residual stream stay f32).
+pub fn mm(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if let Some(y) = small_cpu_matmul(x, w)? {
+        return Ok(y);
+    }
+    if x.dtype() == w.dtype() {
+        return Ok(x.matmul(w)?);
+    }
+    Ok(x.to_dtype(w.dtype())?.matmul(w)?.to_dtype(x.dtype())?)
+}
+
+/// A projection in another dtype, in the layout `stored` keeps on its device (on the CPU a view
+/// of `[out, in]` storage, so the streamed decode matmul still reads it).
+pub fn convert(w: &Tensor, dtype: DType) -> Result<Tensor> {
+    if w.device().is_cpu() {
+        return Ok(w.t()?.to_dtype(dtype)?.t()?);
+    }
+    Ok(w.to_dtype(dtype)?)
+}
+
+/// A projection `[in, out]` made from the transposed view of its `[out, in]` weight. On the CPU it
+/// stays a view (the decode path reads each output's weights as one contiguous row, and the GEMM
+/// takes the strides as they are); elsewhere it is made contiguous `[in, out]` (cuBLAS).
+pub fn stored(w_t: Tensor) -> Result<Tensor> {
+    if w_t.device().is_cpu() {
+        return Ok(w_t);
+    }
+    Ok(w_t.contiguous()?)
+}
+
+/// A decode step's `x · w` on the CPU (f32, at most `cpu::MAX_ROWS` rows of `x`, `w` the
+/// transposed view of a contiguous `[n, k]`, as `stored` keeps CPU weights) through
+/// `cpu::small_matmul`, which streams the weights once instead of repacking them for a GEMM.
+/// `None` where that path does not apply.
+pub fn small_cpu_matmul(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    let (Ok((m, k)), Ok((wk, n))) = (x.dims2(), w.dims2()) else {
+        return Ok(None);
+    };
+    if !x.device().is_cpu()
+        || x.dtype() != DType::F32
+        || !matches!(w.dtype(), DType::F32 | DType::BF16)
+        || m > crate::cpu::MAX_ROWS
+        || wk != k
+    {
+        return Ok(None);
+    }
+    let wt = w.t()?;
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let (storage, layout) = wt.storage_and_layout();
+    let candle_core::Storage::Cpu(cpu) = &*storage else {
+        return Ok(None);
+    };
+    let Some((a, b)) = layout.contiguous_offsets() else {
+        return Ok(None);
+    };
+    /// The weights `[a, b)` of `cpu` read as `W`, streamed.
+    fn streamed<W: candle_core::WithDType + crate::cpu::Weight>(
+        cpu: &candle_core::CpuStorage,
+        (a, b): (usize, usize),
+        xs: &[f32],
+        (m, k, n): (usize, usize, usize),
+    ) -> Option<Vec<f32>> {
+        crate::cpu::small_matmul(xs, m, cpu.as_slice::<W>().ok()?.get(a..b)?, k, n)
+    }
+    let y = match w.dtype() {
+        DType::BF16 => streamed::<half::bf16>(cpu, (a, b), &xs, (m, k, n)),
+        _ => streamed::<f32>(cpu, (a, b), &xs, (m, k, n)),
+    };
+    let Some(y) = y else {
+        return Ok(None);
+    };
+    Ok(Some(Tensor::from_vec(y, (m, n), x.device())?))
 }
 
 #[cfg(test)]
