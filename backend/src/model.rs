@@ -205,7 +205,7 @@ impl Llama {
         Llama::load(ct, r, cfg, device, false)
     }
 
-    /// As [`Self::from_gguf`], with Q4_1 and Q8_0 matrices kept as stored on the CPU (`quant`):
+    /// As [`Self::from_gguf`], with Q4_1 and Q8_0 matrices kept as stored on the CPU (`weights`):
     /// the same outputs, bit for bit, in a fraction of the memory.
     pub fn from_gguf_as_stored<R: std::io::Read + std::io::Seek>(
         ct: &gguf_file::Content,
