@@ -147,15 +147,7 @@ pub fn spawn<M: Forward + Send + 'static>(
     cfg: EngineConfig,
     metrics: Arc<Metrics>,
 ) -> EngineHandle {
-    let (tx, rx) = mpsc::channel();
-    let published = Arc::new(Mutex::new(Published::default()));
-    let handle = EngineHandle::new(
-        tx,
-        Arc::clone(&published),
-        pool.clone(),
-        Arc::clone(&metrics),
-    );
-    let engine = Engine::new(model, tok, pool, cfg, metrics, published);
+    let (engine, handle, rx) = Engine::with_handle(model, tok, pool, cfg, metrics);
     let spawned = std::thread::Builder::new()
         .name("kvgate-engine".into())
         .spawn(move || engine.run(rx));
@@ -186,6 +178,30 @@ struct Engine<M: Forward> {
 const DEMOTED_KEPT: usize = 1024;
 
 impl<M: Forward> Engine<M> {
+    /// An engine, the handle that reads what it publishes, and the channel the handle's
+    /// commands come down.
+    fn with_handle(
+        model: M,
+        tok: Arc<Tokenizer>,
+        pool: BlockPool,
+        cfg: EngineConfig,
+        metrics: Arc<Metrics>,
+    ) -> (Self, EngineHandle, Receiver<Command>) {
+        let (tx, rx) = mpsc::channel();
+        let published = Arc::new(Mutex::new(Published::default()));
+        let handle = EngineHandle::new(
+            tx,
+            Arc::clone(&published),
+            pool.clone(),
+            Arc::clone(&metrics),
+        );
+        (
+            Engine::new(model, tok, pool, cfg, metrics, published),
+            handle,
+            rx,
+        )
+    }
+
     fn new(
         model: M,
         tok: Arc<Tokenizer>,

@@ -11,16 +11,8 @@ pub struct Stepper<M: Forward> {
 
 impl<M: Forward> Stepper<M> {
     pub fn new(model: M, tok: Arc<Tokenizer>, pool: BlockPool, cfg: EngineConfig) -> Self {
-        let (tx, _) = mpsc::channel();
-        let published = Arc::new(Mutex::new(Published::default()));
         let metrics = Arc::new(Metrics::default());
-        let handle = EngineHandle::new(
-            tx,
-            Arc::clone(&published),
-            pool.clone(),
-            Arc::clone(&metrics),
-        );
-        let engine = Engine::new(model, tok, pool, cfg, metrics, published);
+        let (engine, handle, _) = Engine::with_handle(model, tok, pool, cfg, metrics);
         Stepper { engine, handle }
     }
 
