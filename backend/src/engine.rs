@@ -509,7 +509,9 @@ impl<M: Forward> Engine<M> {
             if !room && front.elastic {
                 if others_can_free {
                     // Sequences holding their reservations go first; blocks come back as
-                    // they end.
+                    // they end. What it took of its cached prefix beyond its reservation (a
+                    // demoted one's) it does not hold meanwhile.
+                    self.give_back_unreserved(passed);
                     passed += 1;
                     continue;
                 }

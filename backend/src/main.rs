@@ -186,12 +186,18 @@ fn abort_on_panic() {
 }
 
 /// `--describe`: the filter configuration's `model` and `tokenizer` for this model.
-fn describe(cfg: &model::Config, tok: &tokenizer::Tokenizer, dtype: WeightType) -> Result<()> {
+fn describe(
+    cfg: &model::Config,
+    tok: &tokenizer::Tokenizer,
+    dtype: WeightType,
+    cpu: bool,
+) -> Result<()> {
     use kvgate_core::tokenize::ChatTemplate;
     let mut spec = cfg.kv_spec();
-    spec.kv_dtype_bytes = match dtype {
-        WeightType::Bf16 | WeightType::F16 => 2,
-        WeightType::Auto | WeightType::F32 => 4,
+    // The paged arena's type (`auto` is bf16 off the CPU).
+    spec.kv_dtype_bytes = match (dtype, cpu) {
+        (WeightType::Bf16 | WeightType::F16, _) | (WeightType::Auto, false) => 2,
+        (WeightType::Auto, true) | (WeightType::F32, _) => 4,
     };
     let (bos, eos) = match &tok.bpe.chat_template {
         ChatTemplate::Jinja {
@@ -291,7 +297,7 @@ async fn main() -> Result<()> {
             let cfg = model::Config::from_gguf(&ct, args.max_context)?;
             let tok = tokenizer::Tokenizer::from_gguf(&ct)?;
             if args.describe {
-                return describe(&cfg, &tok, args.dtype);
+                return describe(&cfg, &tok, args.dtype, dev.is_cpu());
             }
             if let Some(w) = tokenizer::merge_order_warning(&ct) {
                 eprintln!("kvgate-backend: {w}");

@@ -238,26 +238,24 @@ impl Llama {
             }
             Ok(Matrix::Dense(stored(f32_of(q)?.t()?)?))
         };
-        let (embed, tied) = {
+        let embed = {
             let t = q("token_embd.weight")?;
             match keep_quantized
                 .then(|| Quantized::of(&t))
                 .transpose()?
                 .flatten()
             {
-                Some(k) => {
-                    let k = Arc::new(k);
-                    (Matrix::Quantized(Arc::clone(&k)), Matrix::Quantized(k))
-                }
-                None => {
-                    let e = f32_of(t)?;
-                    (Matrix::Dense(e.clone()), Matrix::Dense(stored(e.t()?)?))
-                }
+                Some(k) => Matrix::Quantized(Arc::new(k)),
+                None => Matrix::Dense(f32_of(t)?),
             }
         };
         let lm_head = match q("output.weight") {
             Ok(w) => matrix(w)?,
-            Err(_) => tied,
+            // Tied: the embedding itself (one copy when kept as stored; a view on the CPU).
+            Err(_) => match &embed {
+                Matrix::Quantized(k) => Matrix::Quantized(Arc::clone(k)),
+                Matrix::Dense(e) => Matrix::Dense(stored(e.t()?)?),
+            },
         };
         let norm = f32_of(q("output_norm.weight")?)?;
         let mut layers = Vec::with_capacity(cfg.layers);
@@ -373,7 +371,8 @@ impl Llama {
     }
 
     /// The projection and output weights in `dtype` (f16/bf16 on CUDA: half the memory, tensor
-    /// cores); embeddings and norms stay f32, and so does the residual stream.
+    /// cores); embeddings and norms stay f32, and so does the residual stream. Matrices kept as
+    /// stored stay so (`from_gguf_as_stored`).
     pub fn with_dtype(mut self, dtype: DType) -> Result<Llama> {
         if dtype == DType::F32 {
             return Ok(self);
@@ -690,7 +689,33 @@ impl Llama {
             f32s(batch * context)
         };
         let per_row = 6 * c.hidden + 6 * c.heads * c.head_dim + 4 * c.ffn + 2 * c.vocab;
-        attention + f32s(batch * per_row)
+        let dequantized = match batch > crate::cpu::MAX_ROWS {
+            true => self.largest_dequantized(),
+            false => 0,
+        };
+        attention + f32s(batch * per_row) + dequantized
+    }
+
+    /// Bytes of the largest matrix kept as stored, dequantized whole for a GEMM (a prefill
+    /// chunk, a decode batch over `cpu::MAX_ROWS`); 0 when none is.
+    fn largest_dequantized(&self) -> u64 {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .chain([&self.lm_head])
+            .map(Matrix::dequantized_bytes)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Matrices kept as stored (`weights`).
+    pub fn stored_matrices(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
+            .chain([&self.embed, &self.lm_head])
+            .filter(|m| matches!(m, Matrix::Quantized(_)))
+            .count()
     }
 
     /// Bytes a prefill chunk of `chunk` tokens may use beyond the weights and the KV cache, at
@@ -704,7 +729,7 @@ impl Llama {
         let cached = f32s(4 * context * c.kv_heads * c.head_dim);
         let per_token =
             6 * c.hidden + 6 * c.heads * c.head_dim + 4 * c.kv_heads * c.head_dim + 4 * c.ffn;
-        tiles + cached + f32s(chunk * per_token) + f32s(2 * c.vocab)
+        tiles + cached + f32s(chunk * per_token) + f32s(2 * c.vocab) + self.largest_dequantized()
     }
 
     /// One decode step for a batch: `tokens[b]` is appended to `kvs[b]`. Returns logits

@@ -125,7 +125,7 @@ impl Quantized {
     /// `q` kept as stored, when it is a Q4_1 or Q8_0 matrix; `None` for any other type.
     pub fn of(q: &QTensor) -> Result<Option<Quantized>> {
         let (n, k) = q.shape().dims2()?;
-        if !k.is_multiple_of(32) {
+        if k == 0 || !k.is_multiple_of(32) {
             return Ok(None);
         }
         let data = q.data()?;
@@ -231,7 +231,9 @@ impl Matrix {
                         }
                     }
                 }
-                // A prefill chunk: the GEMM, over the matrix dequantized for this call.
+                // A prefill chunk (or a decode batch over `cpu::MAX_ROWS`): the GEMM, over the
+                // matrix dequantized for this call, as the f32 path runs it (about one
+                // dequantization of the model a step; counted in the scratch bounds).
                 Ok(x.matmul(&q.dequantize(x.device())?.t()?)?)
             }
         }
@@ -241,8 +243,22 @@ impl Matrix {
     pub fn streams(&self, x: &Tensor) -> Result<bool> {
         Ok(match self {
             Matrix::Dense(w) => small_cpu_matmul(x, w)?.is_some(),
-            Matrix::Quantized(_) => x.device().is_cpu(),
+            Matrix::Quantized(q) => {
+                let (m, k) = x.dims2()?;
+                x.device().is_cpu()
+                    && x.dtype() == DType::F32
+                    && m <= crate::cpu::MAX_ROWS
+                    && k == q.k
+            }
         })
+    }
+
+    /// Bytes of the f32 matrix a GEMM gets when it is kept as stored (0 when dense).
+    pub fn dequantized_bytes(&self) -> u64 {
+        match self {
+            Matrix::Dense(_) => 0,
+            Matrix::Quantized(q) => 4 * (q.n * q.k) as u64,
+        }
     }
 
     /// Bytes the weights hold.

@@ -186,6 +186,9 @@ fn weights_kept_as_stored_give_the_f32_logits_bit_for_bit() {
     let cfg = Config::from_gguf(&ct, 4096).unwrap();
     let stored = Llama::from_gguf_as_stored(&ct, &mut f, cfg, &Device::Cpu).unwrap();
     assert!(stored.decode_matmuls_stream().unwrap());
+    // Every projection (30 layers x 7) and the tied embedding and head are kept as stored.
+    assert_eq!(stored.stored_matrices(), 30 * 7 + 2);
+    assert_eq!(dense.stored_matrices(), 0);
     let prompts = [
         chat(&tok, "What is the capital of France?"),
         chat(&tok, "Write a haiku about the sea."),

@@ -168,7 +168,9 @@ fn tokenizer() -> Res<Tokenizer> {
     })
 }
 
-/// A request's prompt: its number, then filler to `len` tokens.
+/// A request's prompt: its number, then filler to `len` tokens (at least `ID_DIGITS`; the
+/// workloads' shortest prompt is 11). No two requests share a prompt block, so prefix caching
+/// serves only a preempted sequence resuming its own prompt.
 fn prompt(req: usize, len: u64) -> Vec<u32> {
     let mut p: Vec<u32> = (0..ID_DIGITS)
         .rev()
@@ -339,7 +341,13 @@ impl Backend {
                             reason == kvgate_core::wire::FinishReason::Length,
                         ),
                         Some(e) if e.kind == ErrorKind::KvCacheExhausted => Note::KvOom,
-                        Some(_) => Note::Preempted,
+                        Some(e) if e.kind == ErrorKind::Preempted => Note::Preempted,
+                        Some(e) => {
+                            // The stand-in model's own errors are engine bookkeeping bugs: loud,
+                            // and counted as failed requests.
+                            eprintln!("sim: request {req} failed: {}", e.message);
+                            Note::KvOom
+                        }
                     },
                 };
                 let end = !matches!(note, Note::FirstToken);

@@ -45,7 +45,8 @@ impl<M: Forward> Stepper<M> {
         &self.engine.model
     }
 
-    /// What the HTTP layer reads: the published leases, the pool, the metrics.
+    /// What the HTTP layer reads: the published leases, the pool, the metrics. Its commands
+    /// (`submit`, `cancel`, `demote`) go nowhere: call this `Stepper`'s own.
     pub fn handle(&self) -> &EngineHandle {
         &self.handle
     }
