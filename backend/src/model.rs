@@ -690,19 +690,21 @@ impl Llama {
         };
         let per_row = 6 * c.hidden + 6 * c.heads * c.head_dim + 4 * c.ffn + 2 * c.vocab;
         let dequantized = match batch > crate::cpu::MAX_ROWS {
-            true => self.largest_dequantized(),
+            true => self.largest_dequantized(true),
             false => 0,
         };
         attention + f32s(batch * per_row) + dequantized
     }
 
     /// Bytes of the largest matrix kept as stored, dequantized whole for a GEMM (a prefill
-    /// chunk, a decode batch over `cpu::MAX_ROWS`); 0 when none is.
-    fn largest_dequantized(&self) -> u64 {
+    /// chunk's projections; a decode batch over `cpu::MAX_ROWS`, the output head too: a prefill
+    /// takes the head's product for its last token only); 0 when none is.
+    fn largest_dequantized(&self, head: bool) -> u64 {
+        let head = head.then_some(&self.lm_head);
         self.layers
             .iter()
             .flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down])
-            .chain([&self.lm_head])
+            .chain(head)
             .map(Matrix::dequantized_bytes)
             .max()
             .unwrap_or(0)
@@ -729,7 +731,11 @@ impl Llama {
         let cached = f32s(4 * context * c.kv_heads * c.head_dim);
         let per_token =
             6 * c.hidden + 6 * c.heads * c.head_dim + 4 * c.kv_heads * c.head_dim + 4 * c.ffn;
-        tiles + cached + f32s(chunk * per_token) + f32s(2 * c.vocab) + self.largest_dequantized()
+        tiles
+            + cached
+            + f32s(chunk * per_token)
+            + f32s(2 * c.vocab)
+            + self.largest_dequantized(false)
     }
 
     /// One decode step for a batch: `tokens[b]` is appended to `kvs[b]`. Returns logits
