@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Weights as stored (--dtype auto on CPU: Q4_1/Q8_0 kept in their blocks) against f32 (--dtype
+# Weights as stored (--dtype stored: Q4_1/Q8_0 kept in their blocks) against f32 (--dtype
 # f32), the server side by side, arms interleaved: resident memory before the first request and
 # after, one stream of 200 tokens, 8 streams of 100 at once, and whether the text is the same.
 # Usage: bench/stored_weights.sh [ROUNDS] (needs `make backend-build model`).
@@ -13,7 +13,7 @@ url=http://127.0.0.1:$PORT/v1/completions
 ask() { curl -s "$url" -H 'content-type: application/json' -d "$1"; }
 now() { date +%s.%N; }
 for round in $(seq 1 "${1:-2}"); do
-  for dt in auto f32; do
+  for dt in stored f32; do
     $B --port "$PORT" --dtype $dt > "$OUT/log_$dt" 2>&1 &
     pid=$!
     for _ in $(seq 1 120); do curl -s "http://127.0.0.1:$PORT/v1/models" > /dev/null && break; sleep 0.5; done
@@ -42,6 +42,6 @@ print(f"round {rnd} {dt}: resident {int(rss)//1024} MB before, {int(rss2)//1024}
       f"1 stream {one/(t1-t0):.1f} tok/s; 8 streams {eight/(t2-t1):.1f} tok/s")
 PY
   done
-  python3 -c "import json,sys; a,b=(json.load(open(f'$OUT/one_{d}.json'))['choices'][0]['text'] for d in ('auto','f32')); print('same text' if a==b else 'TEXT DIFFERS')"
+  python3 -c "import json,sys; a,b=(json.load(open(f'$OUT/one_{d}.json'))['choices'][0]['text'] for d in ('stored','f32')); print('same text' if a==b else 'TEXT DIFFERS')"
 done
 rm -rf "$OUT"

@@ -50,13 +50,13 @@ struct Args {
     /// prefill); `host` does not.
     #[arg(long, value_enum, default_value_t = KvLayout::Auto)]
     kv_layout: KvLayout,
-    /// Type of the projection weights and of the paged KV arena. `auto`: bf16 on CUDA; on CPU
-    /// the GGUF's Q4_1 and Q8_0 matrices kept as stored and dequantized a row at a time where
-    /// they are multiplied (the outputs of f32, bit for bit, in a fraction of the memory), other
-    /// types and the KV in f32. `f32`: every weight dequantized to f32 at load. On CPU, `bf16`
-    /// halves the bytes a decode step reads at the cost of drift into other text; f16 falls
-    /// back to a slow path there. The host KV layout is always f32. The KV type sets
-    /// `kv_dtype_bytes` in the descriptor, so the gateway prices what the arena really holds.
+    /// Type of the projection weights and of the paged KV arena. `auto`: bf16 on CUDA, f32 on
+    /// CPU. `stored` (CPU): the GGUF's Q4_1 and Q8_0 matrices kept as stored and dequantized a
+    /// row at a time where they are multiplied (f32's outputs, bit for bit, in 0.27x the
+    /// resident memory), other types and the KV in f32. On CPU, `bf16` halves the bytes a
+    /// decode step reads at the cost of drift into other text; f16 falls back to a slow path
+    /// there. The host KV layout is always f32. The KV type sets `kv_dtype_bytes` in the
+    /// descriptor, so the gateway prices what the arena really holds.
     #[arg(long, value_enum, default_value_t = WeightType::Auto)]
     dtype: WeightType,
     /// Hard budget of the KV cache in bytes (rounded down to whole blocks).
@@ -149,6 +149,7 @@ fn default_model_name(path: &Path, ct: &gguf_file::Content) -> String {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 enum WeightType {
     Auto,
+    Stored,
     F32,
     Bf16,
     F16,
@@ -197,7 +198,8 @@ fn describe(
     // The paged arena's type (`auto` is bf16 off the CPU).
     spec.kv_dtype_bytes = match (dtype, cpu) {
         (WeightType::Bf16 | WeightType::F16, _) | (WeightType::Auto, false) => 2,
-        (WeightType::Auto, true) | (WeightType::F32, _) => 4,
+        (WeightType::Auto | WeightType::Stored, true) | (WeightType::F32, _) => 4,
+        (WeightType::Stored, false) => 2,
     };
     let (bos, eos) = match &tok.bpe.chat_template {
         ChatTemplate::Jinja {
@@ -303,7 +305,7 @@ async fn main() -> Result<()> {
                 eprintln!("kvgate-backend: {w}");
             }
             let llama = match args.dtype {
-                WeightType::Auto => {
+                WeightType::Stored => {
                     model::Llama::from_gguf_as_stored(&ct, &mut file, cfg.clone(), &dev)?
                 }
                 _ => model::Llama::from_gguf(&ct, &mut file, cfg.clone(), &dev)?,
@@ -321,8 +323,8 @@ async fn main() -> Result<()> {
         KvLayout::Auto => true,
     };
     let dtype = match args.dtype {
-        WeightType::Auto if dev.is_cpu() => DType::F32,
-        WeightType::Auto | WeightType::Bf16 => DType::BF16,
+        WeightType::Auto | WeightType::Stored if dev.is_cpu() => DType::F32,
+        WeightType::Auto | WeightType::Stored | WeightType::Bf16 => DType::BF16,
         WeightType::F16 => DType::F16,
         WeightType::F32 => DType::F32,
     };
@@ -433,7 +435,7 @@ async fn main() -> Result<()> {
         if paged { "paged" } else { "host" },
         kv_dtype,
         match (args.dtype, dev.is_cpu()) {
-            (WeightType::Auto, true) => "as stored (Q4_1 and Q8_0 kept, others F32)".to_string(),
+            (WeightType::Stored, true) => "as stored (Q4_1 and Q8_0 kept, others F32)".to_string(),
             _ => format!("{dtype:?}"),
         },
         prefill_token_budget,
